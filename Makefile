@@ -1,0 +1,70 @@
+# mongotx: the one entry point.  `make` builds the C module for Lua 5.4,
+# `make test` sets up what is missing and runs the specs against a
+# mongo-java-server it starts itself; see README.md for the rest.
+
+LUA        ?= lua5.4
+LUA_PC     ?= lua5.4
+BUILD      ?= build/lua54
+CC         ?= cc
+CFLAGS     ?= -O2 -g
+WARN       := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes
+MONGOC_CFLAGS := $(shell pkg-config --cflags libmongoc-1.0 2>/dev/null)
+MONGOC_LIBS   := $(shell pkg-config --libs libmongoc-1.0 2>/dev/null)
+LUA_CFLAGS    := $(shell pkg-config --cflags $(LUA_PC) 2>/dev/null)
+ALL_CFLAGS := -std=c99 -D_DEFAULT_SOURCE -fPIC -fvisibility=hidden $(WARN) \
+              $(MONGOC_CFLAGS) $(LUA_CFLAGS) $(CFLAGS)
+
+SRC := $(wildcard csrc/*.c)
+HDR := $(wildcard csrc/*.h)
+OBJ := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(SRC))
+SO  := $(BUILD)/mongotx/core.so
+
+BUSTED      = $(LUA) /usr/bin/busted
+SPEC_ENV    = MONGOTX_CPATH="$(CURDIR)/$(BUILD)/?.so"
+SERVER     ?= memory
+WITH_SERVER = spec/support/with-server
+
+.PHONY: all setup test test-ferretdb test-luajit memcheck demo bench lint clean
+
+all: $(SO)
+
+$(BUILD)/obj/%.o: csrc/%.c $(HDR)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -c $< -o $@
+
+$(SO): $(OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) -shared -o $@ $(OBJ) $(MONGOC_LIBS) $(LDFLAGS)
+
+setup:
+	@spec/support/setup.sh all
+
+test: setup
+	@$(MAKE) --no-print-directory all
+	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- $(BUSTED) $(BUSTED_ARGS)
+
+test-ferretdb:
+	@spec/support/setup.sh all ferretdb
+	@$(MAKE) --no-print-directory all
+	$(SPEC_ENV) $(WITH_SERVER) ferretdb -- $(BUSTED) $(BUSTED_ARGS)
+
+test-luajit: setup
+	@$(MAKE) --no-print-directory all LUA=luajit LUA_PC=luajit BUILD=build/luajit
+	MONGOTX_CPATH="$(CURDIR)/build/luajit/?.so" $(WITH_SERVER) $(SERVER) -- luajit /usr/bin/busted $(BUSTED_ARGS)
+
+# The specs under valgrind: every leak or invalid access fails the run.
+memcheck: setup
+	@$(MAKE) --no-print-directory all
+	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- valgrind --quiet --error-exitcode=99 \
+	  --leak-check=full --errors-for-leak-kinds=definite \
+	  --suppressions=spec/support/valgrind.supp $(BUSTED) $(BUSTED_ARGS)
+
+demo: setup
+	@$(MAKE) --no-print-directory all
+	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- $(LUA) examples/00-accounts.lua
+
+lint:
+	luacheck -q lua spec examples bench
+
+clean:
+	rm -rf build

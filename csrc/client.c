@@ -1,0 +1,228 @@
+/* client.c: mongotx.Client, a connection pool of one to a MongoDB URI.
+ * Lifetimes follow liolib.c: the userdata exists (closed) before the
+ * libmongoc client does; close, __gc and __close are one idempotent
+ * function; a closed client's methods raise "attempt to use a closed
+ * client".  Cursors are destroyed before their client, since libmongoc
+ * needs the client to kill a server-side cursor. */
+#include <string.h>
+
+#include "mongotx.h"
+
+mtx_client *
+mtx_check_client(lua_State *L, int idx)
+{
+	return (mtx_client *)luaL_checkudata(L, idx, MTX_CLIENT_MT);
+}
+
+mongoc_client_t *
+mtx_client_handle(lua_State *L, mtx_client *c)
+{
+	if (!c->client)
+		luaL_error(L, "attempt to use a closed client");
+	return c->client;
+}
+
+static int
+client_close(lua_State *L)
+{
+	mtx_client *c = mtx_check_client(L, 1);
+
+	while (c->cursors)
+		mtx_cursor_release(c->cursors);
+	if (c->client) {
+		mongoc_client_destroy(c->client);
+		c->client = NULL;
+	}
+	return 0;
+}
+
+static int
+client_tostring(lua_State *L)
+{
+	mtx_client *c = mtx_check_client(L, 1);
+
+	if (c->client)
+		lua_pushfstring(L, "mongotx.Client (%p)", (void *)c);
+	else
+		lua_pushliteral(L, "mongotx.Client (closed)");
+	return 1;
+}
+
+static void
+apply_tls(lua_State *L, int idx, mongoc_client_t *client)
+{
+	static const char *const names[] = {"ca_file", "pem_file",
+		"pem_password", "allow_invalid_certificates",
+		"allow_invalid_hostname", NULL};
+	mongoc_ssl_opt_t tls = *mongoc_ssl_opt_get_default();
+
+	mtx_check_options(L, idx, names);
+	lua_getfield(L, idx, "ca_file");
+	tls.ca_file = lua_tostring(L, -1);
+	lua_getfield(L, idx, "pem_file");
+	tls.pem_file = lua_tostring(L, -1);
+	lua_getfield(L, idx, "pem_password");
+	tls.pem_pwd = lua_tostring(L, -1);
+	lua_getfield(L, idx, "allow_invalid_certificates");
+	tls.weak_cert_validation = lua_toboolean(L, -1);
+	lua_getfield(L, idx, "allow_invalid_hostname");
+	tls.allow_invalid_hostname = lua_toboolean(L, -1);
+	mongoc_client_set_ssl_opts(client, &tls); /* copies the strings */
+	lua_pop(L, 5);
+}
+
+/* connect(uri [, { appname, write_concern, read_preference, tls }]).
+ * Authentication, TLS, timeouts and the rest come in the URI as libmongoc
+ * reads it; the options cover what a URI cannot say as well. */
+static int
+l_connect(lua_State *L)
+{
+	static const char *const names[] = {"appname", "read_preference",
+		"tls", "write_concern", NULL};
+	const char *uristr = luaL_checkstring(L, 1);
+	mtx_client *c;
+	mongoc_uri_t *uri;
+	mongoc_write_concern_t *wc;
+	mongoc_read_prefs_t *rp;
+	bson_error_t err;
+	const char *appname;
+
+	mtx_check_options(L, 2, names);
+	lua_settop(L, 2);
+	if (!lua_isnil(L, 2)) {
+		lua_getfield(L, 2, "appname");
+		lua_getfield(L, 2, "tls");
+		lua_getfield(L, 2, "write_concern");
+		lua_getfield(L, 2, "read_preference");
+	} else {
+		lua_settop(L, 6);
+	}
+	appname = luaL_optstring(L, 3, NULL);
+	if (!lua_isnil(L, 4))
+		luaL_checktype(L, 4, LUA_TTABLE);
+
+	c = (mtx_client *)mtx_newuserdata(L, sizeof *c);
+	c->client = NULL;
+	c->cursors = NULL;
+	luaL_getmetatable(L, MTX_CLIENT_MT);
+	lua_setmetatable(L, -2);
+
+	if (!(uri = mongoc_uri_new_with_error(uristr, &err)))
+		return mtx_push_error(L, &err, NULL);
+	c->client = mongoc_client_new_from_uri_with_error(uri, &err);
+	mongoc_uri_destroy(uri);
+	if (!c->client)
+		return mtx_push_error(L, &err, NULL);
+	mongoc_client_set_error_api(c->client, MONGOC_ERROR_API_VERSION_2);
+	if (appname)
+		mongoc_client_set_appname(c->client, appname);
+	/* from here on the userdata owns the client: raising cannot leak */
+	if ((wc = mtx_check_write_concern(L, 5))) {
+		mongoc_client_set_write_concern(c->client, wc);
+		mongoc_write_concern_destroy(wc);
+	}
+	if ((rp = mtx_check_read_prefs(L, 6))) {
+		mongoc_client_set_read_prefs(c->client, rp);
+		mongoc_read_prefs_destroy(rp);
+	}
+	if (!lua_isnil(L, 4))
+		apply_tls(L, 4, c->client);
+	lua_settop(L, 7);
+	return 1;
+}
+
+/* client:collection(db, name) */
+static int
+client_collection(lua_State *L)
+{
+	mtx_client *c = mtx_check_client(L, 1);
+	const char *db = luaL_checkstring(L, 2);
+	const char *name = luaL_checkstring(L, 3);
+
+	mtx_client_handle(L, c);
+	mtx_push_collection(L, 1, c, db, name);
+	return 1;
+}
+
+/* client:command(db, command [, { read_preference, write_concern }]):
+ * the server's reply, or nil, err. */
+static int
+client_command(lua_State *L)
+{
+	static const char *const names[] = {"read_preference", "write_concern",
+		NULL};
+	mtx_client *c = mtx_check_client(L, 1);
+	const char *db = luaL_checkstring(L, 2);
+	bson_t *cmd, *opts, *reply;
+	mongoc_read_prefs_t *rp;
+	bson_error_t err;
+
+	mongoc_client_t *client = mtx_client_handle(L, c);
+	cmd = mtx_check_ordered(L, 3);
+	mtx_check_options(L, 4, names);
+	opts = mtx_scratch(L);
+	mtx_opt_write_concern(L, 4, opts);
+	rp = mtx_opt_read_prefs(L, 4);
+	reply = mtx_scratch(L);
+	if (!mongoc_client_command_with_opts(client, db, cmd, rp, opts, reply, &err))
+		return mtx_push_error(L, &err, reply);
+	mtx_push_document(L, reply);
+	return 1;
+}
+
+static int
+client_set_write_concern(lua_State *L)
+{
+	mtx_client *c = mtx_check_client(L, 1);
+	mongoc_client_t *client = mtx_client_handle(L, c);
+	mongoc_write_concern_t *wc;
+
+	luaL_checktype(L, 2, LUA_TTABLE);
+	wc = mtx_check_write_concern(L, 2);
+	mongoc_client_set_write_concern(client, wc);
+	mongoc_write_concern_destroy(wc);
+	return 0;
+}
+
+static int
+client_set_read_preference(lua_State *L)
+{
+	mtx_client *c = mtx_check_client(L, 1);
+	mongoc_client_t *client = mtx_client_handle(L, c);
+	mongoc_read_prefs_t *rp;
+
+	luaL_checkstring(L, 2);
+	rp = mtx_check_read_prefs(L, 2);
+	mongoc_client_set_read_prefs(client, rp);
+	mongoc_read_prefs_destroy(rp);
+	return 0;
+}
+
+int
+mtx_open_client(lua_State *L)
+{
+	static const luaL_Reg methods[] = {
+		{"close", client_close},
+		{"collection", client_collection},
+		{"command", client_command},
+		{"set_read_preference", client_set_read_preference},
+		{"set_write_concern", client_set_write_concern},
+		{NULL, NULL},
+	};
+	static const luaL_Reg meta[] = {
+		{"__close", client_close},
+		{"__gc", client_close},
+		{"__tostring", client_tostring},
+		{NULL, NULL},
+	};
+
+	luaL_newmetatable(L, MTX_CLIENT_MT);
+	luaL_setfuncs(L, meta, 0);
+	lua_newtable(L);
+	luaL_setfuncs(L, methods, 0);
+	lua_setfield(L, -2, "__index");
+	lua_pop(L, 1);
+	lua_pushcfunction(L, l_connect);
+	lua_setfield(L, -2, "connect");
+	return 0;
+}

@@ -1,0 +1,146 @@
+/* error.c: the error tables every runtime failure returns as nil, err.
+ * Fields: domain (a name), code (the server's code for server errors),
+ * message, transient (a retry may succeed), reply (the server's reply). */
+#include <string.h>
+
+#include "mongotx.h"
+
+static const char *
+domain_name(uint32_t domain)
+{
+	switch (domain) {
+	case MONGOC_ERROR_CLIENT: return "client";
+	case MONGOC_ERROR_STREAM: return "stream";
+	case MONGOC_ERROR_PROTOCOL: return "protocol";
+	case MONGOC_ERROR_CURSOR: return "cursor";
+	case MONGOC_ERROR_QUERY: return "query";
+	case MONGOC_ERROR_INSERT: return "insert";
+	case MONGOC_ERROR_SASL: return "auth";
+	case MONGOC_ERROR_BSON: return "bson";
+	case MONGOC_ERROR_NAMESPACE: return "namespace";
+	case MONGOC_ERROR_COMMAND: return "command";
+	case MONGOC_ERROR_COLLECTION: return "collection";
+	case MONGOC_ERROR_SCRAM: return "auth";
+	case MONGOC_ERROR_SERVER_SELECTION: return "server_selection";
+	case MONGOC_ERROR_WRITE_CONCERN: return "write_concern";
+	case MONGOC_ERROR_SERVER: return "server";
+	case MONGOC_ERROR_TRANSACTION: return "transaction";
+	default: return "driver";
+	}
+}
+
+/* Network trouble, or a server that says so in its error labels. */
+static int
+is_transient(const bson_error_t *err, const bson_t *reply)
+{
+	bson_iter_t it, label;
+
+	if (err->domain == MONGOC_ERROR_STREAM ||
+	    err->domain == MONGOC_ERROR_SERVER_SELECTION)
+		return 1;
+	if (!reply || !bson_iter_init_find(&it, reply, "errorLabels") ||
+	    !BSON_ITER_HOLDS_ARRAY(&it) || !bson_iter_recurse(&it, &label))
+		return 0;
+	while (bson_iter_next(&label))
+		if (BSON_ITER_HOLDS_UTF8(&label) &&
+		    (strcmp(bson_iter_utf8(&label, NULL), "RetryableWriteError") == 0 ||
+		     strcmp(bson_iter_utf8(&label, NULL), "TransientTransactionError") == 0))
+			return 1;
+	return 0;
+}
+
+static void
+new_error_table(lua_State *L, const char *domain, int code, const char *msg)
+{
+	lua_pushnil(L);
+	lua_createtable(L, 0, 6);
+	lua_pushstring(L, domain);
+	lua_setfield(L, -2, "domain");
+	lua_pushinteger(L, code);
+	lua_setfield(L, -2, "code");
+	lua_pushstring(L, msg);
+	lua_setfield(L, -2, "message");
+	luaL_getmetatable(L, MTX_ERROR_MT);
+	lua_setmetatable(L, -2);
+}
+
+int
+mtx_push_error(lua_State *L, const bson_error_t *err, const bson_t *reply)
+{
+	new_error_table(L, domain_name(err->domain), (int)err->code, err->message);
+	lua_pushboolean(L, is_transient(err, reply));
+	lua_setfield(L, -2, "transient");
+	if (reply && !bson_empty(reply)) {
+		mtx_push_document(L, reply);
+		lua_setfield(L, -2, "reply");
+	}
+	return 2;
+}
+
+int
+mtx_push_error_msg(lua_State *L, const char *domain, int code, const char *msg)
+{
+	new_error_table(L, domain, code, msg);
+	return 2;
+}
+
+/* "mongotx: <step> of <id>: <message> (<domain> <code>)" */
+static int
+error_tostring(lua_State *L)
+{
+	luaL_Buffer b;
+
+	luaL_checktype(L, 1, LUA_TTABLE);
+	luaL_buffinit(L, &b);
+	luaL_addstring(&b, "mongotx: ");
+	lua_getfield(L, 1, "step");
+	if (lua_isstring(L, -1)) {
+		luaL_addvalue(&b);
+		lua_getfield(L, 1, "id");
+		if (!lua_isnil(L, -1)) {
+			luaL_addstring(&b, " of ");
+			mtx_tolstring(L, -1, NULL);
+			luaL_addvalue(&b);
+		}
+		lua_pop(L, 1);
+		luaL_addstring(&b, ": ");
+	} else {
+		lua_pop(L, 1);
+	}
+	lua_getfield(L, 1, "message");
+	mtx_tolstring(L, -1, NULL);
+	lua_remove(L, -2);
+	luaL_addvalue(&b);
+	lua_getfield(L, 1, "domain");
+	lua_getfield(L, 1, "code");
+	lua_pushfstring(L, " (%s %s)", lua_tostring(L, -2) ? lua_tostring(L, -2) : "?",
+			lua_tostring(L, -1) ? lua_tostring(L, -1) : "0");
+	lua_remove(L, -2);
+	lua_remove(L, -2);
+	luaL_addvalue(&b);
+	luaL_pushresult(&b);
+	return 1;
+}
+
+/* error(t): gives a Lua-made error table the same metatable. */
+static int
+l_error(lua_State *L)
+{
+	luaL_checktype(L, 1, LUA_TTABLE);
+	lua_settop(L, 1);
+	luaL_getmetatable(L, MTX_ERROR_MT);
+	lua_setmetatable(L, 1);
+	return 1;
+}
+
+int
+mtx_open_error(lua_State *L)
+{
+	luaL_newmetatable(L, MTX_ERROR_MT);
+	lua_pushcfunction(L, error_tostring);
+	lua_setfield(L, -2, "__tostring");
+	lua_pop(L, 1);
+	lua_pushcfunction(L, l_error);
+	lua_setfield(L, -2, "error");
+	return 0;
+}

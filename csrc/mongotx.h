@@ -1,0 +1,143 @@
+/* mongotx.h: what the files of the C core share.  Nothing here is exported
+ * from the shared object except luaopen_mongotx_core (see core.c). */
+#ifndef MONGOTX_H
+#define MONGOTX_H
+
+#include <mongoc/mongoc.h>
+
+#include "compat.h"
+
+#define MONGOTX_VERSION "0.1.0"
+
+#define MTX_HIDDEN __attribute__((visibility("hidden")))
+
+/* Registry names, also the metatables' __name. */
+#define MTX_VALUE_MT "mongotx.Value"
+#define MTX_CLIENT_MT "mongotx.Client"
+#define MTX_COLLECTION_MT "mongotx.Collection"
+#define MTX_CURSOR_MT "mongotx.Cursor"
+#define MTX_ERROR_MT "mongotx.Error"
+#define MTX_ARRAY_MT "mongotx.Array"
+
+/* Largest document MongoDB stores (maxBsonObjectSize): the bridge refuses
+ * to encode a bigger one rather than send what the server must reject. */
+#define MTX_MAX_BSON (16 * 1024 * 1024)
+/* Deepest nesting the bridge encodes or decodes (MongoDB stores 100). */
+#define MTX_MAX_DEPTH 100
+
+/* ---- scratch.c: Lua-owned temporaries ---- */
+
+/* Every C resource a call needs is owned by a userdata on the Lua stack, so
+ * a raise (luaL_error, a failed encode, out of memory) anywhere in the call
+ * leaks nothing: the garbage collector frees what the call did not. */
+MTX_HIDDEN bson_t *mtx_scratch(lua_State *L);
+/* Frees the heap part of a scratch document at once (it stays usable). */
+MTX_HIDDEN void mtx_scratch_done(bson_t *b);
+/* Pushes a userdata that will call destroy(*slot) when collected unless the
+ * slot was cleared; returns the slot. */
+MTX_HIDDEN void **mtx_guard(lua_State *L, void (*destroy)(void *));
+MTX_HIDDEN void mtx_guard_free(void **slot);
+MTX_HIDDEN int mtx_open_scratch(lua_State *L);
+
+/* ---- bson.c: Lua <-> BSON ---- */
+
+/* Encodes the Lua table at idx into a new scratch document (pushed on the
+ * stack) and returns it.  Raises, naming the path of the value, when
+ * something cannot be encoded. */
+MTX_HIDDEN bson_t *mtx_check_document(lua_State *L, int idx);
+/* The same, but a document without _id gets a new ObjectId first; pushes
+ * the scratch document and then the _id. */
+MTX_HIDDEN bson_t *mtx_check_insert(lua_State *L, int idx);
+/* The same for a document whose key order matters (command, sort, index
+ * keys): a plain table with several keys is refused, since Lua does not
+ * keep its order; mongotx.doc() does. */
+MTX_HIDDEN bson_t *mtx_check_ordered(lua_State *L, int idx);
+/* Appends the Lua value at idx to b under key; raises like above. */
+MTX_HIDDEN void mtx_append_value(lua_State *L, int idx, bson_t *b,
+				 const char *key);
+MTX_HIDDEN void mtx_push_document(lua_State *L, const bson_t *b);
+MTX_HIDDEN void mtx_push_iter(lua_State *L, const bson_iter_t *it);
+MTX_HIDDEN int mtx_open_bson(lua_State *L);
+
+/* ---- error.c: error tables ---- */
+
+/* Pushes nil and an error table made from a libmongoc error and the
+ * server's reply (may be NULL); returns 2 for `return mtx_push_error(...)`. */
+MTX_HIDDEN int mtx_push_error(lua_State *L, const bson_error_t *err,
+			      const bson_t *reply);
+MTX_HIDDEN int mtx_push_error_msg(lua_State *L, const char *domain,
+				  int code, const char *msg);
+MTX_HIDDEN int mtx_open_error(lua_State *L);
+
+/* ---- options.c: Lua option tables ---- */
+
+/* Raises unless every key of the option table at idx is in names (a
+ * NULL-terminated list).  nil is an empty option table. */
+MTX_HIDDEN void mtx_check_options(lua_State *L, int idx,
+				  const char *const names[]);
+MTX_HIDDEN mongoc_write_concern_t *mtx_check_write_concern(lua_State *L,
+							   int idx);
+MTX_HIDDEN mongoc_read_prefs_t *mtx_check_read_prefs(lua_State *L, int idx);
+/* Reads field `name` of the option table at idx as the named kind and
+ * appends it to opts under bson_key; absent fields are skipped. */
+MTX_HIDDEN void mtx_opt_bool(lua_State *L, int idx, const char *name,
+			     bson_t *opts, const char *bson_key);
+MTX_HIDDEN void mtx_opt_int(lua_State *L, int idx, const char *name,
+			    bson_t *opts, const char *bson_key);
+MTX_HIDDEN void mtx_opt_doc(lua_State *L, int idx, const char *name,
+			    bson_t *opts, const char *bson_key);
+MTX_HIDDEN void mtx_opt_write_concern(lua_State *L, int idx, bson_t *opts);
+/* opts.read_preference as a guarded libmongoc object (pushes two values),
+ * or NULL when absent (pushes nothing). */
+MTX_HIDDEN mongoc_read_prefs_t *mtx_opt_read_prefs(lua_State *L, int idx);
+
+/* ---- client.c ---- */
+
+typedef struct mtx_cursor mtx_cursor;
+
+typedef struct {
+	mongoc_client_t *client; /* NULL once closed */
+	mtx_cursor *cursors;	 /* open cursors: destroyed before the client */
+} mtx_client;
+
+MTX_HIDDEN mtx_client *mtx_check_client(lua_State *L, int idx);
+/* The client's libmongoc handle; raises if the client was closed. */
+MTX_HIDDEN mongoc_client_t *mtx_client_handle(lua_State *L, mtx_client *c);
+MTX_HIDDEN int mtx_open_client(lua_State *L);
+
+/* ---- collection.c ---- */
+
+typedef struct {
+	mongoc_collection_t *coll; /* NULL once closed */
+	mtx_client *owner;	   /* kept alive through the uservalue */
+} mtx_collection;
+
+MTX_HIDDEN void mtx_push_collection(lua_State *L, int client_idx,
+				    mtx_client *owner, const char *db,
+				    const char *name);
+MTX_HIDDEN mtx_collection *mtx_check_collection(lua_State *L, int idx);
+MTX_HIDDEN mongoc_collection_t *mtx_collection_handle(lua_State *L,
+						      mtx_collection *c);
+MTX_HIDDEN int mtx_open_collection(lua_State *L);
+
+/* ---- cursor.c ---- */
+
+struct mtx_cursor {
+	mongoc_cursor_t *cursor; /* NULL once closed */
+	mtx_client *owner;
+	mtx_cursor *prev, *next; /* in owner->cursors */
+};
+
+/* Pushes a closed cursor that keeps the value at parent_idx alive; attach
+ * gives it the libmongoc cursor (created after, so nothing can leak). */
+MTX_HIDDEN mtx_cursor *mtx_new_cursor(lua_State *L, int parent_idx,
+				      mtx_client *owner);
+MTX_HIDDEN void mtx_cursor_attach(mtx_cursor *c, mongoc_cursor_t *cur);
+MTX_HIDDEN void mtx_cursor_release(mtx_cursor *c);
+MTX_HIDDEN int mtx_open_cursor(lua_State *L);
+
+/* ---- txn.c: the two-phase-commit steps ---- */
+
+MTX_HIDDEN int mtx_open_txn(lua_State *L);
+
+#endif

@@ -1,0 +1,78 @@
+/* scratch.c: C resources owned by Lua userdata for the length of one call,
+ * so that raising from anywhere inside the call never leaks them. */
+#include "mongotx.h"
+
+#define MTX_SCRATCH_MT "mongotx.scratch"
+#define MTX_GUARD_MT "mongotx.guard"
+
+typedef struct {
+	void *obj;
+	void (*destroy)(void *);
+} guard;
+
+static int
+scratch_gc(lua_State *L)
+{
+	bson_destroy((bson_t *)lua_touserdata(L, 1));
+	return 0;
+}
+
+bson_t *
+mtx_scratch(lua_State *L)
+{
+	bson_t *b = (bson_t *)lua_newuserdata(L, sizeof *b);
+
+	bson_init(b);
+	luaL_getmetatable(L, MTX_SCRATCH_MT);
+	lua_setmetatable(L, -2);
+	return b;
+}
+
+void
+mtx_scratch_done(bson_t *b)
+{
+	bson_reinit(b);
+}
+
+static int
+guard_gc(lua_State *L)
+{
+	mtx_guard_free((void **)lua_touserdata(L, 1));
+	return 0;
+}
+
+void **
+mtx_guard(lua_State *L, void (*destroy)(void *))
+{
+	guard *g = (guard *)lua_newuserdata(L, sizeof *g);
+
+	g->obj = NULL;
+	g->destroy = destroy;
+	luaL_getmetatable(L, MTX_GUARD_MT);
+	lua_setmetatable(L, -2);
+	return &g->obj;
+}
+
+void
+mtx_guard_free(void **slot)
+{
+	guard *g = (guard *)slot; /* obj is the first member */
+
+	if (g->obj) {
+		g->destroy(g->obj);
+		g->obj = NULL;
+	}
+}
+
+int
+mtx_open_scratch(lua_State *L)
+{
+	luaL_newmetatable(L, MTX_SCRATCH_MT);
+	lua_pushcfunction(L, scratch_gc);
+	lua_setfield(L, -2, "__gc");
+	luaL_newmetatable(L, MTX_GUARD_MT);
+	lua_pushcfunction(L, guard_gc);
+	lua_setfield(L, -2, "__gc");
+	lua_pop(L, 2);
+	return 0;
+}
