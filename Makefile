@@ -19,7 +19,7 @@ HDR := $(wildcard csrc/*.h)
 OBJ := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(SRC))
 SO  := $(BUILD)/mongotx/core.so
 
-BUSTED      = $(LUA) /usr/bin/busted
+BUSTED      = spec/support/busted-lua5.4
 SPEC_ENV    = MONGOTX_CPATH="$(CURDIR)/$(BUILD)/?.so"
 SERVER     ?= memory
 WITH_SERVER = spec/support/with-server
@@ -37,20 +37,20 @@ $(SO): $(OBJ)
 	$(CC) -shared -o $@ $(OBJ) $(MONGOC_LIBS) $(LDFLAGS)
 
 setup:
-	@spec/support/setup.sh all
+	@spec/support/setup.sh
 
 test: setup
 	@$(MAKE) --no-print-directory all
 	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- $(BUSTED) $(BUSTED_ARGS)
 
 test-ferretdb:
-	@spec/support/setup.sh all ferretdb
+	@spec/support/setup.sh deps java ferretdb
 	@$(MAKE) --no-print-directory all
 	$(SPEC_ENV) $(WITH_SERVER) ferretdb -- $(BUSTED) $(BUSTED_ARGS)
 
 test-luajit: setup
 	@$(MAKE) --no-print-directory all LUA=luajit LUA_PC=luajit BUILD=build/luajit
-	MONGOTX_CPATH="$(CURDIR)/build/luajit/?.so" $(WITH_SERVER) $(SERVER) -- luajit /usr/bin/busted $(BUSTED_ARGS)
+	MONGOTX_CPATH="$(CURDIR)/build/luajit/?.so" $(WITH_SERVER) $(SERVER) -- spec/support/busted-luajit $(BUSTED_ARGS)
 
 # The specs under valgrind: every leak or invalid access fails the run.
 memcheck: setup

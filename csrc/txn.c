@@ -1,9 +1,551 @@
-/* txn.c: the two-phase-commit steps (placeholder until the engine lands). */
+/* txn.c: the steps of the two-phase-commit protocol, one function each.
+ * Each issues exactly one single-document write (or one read) and reports
+ * what happened; deciding what to do next is the Lua layer's job.
+ *
+ * Fencing: every write mongotx makes to a document also increments its
+ * version field, and an apply is conditioned on the version the owner read
+ * before it claimed the transaction.  A new owner touches (and so
+ * versions) every document of the transaction before the transaction
+ * leaves `pending`, so a stalled former owner that wakes up can never
+ * match its apply again, even after the markers were pulled. */
+#include <string.h>
+#include <time.h>
+
 #include "mongotx.h"
+
+/* The names a step needs: marker and version fields (from the manager). */
+typedef struct {
+	const char *marker;
+	const char *version;
+} fields;
+
+static void
+check_fields(lua_State *L, int idx, fields *f)
+{
+	luaL_checktype(L, idx, LUA_TTABLE);
+	lua_getfield(L, idx, "marker");
+	lua_getfield(L, idx, "version");
+	f->marker = luaL_checkstring(L, -2); /* kept alive by the table */
+	f->version = luaL_checkstring(L, -1);
+	lua_pop(L, 2);
+}
+
+/* {_id: id} followed by the fields of op.where, if any. */
+static bson_t *
+id_filter(lua_State *L, int op, int with_where)
+{
+	bson_t *filter = mtx_scratch(L);
+	bson_iter_t it;
+
+	lua_getfield(L, op, "id");
+	mtx_append_value(L, -1, filter, "_id");
+	lua_pop(L, 1);
+	if (with_where) {
+		lua_getfield(L, op, "where");
+		if (!lua_isnil(L, -1)) {
+			bson_t *where = mtx_check_document(L, -1);
+			bson_iter_init(&it, where);
+			while (bson_iter_next(&it))
+				bson_append_iter(filter, NULL, 0, &it);
+			lua_pop(L, 1);
+		}
+		lua_pop(L, 1);
+	}
+	return filter;
+}
+
+static void
+append_marker_ne(bson_t *filter, const fields *f, const bson_t *tid_holder)
+{
+	bson_t ne;
+	bson_iter_t it;
+
+	bson_iter_init_find(&it, tid_holder, "t");
+	bson_append_document_begin(filter, f->marker, -1, &ne);
+	bson_append_iter(&ne, "$ne", 3, &it);
+	bson_append_document_end(filter, &ne);
+}
+
+static void
+append_marker_eq(bson_t *filter, const fields *f, const bson_t *tid_holder)
+{
+	bson_iter_t it;
+
+	bson_iter_init_find(&it, tid_holder, "t");
+	bson_append_iter(filter, f->marker, -1, &it);
+}
+
+/* The transaction id at idx, wrapped as {t: id} so it can be appended
+ * under any key. */
+static bson_t *
+check_tid(lua_State *L, int idx)
+{
+	bson_t *holder = mtx_scratch(L);
+
+	luaL_argcheck(L, !lua_isnoneornil(L, idx), idx, "a transaction id");
+	mtx_append_value(L, idx, holder, "t");
+	return holder;
+}
+
+/* Copies the operators of update (may be NULL) into out, adding the
+ * marker change (`$push` or `$pull` of the transaction id, or none) and
+ * `$inc` of the version field. */
+static void
+merge_update(bson_t *out, const bson_t *update, const fields *f,
+	     const char *marker_op, const bson_t *tid_holder)
+{
+	bson_iter_t it, inner, tid;
+	bson_t sub;
+	int saw_inc = 0, saw_marker = 0;
+
+	bson_iter_init_find(&tid, tid_holder, "t");
+	if (update && bson_iter_init(&it, update)) {
+		while (bson_iter_next(&it)) {
+			const char *op = bson_iter_key(&it);
+			int is_inc = strcmp(op, "$inc") == 0;
+			int is_marker = marker_op && strcmp(op, marker_op) == 0;
+
+			if (!is_inc && !is_marker) {
+				bson_append_iter(out, NULL, 0, &it);
+				continue;
+			}
+			bson_append_document_begin(out, op, -1, &sub);
+			if (bson_iter_recurse(&it, &inner))
+				while (bson_iter_next(&inner))
+					bson_append_iter(&sub, NULL, 0, &inner);
+			if (is_inc) {
+				BSON_APPEND_INT32(&sub, f->version, 1);
+				saw_inc = 1;
+			}
+			if (is_marker) {
+				bson_append_iter(&sub, f->marker, -1, &tid);
+				saw_marker = 1;
+			}
+			bson_append_document_end(out, &sub);
+		}
+	}
+	if (!saw_inc) {
+		bson_append_document_begin(out, "$inc", 4, &sub);
+		BSON_APPEND_INT32(&sub, f->version, 1);
+		bson_append_document_end(out, &sub);
+	}
+	if (marker_op && !saw_marker) {
+		bson_append_document_begin(out, marker_op, -1, &sub);
+		bson_append_iter(&sub, f->marker, -1, &tid);
+		bson_append_document_end(out, &sub);
+	}
+}
+
+static mongoc_collection_t *
+arg_collection(lua_State *L, int idx)
+{
+	return mtx_collection_handle(L, mtx_check_collection(L, idx));
+}
+
+static bson_t *
+write_opts(lua_State *L, int idx)
+{
+	static const char *const names[] = {"write_concern", NULL};
+	bson_t *opts;
+
+	mtx_check_options(L, idx, names);
+	opts = mtx_scratch(L);
+	mtx_opt_write_concern(L, idx, opts);
+	return opts;
+}
+
+/* Runs an update_one; pushes the matched count or nil, err (returns the
+ * number of values pushed, 1 or 2). */
+static int
+run_update(lua_State *L, mongoc_collection_t *coll, const bson_t *filter,
+	   const bson_t *update, const bson_t *opts, int64_t *matched)
+{
+	bson_t *reply = mtx_scratch(L);
+	bson_error_t err;
+	bson_iter_t it;
+
+	if (!mongoc_collection_update_one(coll, filter, update, opts, reply, &err))
+		return mtx_push_error(L, &err, reply);
+	*matched = bson_iter_init_find(&it, reply, "matchedCount")
+			   ? bson_iter_as_int64(&it) : 0;
+	return 0;
+}
+
+static int
+run_delete(lua_State *L, mongoc_collection_t *coll, const bson_t *filter,
+	   const bson_t *opts, int64_t *deleted)
+{
+	bson_t *reply = mtx_scratch(L);
+	bson_error_t err;
+	bson_iter_t it;
+
+	if (!mongoc_collection_delete_one(coll, filter, opts, reply, &err))
+		return mtx_push_error(L, &err, reply);
+	*deleted = bson_iter_init_find(&it, reply, "deletedCount")
+			   ? bson_iter_as_int64(&it) : 0;
+	return 0;
+}
+
+static const char *const kinds[] = {"update", "insert", "remove", "assert",
+	NULL};
+enum { K_UPDATE, K_INSERT, K_REMOVE, K_ASSERT };
+
+static int
+op_kind(lua_State *L, int op)
+{
+	int k;
+
+	lua_getfield(L, op, "kind");
+	k = luaL_checkoption(L, -1, "update", kinds);
+	lua_pop(L, 1);
+	return k;
+}
+
+static int
+push_bool_result(lua_State *L, const char *field, int64_t n)
+{
+	lua_createtable(L, 0, 1);
+	lua_pushboolean(L, n > 0);
+	lua_setfield(L, -2, field);
+	return 1;
+}
+
+/* apply(coll, tid, op, version, fields [, opts]) -> { applied = bool }
+ * update/remove/assert: update_one {_id, where..., marker: {$ne: tid},
+ * version: v} with op.update (none for remove/assert) plus $push marker
+ * and $inc version.  insert: insert_one of op.doc with the marker set;
+ * a duplicate key is reported as applied = false. */
+static int
+l_apply(lua_State *L)
+{
+	mongoc_collection_t *coll = arg_collection(L, 1);
+	bson_t *tid = check_tid(L, 2), *filter, *update = NULL, *opts, *doc;
+	fields f;
+	int64_t n = 0;
+	int kind, rc;
+
+	luaL_checktype(L, 3, LUA_TTABLE);
+	check_fields(L, 5, &f);
+	kind = op_kind(L, 3);
+	opts = write_opts(L, 6);
+	if (kind == K_INSERT) {
+		bson_t *reply = mtx_scratch(L), marker;
+		bson_error_t err;
+		bson_iter_t it;
+
+		lua_getfield(L, 3, "doc");
+		doc = mtx_check_document(L, -1);
+		bson_iter_init_find(&it, tid, "t");
+		bson_append_array_begin(doc, f.marker, -1, &marker);
+		bson_append_iter(&marker, "0", 1, &it);
+		bson_append_array_end(doc, &marker);
+		BSON_APPEND_INT32(doc, f.version, 1);
+		if (!mongoc_collection_insert_one(coll, doc, opts, reply, &err)) {
+			if (err.code == 11000)
+				return push_bool_result(L, "applied", 0);
+			return mtx_push_error(L, &err, reply);
+		}
+		return push_bool_result(L, "applied", 1);
+	}
+	filter = id_filter(L, 3, 1);
+	append_marker_ne(filter, &f, tid);
+	if (lua_isnoneornil(L, 4))
+		bson_append_null(filter, f.version, -1);
+	else
+		mtx_append_value(L, 4, filter, f.version);
+	if (kind == K_UPDATE) {
+		lua_getfield(L, 3, "update");
+		update = mtx_check_document(L, -1);
+	}
+	doc = mtx_scratch(L);
+	merge_update(doc, update, &f, "$push", tid);
+	if ((rc = run_update(L, coll, filter, doc, opts, &n)))
+		return rc;
+	return push_bool_result(L, "applied", n);
+}
+
+/* finish(coll, tid, op, fields [, opts]) -> { finished = bool }
+ * remove: delete_one {_id, marker: tid}; others: $pull marker and $inc
+ * version where the marker is. */
+static int
+l_finish(lua_State *L)
+{
+	mongoc_collection_t *coll = arg_collection(L, 1);
+	bson_t *tid = check_tid(L, 2), *filter, *update, *opts;
+	fields f;
+	int64_t n = 0;
+	int rc;
+
+	luaL_checktype(L, 3, LUA_TTABLE);
+	check_fields(L, 4, &f);
+	opts = write_opts(L, 5);
+	filter = id_filter(L, 3, 0);
+	append_marker_eq(filter, &f, tid);
+	if (op_kind(L, 3) == K_REMOVE) {
+		if ((rc = run_delete(L, coll, filter, opts, &n)))
+			return rc;
+	} else {
+		update = mtx_scratch(L);
+		merge_update(update, NULL, &f, "$pull", tid);
+		if ((rc = run_update(L, coll, filter, update, opts, &n)))
+			return rc;
+	}
+	return push_bool_result(L, "finished", n);
+}
+
+/* undo(coll, tid, op, fields [, opts]) -> { undone = bool }
+ * Only where the marker shows the op was applied: insert deletes the
+ * document, update applies op.undo, all others just pull the marker. */
+static int
+l_undo(lua_State *L)
+{
+	mongoc_collection_t *coll = arg_collection(L, 1);
+	bson_t *tid = check_tid(L, 2), *filter, *undo = NULL, *update, *opts;
+	fields f;
+	int64_t n = 0;
+	int rc, kind;
+
+	luaL_checktype(L, 3, LUA_TTABLE);
+	check_fields(L, 4, &f);
+	kind = op_kind(L, 3);
+	opts = write_opts(L, 5);
+	filter = id_filter(L, 3, 0);
+	append_marker_eq(filter, &f, tid);
+	if (kind == K_INSERT) {
+		if ((rc = run_delete(L, coll, filter, opts, &n)))
+			return rc;
+		return push_bool_result(L, "undone", n);
+	}
+	if (kind == K_UPDATE) {
+		lua_getfield(L, 3, "undo");
+		undo = mtx_check_document(L, -1);
+	}
+	update = mtx_scratch(L);
+	merge_update(update, undo, &f, "$pull", tid);
+	if ((rc = run_update(L, coll, filter, update, opts, &n)))
+		return rc;
+	return push_bool_result(L, "undone", n);
+}
+
+/* fence(coll, tid, op, fields [, opts]) -> { fenced = bool }
+ * A new owner's write to a document the transaction has not applied yet:
+ * $inc version where the marker is absent, so that an apply a former owner
+ * prepared can no longer match.  For an insert, a placeholder document
+ * {_id, version} takes the id (deleted again by unfence). */
+static int
+l_fence(lua_State *L)
+{
+	mongoc_collection_t *coll = arg_collection(L, 1);
+	bson_t *tid = check_tid(L, 2), *filter, *update, *opts;
+	fields f;
+	int64_t n = 0;
+	int rc;
+
+	luaL_checktype(L, 3, LUA_TTABLE);
+	check_fields(L, 4, &f);
+	opts = write_opts(L, 5);
+	filter = id_filter(L, 3, 0);
+	append_marker_ne(filter, &f, tid);
+	update = mtx_scratch(L);
+	if (op_kind(L, 3) == K_INSERT) {
+		bson_t set;
+
+		/* upsert a placeholder so a late insert fails on its _id */
+		bson_append_document_begin(update, "$setOnInsert", -1, &set);
+		BSON_APPEND_BOOL(&set, "txPlaceholder", true);
+		bson_append_document_end(update, &set);
+		merge_update(update, NULL, &f, NULL, tid);
+		BSON_APPEND_BOOL(opts, "upsert", true);
+	} else {
+		merge_update(update, NULL, &f, NULL, tid);
+	}
+	if ((rc = run_update(L, coll, filter, update, opts, &n)))
+		return rc;
+	return push_bool_result(L, "fenced", n);
+}
+
+/* transition(txcoll, tid, from, to [, epoch [, set [, opts]]])
+ *   -> { moved = bool }
+ * update_one {_id: tid, state: from [, epoch]} with {$set: {state: to,
+ * ...set}, $currentDate: {lastModified: true}}. */
+static int
+l_transition(lua_State *L)
+{
+	mongoc_collection_t *coll = arg_collection(L, 1);
+	bson_t *tid = check_tid(L, 2), *filter, *update, *opts, set, cd;
+	const char *from = luaL_checkstring(L, 3);
+	const char *to = luaL_checkstring(L, 4);
+	bson_iter_t it;
+	int64_t n = 0;
+	int rc;
+
+	opts = write_opts(L, 7);
+	filter = mtx_scratch(L);
+	bson_iter_init_find(&it, tid, "t");
+	bson_append_iter(filter, "_id", 3, &it);
+	BSON_APPEND_UTF8(filter, "state", from);
+	if (!lua_isnoneornil(L, 5))
+		mtx_append_value(L, 5, filter, "epoch");
+	update = mtx_scratch(L);
+	bson_append_document_begin(update, "$set", 4, &set);
+	BSON_APPEND_UTF8(&set, "state", to);
+	if (!lua_isnoneornil(L, 6)) {
+		bson_t *extra = mtx_check_document(L, 6);
+		bson_iter_init(&it, extra);
+		while (bson_iter_next(&it))
+			bson_append_iter(&set, NULL, 0, &it);
+	}
+	bson_append_document_end(update, &set);
+	bson_append_document_begin(update, "$currentDate", -1, &cd);
+	BSON_APPEND_BOOL(&cd, "lastModified", true);
+	bson_append_document_end(update, &cd);
+	if ((rc = run_update(L, coll, filter, update, opts, &n)))
+		return rc;
+	return push_bool_result(L, "moved", n);
+}
+
+/* create(txcoll, doc [, opts]) -> { created = bool }
+ * Upsert {_id: doc._id} with $setOnInsert: doc and $currentDate:
+ * lastModified, so the time is the server's and repeating it is safe. */
+static int
+l_create(lua_State *L)
+{
+	mongoc_collection_t *coll = arg_collection(L, 1);
+	bson_t *doc, *filter, *update, *opts, *reply, sub;
+	bson_iter_t it;
+	bson_error_t err;
+
+	doc = mtx_check_document(L, 2);
+	luaL_argcheck(L, bson_iter_init_find(&it, doc, "_id"), 2, "needs an _id");
+	opts = write_opts(L, 3);
+	BSON_APPEND_BOOL(opts, "upsert", true);
+	filter = mtx_scratch(L);
+	bson_append_iter(filter, "_id", 3, &it);
+	update = mtx_scratch(L);
+	bson_append_document_begin(update, "$setOnInsert", -1, &sub);
+	bson_iter_init(&it, doc);
+	while (bson_iter_next(&it))
+		if (strcmp(bson_iter_key(&it), "_id") != 0)
+			bson_append_iter(&sub, NULL, 0, &it);
+	bson_append_document_end(update, &sub);
+	bson_append_document_begin(update, "$currentDate", -1, &sub);
+	BSON_APPEND_BOOL(&sub, "lastModified", true);
+	bson_append_document_end(update, &sub);
+	reply = mtx_scratch(L);
+	if (!mongoc_collection_update_one(coll, filter, update, opts, reply, &err)) {
+		/* two creators racing on one id: the loser sees a duplicate */
+		if (err.code == 11000)
+			return push_bool_result(L, "created", 0);
+		return mtx_push_error(L, &err, reply);
+	}
+	return push_bool_result(L, "created",
+				bson_iter_init_find(&it, reply, "upsertedId"));
+}
+
+/* claim(txcoll, tid, expect, set [, opts]) -> the claimed document or nil
+ * findAndModify {_id: tid, ...expect} with {$set: set, $inc: {epoch: 1,
+ * attempts: 1}, $currentDate: {lastModified: true}}, returning the new
+ * document.  expect carries what the claimer saw (state, epoch,
+ * lastModified), so two claimers cannot both win. */
+static int
+l_claim(lua_State *L)
+{
+	mongoc_collection_t *coll = arg_collection(L, 1);
+	bson_t *tid = check_tid(L, 2), *query, *expect, *set, *update, *extra,
+	       *reply, sub;
+	mongoc_find_and_modify_opts_t *fam;
+	bson_error_t err;
+	bson_iter_t it;
+	void **slot;
+
+	expect = mtx_check_document(L, 3);
+	set = mtx_check_document(L, 4);
+	extra = write_opts(L, 5);
+	query = mtx_scratch(L);
+	bson_iter_init_find(&it, tid, "t");
+	bson_append_iter(query, "_id", 3, &it);
+	bson_iter_init(&it, expect);
+	while (bson_iter_next(&it))
+		bson_append_iter(query, NULL, 0, &it);
+	update = mtx_scratch(L);
+	BSON_APPEND_DOCUMENT(update, "$set", set);
+	bson_append_document_begin(update, "$inc", 4, &sub);
+	BSON_APPEND_INT32(&sub, "epoch", 1);
+	BSON_APPEND_INT32(&sub, "attempts", 1);
+	bson_append_document_end(update, &sub);
+	bson_append_document_begin(update, "$currentDate", -1, &sub);
+	BSON_APPEND_BOOL(&sub, "lastModified", true);
+	bson_append_document_end(update, &sub);
+	slot = mtx_guard(L, (void (*)(void *))mongoc_find_and_modify_opts_destroy);
+	fam = (mongoc_find_and_modify_opts_t *)(*slot = mongoc_find_and_modify_opts_new());
+	mongoc_find_and_modify_opts_set_update(fam, update);
+	mongoc_find_and_modify_opts_set_flags(fam, MONGOC_FIND_AND_MODIFY_RETURN_NEW);
+	mongoc_find_and_modify_opts_append(fam, extra);
+	reply = mtx_scratch(L);
+	if (!mongoc_collection_find_and_modify_with_opts(coll, query, fam, reply, &err))
+		return mtx_push_error(L, &err, reply);
+	if (bson_iter_init_find(&it, reply, "value") && BSON_ITER_HOLDS_DOCUMENT(&it)) {
+		bson_t value;
+		uint32_t len;
+		const uint8_t *data;
+
+		bson_iter_document(&it, &len, &data);
+		if (bson_init_static(&value, data, len)) {
+			mtx_push_document(L, &value);
+			return 1;
+		}
+	}
+	lua_pushboolean(L, 0);
+	return 1;
+}
+
+/* Monotonic milliseconds, for leases measured by this process. */
+static int
+l_monotonic_ms(lua_State *L)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	lua_pushnumber(L, (lua_Number)ts.tv_sec * 1000 + ts.tv_nsec / 1e6);
+	return 1;
+}
+
+/* sleep(seconds): blocks the process (OpenResty users pass ngx.sleep as
+ * the policy's sleep instead). */
+static int
+l_sleep(lua_State *L)
+{
+	lua_Number s = luaL_checknumber(L, 1);
+	struct timespec ts;
+
+	luaL_argcheck(L, s >= 0, 1, "not a duration");
+	ts.tv_sec = (time_t)s;
+	ts.tv_nsec = (long)((s - (lua_Number)ts.tv_sec) * 1e9);
+	while (nanosleep(&ts, &ts) != 0)
+		;
+	return 0;
+}
 
 int
 mtx_open_txn(lua_State *L)
 {
-	(void)L;
+	static const luaL_Reg steps[] = {
+		{"apply", l_apply},
+		{"claim", l_claim},
+		{"create", l_create},
+		{"fence", l_fence},
+		{"finish", l_finish},
+		{"transition", l_transition},
+		{"undo", l_undo},
+		{NULL, NULL},
+	};
+
+	lua_newtable(L);
+	luaL_setfuncs(L, steps, 0);
+	lua_setfield(L, -2, "steps");
+	lua_pushcfunction(L, l_monotonic_ms);
+	lua_setfield(L, -2, "monotonic_ms");
+	lua_pushcfunction(L, l_sleep);
+	lua_setfield(L, -2, "sleep");
 	return 0;
 }

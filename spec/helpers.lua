@@ -1,0 +1,68 @@
+-- Shared by every spec: finds the built C module, starts (once per busted
+-- run) or finds the MongoDB-wire server, and hands out fresh databases.
+--
+--   MONGOTX_TEST_URI     use this server instead of starting one (a real
+--                        MongoDB, or one spec/support/with-server started)
+--   MONGOTX_TEST_SERVER  what kind of server that is: memory | h2 |
+--                        ferretdb | mongodb (decides which specs skip)
+--   MONGOTX_CPATH        where mongotx/core.so is (build/lua54 by default)
+
+local cpath = os.getenv("MONGOTX_CPATH") or "./build/lua54/?.so"
+if not package.cpath:find(cpath, 1, true) then
+  package.cpath = cpath .. ";" .. package.cpath
+end
+
+local core = require "mongotx.core"
+
+local helpers = { core = core }
+
+local started -- a server this process started, stopped when it exits
+
+function helpers.server_kind()
+  if os.getenv("MONGOTX_TEST_URI") then
+    return os.getenv("MONGOTX_TEST_SERVER") or "mongodb"
+  end
+  return "memory"
+end
+
+function helpers.uri()
+  local uri = os.getenv("MONGOTX_TEST_URI")
+  if uri then return uri end
+  if not started then
+    local server = require "spec.support.server"
+    started = assert(server.start { kind = "memory" })
+  end
+  return started.uri
+end
+
+function helpers.client()
+  return assert(core.connect(helpers.uri()))
+end
+
+local counter = 0
+
+-- A database name no other spec (or earlier run against a real server)
+-- uses: specs never share state.
+function helpers.db_name()
+  counter = counter + 1
+  return string.format("mtx_%d_%d_%d", os.time() % 100000,
+                       math.random(1, 99999), counter)
+end
+
+-- Why concurrency specs cannot run on this server, or nil when they can.
+function helpers.no_concurrency()
+  if helpers.server_kind() == "ferretdb" then
+    return "FerretDB v1 does not isolate concurrent read-modify-write " ..
+           "updates of one document (FerretDB issue #3040)"
+  end
+end
+
+-- All documents of a collection sorted by _id, for asserting what the
+-- database holds.
+function helpers.dump(coll)
+  return assert(coll:find_all({}, { sort = { _id = 1 } }))
+end
+
+math.randomseed(os.time() + tonumber(tostring({}):match("0x(%x+)") or "0", 16) % 100000)
+
+return helpers

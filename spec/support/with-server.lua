@@ -1,0 +1,35 @@
+-- Implementation of spec/support/with-server (see there).
+local root = (arg[0]:match("^(.*)/spec/support/[^/]*$") or ".")
+package.path = root .. "/?.lua;" .. package.path
+local server = require "spec.support.server"
+
+local function usage(msg)
+  io.stderr:write("with-server: ", msg, "\n",
+    "usage: spec/support/with-server <memory|h2|ferretdb> [--] cmd args...\n")
+  os.exit(2)
+end
+
+local kind = arg[1]
+if not kind then usage("missing server kind") end
+local first = 2
+if arg[2] == "--" then first = 3 end
+if not arg[first] then usage("missing command") end
+local words = {}
+for i = first, #arg do words[#words + 1] = server.quote(arg[i]) end
+local cmd = table.concat(words, " ")
+
+if os.getenv("MONGOTX_TEST_URI") and os.getenv("MONGOTX_TEST_URI") ~= "" then
+  local env = os.getenv("MONGOTX_TEST_SERVER") and "" or "MONGOTX_TEST_SERVER=external "
+  os.exit(server.execute(env .. cmd))
+end
+
+local s, err = server.start{ kind = kind }
+if not s then
+  io.stderr:write("with-server: ", err, "\n")
+  os.exit(1)
+end
+io.stderr:write(("with-server: %s on %s (pid %d, log %s)\n"):format(s.version, s.uri, s.pid, s.log))
+local rc = server.execute(("MONGOTX_TEST_URI=%s MONGOTX_TEST_SERVER=%s MONGOTX_TEST_SERVER_LOG=%s %s")
+  :format(server.quote(s.uri), server.quote(kind), server.quote(s.log), cmd))
+s:stop()
+os.exit(rc)
