@@ -157,6 +157,7 @@ client_command(lua_State *L)
 	mongoc_read_prefs_t *rp;
 	bson_error_t err;
 
+	lua_settop(L, 4); /* absent optional arguments keep their slots */
 	mongoc_client_t *client = mtx_client_handle(L, c);
 	cmd = mtx_check_ordered(L, 3);
 	mtx_check_options(L, 4, names);

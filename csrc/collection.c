@@ -115,6 +115,7 @@ collection_insert_one(lua_State *L)
 	bson_error_t err;
 	int id;
 
+	lua_settop(L, 3); /* absent optional arguments keep their slots */
 	mtx_check_options(L, 3, write_opts);
 	doc = mtx_check_insert(L, 2);
 	id = lua_gettop(L);
@@ -142,6 +143,7 @@ collection_insert_many(lua_State *L)
 	size_t i, n;
 	int ids;
 
+	lua_settop(L, 3); /* absent optional arguments keep their slots */
 	luaL_checktype(L, 2, LUA_TTABLE);
 	mtx_check_options(L, 3, names);
 	n = (size_t)mtx_rawlen(L, 2);
@@ -202,6 +204,7 @@ collection_find(lua_State *L)
 	bson_t *filter, *opts;
 	mtx_cursor *cur;
 
+	lua_settop(L, 3); /* absent optional arguments keep their slots */
 	if (lua_isnoneornil(L, 2)) {
 		lua_settop(L, 3);
 		lua_newtable(L);
@@ -289,6 +292,7 @@ collection_count(lua_State *L)
 	bson_error_t err;
 	int64_t n;
 
+	lua_settop(L, 3); /* absent optional arguments keep their slots */
 	if (lua_isnoneornil(L, 2)) {
 		lua_settop(L, 3);
 		lua_newtable(L);
@@ -322,6 +326,7 @@ do_update(lua_State *L, update_fn fn)
 	bson_t *filter, *update, *opts, *reply;
 	bson_error_t err;
 
+	lua_settop(L, 4); /* absent optional arguments keep their slots */
 	filter = mtx_check_document(L, 2);
 	update = mtx_check_document(L, 3);
 	mtx_check_options(L, 4, names);
@@ -367,6 +372,7 @@ do_delete(lua_State *L, delete_fn fn)
 	bson_t *filter, *opts, *reply;
 	bson_error_t err;
 
+	lua_settop(L, 3); /* absent optional arguments keep their slots */
 	filter = mtx_check_document(L, 2);
 	mtx_check_options(L, 3, write_opts);
 	opts = mtx_scratch(L);
@@ -407,6 +413,7 @@ collection_find_and_modify(lua_State *L)
 	bson_iter_t it, sub;
 	void **slot;
 
+	lua_settop(L, 3); /* absent optional arguments keep their slots */
 	query = mtx_check_document(L, 2);
 	luaL_checktype(L, 3, LUA_TTABLE);
 	mtx_check_options(L, 3, names);
@@ -641,6 +648,7 @@ collection_bulk_write(lua_State *L)
 	void **slot;
 	int i, n, ordered;
 
+	lua_settop(L, 3); /* absent optional arguments keep their slots */
 	luaL_checktype(L, 2, LUA_TTABLE);
 	mtx_check_options(L, 3, names);
 	n = (int)mtx_rawlen(L, 2);
@@ -687,6 +695,7 @@ collection_create_index(lua_State *L)
 	bson_error_t err;
 	char *generated;
 
+	lua_settop(L, 3); /* absent optional arguments keep their slots */
 	keys = mtx_check_ordered(L, 2);
 	mtx_check_options(L, 3, names);
 	cmd = mtx_scratch(L);

@@ -111,10 +111,14 @@ error_tostring(lua_State *L)
 	mtx_tolstring(L, -1, NULL);
 	lua_remove(L, -2);
 	luaL_addvalue(&b);
-	lua_getfield(L, 1, "domain");
+	/* " (server 11000)" for the core's errors, " (guard)" for the engine's */
 	lua_getfield(L, 1, "code");
-	lua_pushfstring(L, " (%s %s)", lua_tostring(L, -2) ? lua_tostring(L, -2) : "?",
-			lua_tostring(L, -1) ? lua_tostring(L, -1) : "0");
+	lua_getfield(L, 1, "domain");
+	if (lua_isstring(L, -1))
+		lua_pushfstring(L, " (%s %s)", lua_tostring(L, -1),
+				lua_isstring(L, -2) ? lua_tostring(L, -2) : "?");
+	else
+		lua_pushfstring(L, " (%s)", lua_isstring(L, -2) ? lua_tostring(L, -2) : "?");
 	lua_remove(L, -2);
 	lua_remove(L, -2);
 	luaL_addvalue(&b);

@@ -219,11 +219,13 @@ static int
 l_apply(lua_State *L)
 {
 	mongoc_collection_t *coll = arg_collection(L, 1);
-	bson_t *tid = check_tid(L, 2), *filter, *update = NULL, *opts, *doc;
+	bson_t *tid, *filter, *update = NULL, *opts, *doc;
 	fields f;
 	int64_t n = 0;
 	int kind, rc;
 
+	lua_settop(L, 6); /* absent optional arguments keep their slots */
+	tid = check_tid(L, 2);
 	luaL_checktype(L, 3, LUA_TTABLE);
 	check_fields(L, 5, &f);
 	kind = op_kind(L, 3);
@@ -271,11 +273,13 @@ static int
 l_finish(lua_State *L)
 {
 	mongoc_collection_t *coll = arg_collection(L, 1);
-	bson_t *tid = check_tid(L, 2), *filter, *update, *opts;
+	bson_t *tid, *filter, *update, *opts;
 	fields f;
 	int64_t n = 0;
 	int rc;
 
+	lua_settop(L, 5); /* absent optional arguments keep their slots */
+	tid = check_tid(L, 2);
 	luaL_checktype(L, 3, LUA_TTABLE);
 	check_fields(L, 4, &f);
 	opts = write_opts(L, 5);
@@ -300,11 +304,13 @@ static int
 l_undo(lua_State *L)
 {
 	mongoc_collection_t *coll = arg_collection(L, 1);
-	bson_t *tid = check_tid(L, 2), *filter, *undo = NULL, *update, *opts;
+	bson_t *tid, *filter, *undo = NULL, *update, *opts;
 	fields f;
 	int64_t n = 0;
 	int rc, kind;
 
+	lua_settop(L, 5); /* absent optional arguments keep their slots */
+	tid = check_tid(L, 2);
 	luaL_checktype(L, 3, LUA_TTABLE);
 	check_fields(L, 4, &f);
 	kind = op_kind(L, 3);
@@ -336,11 +342,13 @@ static int
 l_fence(lua_State *L)
 {
 	mongoc_collection_t *coll = arg_collection(L, 1);
-	bson_t *tid = check_tid(L, 2), *filter, *update, *opts;
+	bson_t *tid, *filter, *update, *opts;
 	fields f;
 	int64_t n = 0;
 	int rc;
 
+	lua_settop(L, 5); /* absent optional arguments keep their slots */
+	tid = check_tid(L, 2);
 	luaL_checktype(L, 3, LUA_TTABLE);
 	check_fields(L, 4, &f);
 	opts = write_opts(L, 5);
@@ -372,13 +380,15 @@ static int
 l_transition(lua_State *L)
 {
 	mongoc_collection_t *coll = arg_collection(L, 1);
-	bson_t *tid = check_tid(L, 2), *filter, *update, *opts, set, cd;
+	bson_t *tid, *filter, *update, *opts, set, cd;
 	const char *from = luaL_checkstring(L, 3);
 	const char *to = luaL_checkstring(L, 4);
 	bson_iter_t it;
 	int64_t n = 0;
 	int rc;
 
+	lua_settop(L, 7); /* absent optional arguments keep their slots */
+	tid = check_tid(L, 2);
 	opts = write_opts(L, 7);
 	filter = mtx_scratch(L);
 	bson_iter_init_find(&it, tid, "t");
@@ -415,6 +425,7 @@ l_create(lua_State *L)
 	bson_iter_t it;
 	bson_error_t err;
 
+	lua_settop(L, 3); /* absent optional arguments keep their slots */
 	doc = mtx_check_document(L, 2);
 	luaL_argcheck(L, bson_iter_init_find(&it, doc, "_id"), 2, "needs an _id");
 	opts = write_opts(L, 3);
@@ -451,13 +462,15 @@ static int
 l_claim(lua_State *L)
 {
 	mongoc_collection_t *coll = arg_collection(L, 1);
-	bson_t *tid = check_tid(L, 2), *query, *expect, *set, *update, *extra,
+	bson_t *tid, *query, *expect, *set, *update, *extra,
 	       *reply, sub;
 	mongoc_find_and_modify_opts_t *fam;
 	bson_error_t err;
 	bson_iter_t it;
 	void **slot;
 
+	lua_settop(L, 5); /* absent optional arguments keep their slots */
+	tid = check_tid(L, 2);
 	expect = mtx_check_document(L, 3);
 	set = mtx_check_document(L, 4);
 	extra = write_opts(L, 5);

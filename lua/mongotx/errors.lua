@@ -1,0 +1,32 @@
+-- Error values of the Lua layer: tables with code, message, step and the
+-- transaction id, sharing the C core's metatable (so tostring works the
+-- same for both). Codes:
+--   invalid      bad input, rejected before anything was written
+--   missing      an op's document does not exist
+--   guard        an op's `where` condition is false
+--   conflict     an insert's _id is taken by another document
+--   cancelled    the transaction ended cancelled (reason in .reason)
+--   owned        another application holds the transaction and its lease
+--   idempotency  an id was reused with different ops
+--   state        the transaction is not in a state that allows the call
+--   parked       recovery gave up on the transaction after too many attempts
+--   plus the C core's domains (server, stream, ...) for database failures
+
+local core = require "mongotx.core"
+
+local _M = {}
+
+function _M.new(code, message, fields)
+  local err = { code = code, message = message }
+  for k, v in pairs(fields or {}) do err[k] = v end
+  return core.error(err)
+end
+
+-- Adds the step and transaction id to an error from the C core.
+function _M.wrap(err, step, id)
+  err.step = err.step or step
+  if err.id == nil then err.id = id end
+  return err
+end
+
+return _M

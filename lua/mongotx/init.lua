@@ -1,0 +1,60 @@
+-- mongotx: two-phase-commit transactions across MongoDB documents and
+-- collections.
+--
+--   local mongotx = require "mongotx"
+--   local db = assert(mongotx.connect("mongodb://127.0.0.1/bank"))
+--   local tm = assert(db:manager{ application = "app-1" })
+--   assert(tm:transfer("accounts", "A", "B", 100))
+--
+-- The BSON constructors of the C core are re-exported (mongotx.ObjectId,
+-- mongotx.Date, mongotx.null, mongotx.array, mongotx.doc, ...).
+
+local core = require "mongotx.core"
+local manager = require "mongotx.manager"
+local validate = require "mongotx.validate"
+
+local _M = { _VERSION = core._VERSION, core = core }
+
+for _, name in ipairs { "ObjectId", "Date", "Int64", "Decimal128", "Binary", "Regex",
+                        "Timestamp", "MinKey", "MaxKey", "null", "array", "doc",
+                        "type", "encode", "decode" } do
+  _M[name] = core[name]
+end
+
+local Database = {}
+Database.__index = Database
+
+local connect_options = { database = true, appname = true, write_concern = true,
+                          read_preference = true, tls = true }
+
+-- connect(uri [, { database, appname, write_concern, read_preference, tls }]):
+-- a database handle, or nil, err.  The database is opts.database, else the
+-- one in the URI's path, else "test".
+function _M.connect(uri, opts)
+  if type(uri) ~= "string" then error("uri must be a string", 2) end
+  opts = validate.options(opts, connect_options, "connect", 2)
+  local name = opts.database or uri:match("^mongodb[^:]*://[^/]*/([^?]+)") or "test"
+  local core_opts = {}
+  for k, v in pairs(opts) do
+    if k ~= "database" then core_opts[k] = v end
+  end
+  local client, err = core.connect(uri, core_opts)
+  if not client then return nil, err end
+  return setmetatable({ client = client, name = name }, Database)
+end
+
+function Database:collection(name)
+  return self.client:collection(self.name, name)
+end
+
+-- db:manager{ collection, application, marker, version_field,
+-- write_concern, <policies of mongotx.policy> }
+function Database:manager(opts)
+  return manager.new(self, opts)
+end
+
+function Database:close()
+  self.client:close()
+end
+
+return _M

@@ -1,0 +1,713 @@
+-- The transaction manager: composes the C core's protocol steps
+-- (core.steps) under the policies of mongotx.policy.
+--
+-- States move initial -> pending -> applied -> done, or pending ->
+-- canceling -> cancelled; `applied` is the commit point.  An owner holds a
+-- transaction by its `epoch` (incremented by every claim); the manager
+-- remembers the epochs it holds.  Applies are fenced by document versions
+-- read before the claim (see csrc/txn.c): a stalled former owner can never
+-- apply an op twice.
+
+local core = require "mongotx.core"
+local errors = require "mongotx.errors"
+local validate = require "mongotx.validate"
+local default_policy = require "mongotx.policy"
+
+local steps = core.steps
+local canon = validate.canon
+local ipairs, pairs, type, tostring, setmetatable = ipairs, pairs, type, tostring, setmetatable
+local format = string.format
+
+local _M = {}
+
+local Manager = {}
+Manager.__index = Manager
+
+local ACTIVE = { "initial", "pending", "applied", "canceling" }
+local STATES = { "initial", "pending", "applied", "done", "canceling", "cancelled" }
+
+-- Keep settling a transaction at most this many rounds (each round moves
+-- it a state forward or re-reads it), and retry an apply whose document
+-- keeps changing under it at most this many times.
+local MAX_ROUNDS = 50
+local MAX_CONTENTION = 20
+
+local manager_options = {
+  collection = true, application = true, marker = true, version_field = true,
+  write_concern = true,
+}
+for k in pairs(default_policy) do manager_options[k] = true end
+
+function _M.new(db, opts)
+  opts = validate.options(opts, manager_options, "manager", 3)
+  local policy = setmetatable({}, { __index = default_policy })
+  for k in pairs(default_policy) do
+    if opts[k] ~= nil then
+      if type(opts[k]) ~= type(default_policy[k]) then
+        error(format("policy %s must be a %s", k, type(default_policy[k])), 3)
+      end
+      policy[k] = opts[k]
+    end
+  end
+  local self = setmetatable({
+    db = db,
+    policy = policy,
+    collection = opts.collection or "transactions",
+    application = opts.application or "mongotx",
+    instance = core.ObjectId():value(),
+    marker = opts.marker or "pendingTransactions",
+    version_field = opts.version_field or "txVersion",
+    colls = {},
+    held = {},     -- canon(id) -> epoch this manager holds
+    versions = {}, -- canon(id) -> versions read before the claim (steps)
+  }, Manager)
+  self.fields = { marker = self.marker, version = self.version_field }
+  self.vctx = { collection = self.collection,
+                owned = { "_id", self.marker, self.version_field } }
+  self.wopts = { write_concern = opts.write_concern or { w = "majority", j = true } }
+  self.tx = db.client:collection(db.name, self.collection)
+  local ok, err = self.tx:create_index(core.doc("state", 1, "lastModified", 1))
+  if not ok then return nil, err end
+  return self
+end
+
+-- Helpers -----------------------------------------------------------------
+
+local function key(id) return canon(id) end
+
+function Manager:_event(name, info)
+  pcall(self.policy.on_event, name, info)
+end
+
+function Manager:_coll(name)
+  local c = self.colls[name]
+  if not c then
+    c = self.db.client:collection(self.db.name, name)
+    self.colls[name] = c
+  end
+  return c
+end
+
+-- Calls fn(...) again after a backoff while it fails with a transient
+-- error, at most policy.retries times.
+function Manager:_retry(step, id, fn, ...)
+  local attempt = 0
+  while true do
+    local res, err = fn(...)
+    if res ~= nil then return res end
+    if not (err and err.transient) or attempt >= self.policy.retries then
+      return nil, errors.wrap(err, step, id)
+    end
+    attempt = attempt + 1
+    self.policy.sleep(self.policy.backoff(attempt))
+  end
+end
+
+function Manager:_step(name, id, ...)
+  local res, err = self:_retry(name, id, steps[name], ...)
+  if res ~= nil then self:_event(name, { id = id, result = res }) end
+  return res, err
+end
+
+local function has_marker(doc, marker, id)
+  local list = doc and doc[marker]
+  if type(list) ~= "table" then return false end
+  local k = key(id)
+  for _, x in ipairs(list) do
+    if key(x) == k then return true end
+  end
+  return false
+end
+
+function Manager:get(id)
+  local doc, err = self.tx:find_one({ _id = id })
+  if err then return nil, errors.wrap(err, "get", id) end
+  return doc
+end
+
+function Manager:_load(t, step)
+  if type(t) ~= "table" or t._id == nil then
+    error("expected a transaction (a table with _id)", 3)
+  end
+  local T, err = self:get(t._id)
+  if err then return nil, err end
+  if not T then
+    return nil, errors.new("state", "no such transaction", { step = step, id = t._id })
+  end
+  return T
+end
+
+function Manager:server_now()
+  local reply, err = self.db.client:command("admin", { isMaster = 1 })
+  if not reply then return nil, errors.wrap(err, "clock") end
+  if core.type(reply.localTime) ~= "date" then
+    return nil, errors.new("server", "the server reports no localTime", { step = "clock" })
+  end
+  return reply.localTime:value()
+end
+
+-- For each op: { version = <the document's version>, marked = <the
+-- transaction's marker is on it> } (nil version for a missing document).
+function Manager:_versions(T)
+  local by_coll, out = {}, {}
+  for i, op in ipairs(T.ops) do
+    local ids = by_coll[op.collection] or {}
+    ids[#ids + 1] = op.id
+    by_coll[op.collection] = ids
+    out[i] = { marked = false }
+  end
+  local found = {}
+  for name, ids in pairs(by_coll) do
+    local docs, err = self:_coll(name):find_all({ _id = { ["$in"] = ids } },
+      { projection = { [self.marker] = 1, [self.version_field] = 1 } })
+    if not docs then return nil, errors.wrap(err, "versions", T._id) end
+    for _, doc in ipairs(docs) do found[name .. "\0" .. key(doc._id)] = doc end
+  end
+  for i, op in ipairs(T.ops) do
+    local doc = found[op.collection .. "\0" .. key(op.id)]
+    if doc then
+      out[i].version = doc[self.version_field]
+      out[i].marked = has_marker(doc, self.marker, T._id)
+    end
+  end
+  return out
+end
+
+-- Claims T as it was read: same state and epoch.  The epoch changes with
+-- every claim, so it identifies the owner seen better than lastModified
+-- could (mongo-java-server keeps $currentDate finer than the millisecond
+-- it returns, so an equality match on it never succeeds).  `set` adds
+-- fields (state for initial -> pending).  Returns the claimed document, or
+-- false when somebody else moved T first.
+function Manager:_claim(T, set)
+  set = set or {}
+  set.application, set.instance, set.lease = self.application, self.instance, self.policy.lease
+  local expect = { state = T.state, epoch = T.epoch or 0 }
+  local doc, err = self:_step("claim", T._id, self.tx, T._id, expect, set, self.wopts)
+  if doc == nil then return nil, err end
+  if doc then self.held[key(T._id)] = doc.epoch end
+  return doc
+end
+
+function Manager:_holds(T)
+  return T.state == "pending" and self.held[key(T._id)] == T.epoch
+end
+
+-- Versions read while this manager holds T: read, then check T is still
+-- held, so any later owner's writes come after the read.
+function Manager:_confirmed_versions(T)
+  local versions, err = self:_versions(T)
+  if not versions then return nil, err end
+  local now
+  now, err = self:get(T._id)
+  if err then return nil, err end
+  if not now or not self:_holds(now) then return false, now end
+  return versions
+end
+
+local function op_name(op)
+  return format("%s %s of %s", op.kind, tostring(op.id), op.collection)
+end
+
+local failure_text = {
+  missing = "the document does not exist",
+  guard = "its where condition is false",
+  conflict = "another document has its _id",
+  contention = "the document kept changing",
+}
+
+local function op_failure(T, i, reason)
+  return errors.new(reason, format("op %d (%s): %s", i, op_name(T.ops[i]),
+    failure_text[reason] or reason), { step = "apply", id = T._id, op = i })
+end
+
+-- Phases ------------------------------------------------------------------
+
+-- Applies op i; returns true, or false and why it cannot, or nil, err.
+function Manager:_apply_one(T, i, v)
+  local op = T.ops[i]
+  local coll = self:_coll(op.collection)
+  for _ = 1, MAX_CONTENTION do
+    local res, err = self:_step("apply", T._id, coll, T._id, op, v.version, self.fields, self.wopts)
+    if not res then return nil, err end
+    if res.applied then return true end
+    -- Why not? Read the document, then (if its version moved) check
+    -- that T is still ours before trying with the version just read.
+    local doc
+    doc, err = coll:find_one({ _id = op.id })
+    if err then return nil, errors.wrap(err, "apply", T._id) end
+    if has_marker(doc, self.marker, T._id) then return true end
+    if op.kind == "insert" then
+      if doc then return false, "conflict" end
+    else
+      if not doc then return false, "missing" end
+      if op.where then
+        local filter = { _id = op.id }
+        for k, x in pairs(op.where) do filter[k] = x end
+        local n
+        n, err = coll:count(filter)
+        if not n then return nil, errors.wrap(err, "apply", T._id) end
+        if n == 0 then return false, "guard" end
+      end
+      local now
+      now, err = self:get(T._id)
+      if err then return nil, err end
+      if not now or not self:_holds(now) then
+        return nil, errors.new("fenced", "another owner took the transaction over",
+          { step = "apply", id = T._id, op = i })
+      end
+      v.version = doc[self.version_field]
+    end
+  end
+  return false, "contention"
+end
+
+-- pending (held) -> applied, or -> canceling when an op cannot apply.
+-- Returns the transaction's next document and, after a cancel, the error
+-- that explains it.
+function Manager:_apply_all(T, versions)
+  for i in ipairs(T.ops) do
+    local v = versions[i]
+    if not v.marked then
+      local tries = 0
+      while true do
+        local ok, why = self:_apply_one(T, i, v)
+        if ok then break end
+        if ok == nil then
+          if why.code == "fenced" then return self:get(T._id) end
+          return nil, why
+        end
+        local decision = self.policy.on_op_failure(T, i, why)
+        tries = tries + 1
+        if decision == "retry" and tries <= self.policy.retries then
+          self.policy.sleep(self.policy.backoff(tries))
+        elseif decision == "fail" then
+          return nil, op_failure(T, i, why)
+        else
+          local failure = op_failure(T, i, why)
+          local moved, err = self:_cancel(T, failure.message)
+          if not moved then return nil, err end
+          return moved, nil, failure
+        end
+      end
+    end
+  end
+  local res, err = self:_step("transition", T._id, self.tx, T._id, "pending", "applied",
+    T.epoch, nil, self.wopts)
+  if not res then return nil, err end
+  return self:get(T._id)
+end
+
+-- pending (held) -> canceling, recording why.
+function Manager:_cancel(T, reason)
+  local res, err = self:_step("transition", T._id, self.tx, T._id, "pending", "canceling",
+    T.epoch, { reason = reason }, self.wopts)
+  if not res then return nil, err end
+  return self:get(T._id)
+end
+
+-- applied -> done: pull every marker (delete removed documents), then done.
+function Manager:_finish(T)
+  for _, op in ipairs(T.ops) do
+    local res, err = self:_step("finish", T._id, self:_coll(op.collection), T._id, op,
+      self.fields, self.wopts)
+    if not res then return nil, err end
+  end
+  local res, err = self:_step("transition", T._id, self.tx, T._id, "applied", "done",
+    nil, nil, self.wopts)
+  if not res then return nil, err end
+  return self:get(T._id)
+end
+
+-- canceling -> cancelled: undo the applied ops in reverse order.  After a
+-- takeover (epoch > 1) a former owner may still hold a prepared apply, so
+-- documents not applied are fenced (their version moved) as well.
+function Manager:_unwind(T)
+  for i = #T.ops, 1, -1 do
+    local op, coll = T.ops[i], self:_coll(T.ops[i].collection)
+    for _ = 1, 3 do
+      local res, err = self:_step("undo", T._id, coll, T._id, op, self.fields, self.wopts)
+      if not res then return nil, err end
+      if res.undone or (T.epoch or 0) <= 1 then break end
+      res, err = self:_step("fence", T._id, coll, T._id, op, self.fields, self.wopts)
+      if not res then return nil, err end
+      if res.fenced then break end
+      -- the marker appeared between undo and fence: undo again
+    end
+  end
+  local res, err = self:_step("transition", T._id, self.tx, T._id, "canceling", "cancelled",
+    nil, nil, self.wopts)
+  if not res then return nil, err end
+  return self:get(T._id)
+end
+
+local function cancelled_error(T)
+  return errors.new("cancelled", "the transaction was cancelled: " ..
+    tostring(T.reason or "no reason recorded"), { id = T._id, reason = T.reason })
+end
+
+-- Drives T to done or cancelled from whatever state it is in.  `versions`
+-- are those read before this manager claimed T, when it just did.
+function Manager:_drive(T, versions)
+  local failure, err
+  for _ = 1, MAX_ROUNDS do
+    local state = T.state
+    if state == "done" then return T end
+    if state == "cancelled" then return nil, failure or cancelled_error(T) end
+    if state == "initial" then
+      versions, err = self:_versions(T)
+      if not versions then return nil, err end
+      local claimed
+      claimed, err = self:_claim(T, { state = "pending" })
+      if claimed == nil then return nil, err end
+      if not claimed then versions = nil end
+      T = claimed or self:get(T._id)
+    elseif state == "pending" then
+      if not self:_holds(T) then
+        return nil, errors.new("owned", format("held by %s; recover() takes it " ..
+          "over once its lease expired", tostring(T.application)), { id = T._id })
+      end
+      if not versions then
+        local now
+        versions, now = self:_confirmed_versions(T)
+        if versions == nil then return nil, now end
+        if not versions then T, versions = now, nil end
+      end
+      if versions then
+        local f
+        T, err, f = self:_apply_all(T, versions)
+        failure = failure or f
+        versions = nil
+      end
+    elseif state == "applied" then
+      T, err = self:_finish(T)
+    elseif state == "canceling" then
+      T, err = self:_unwind(T)
+    else
+      return nil, errors.new("state", "unknown state " .. tostring(state), { id = T._id })
+    end
+    if not T then return nil, err end
+  end
+  return nil, errors.new("state", "the transaction did not settle", { id = T._id })
+end
+
+-- The public API ------------------------------------------------------------
+
+local begin_options = { id = true, meta = true }
+
+-- Creates the transaction (state initial) after checking every op.  With
+-- opts.id, repeating begin is safe: the same ops return the existing
+-- transaction, other ops are an `idempotency` error.
+function Manager:begin(ops, opts, extra)
+  opts = validate.options(opts, begin_options, "begin", 2)
+  local norm, err = validate.ops(ops, self.vctx)
+  if not norm then return nil, err end
+  if opts.id ~= nil then
+    local ok
+    ok, err = validate.check_id(opts.id)
+    if not ok then return nil, err end
+  end
+  local id = opts.id
+  if id == nil then id = core.ObjectId() end
+  local doc = { _id = id, state = "initial", ops = norm, epoch = 0, attempts = 0,
+                meta = opts.meta }
+  for k, v in pairs(extra or {}) do doc[k] = v end
+  local res
+  res, err = self:_step("create", id, self.tx, doc, self.wopts)
+  if not res then return nil, err end
+  if res.created then return doc end
+  local existing
+  existing, err = self:get(id)
+  if err then return nil, err end
+  if existing and canon(existing.ops) == canon(norm) then return existing end
+  return nil, errors.new("idempotency", "this id was used for other ops",
+    { step = "begin", id = id })
+end
+
+-- Drives the transaction to done; nil, err when it ended cancelled (err
+-- says which op and why) or could not be driven.
+function Manager:commit(t)
+  local T, err = self:_load(t, "commit")
+  if not T then return nil, err end
+  return self:_drive(T, nil)
+end
+
+function Manager:transfer(collection, from, to, amount, opts)
+  opts = validate.options(opts, { field = true, min = true, id = true, meta = true },
+    "transfer", 2)
+  local ok, err = validate.amount(amount)
+  if not ok then return nil, err end
+  local field = opts.field or "balance"
+  if type(field) ~= "string" then error("field must be a string", 2) end
+  local where
+  if opts.min ~= nil then
+    ok, err = validate.amount(opts.min + 1) -- finite, a number
+    if not ok then return nil, err end
+    where = { [field] = { ["$gte"] = opts.min + amount } }
+  end
+  local T
+  T, err = self:begin({
+    { collection = collection, id = from, update = { ["$inc"] = { [field] = -amount } },
+      where = where },
+    { collection = collection, id = to, update = { ["$inc"] = { [field] = amount } } },
+  }, { id = opts.id, meta = opts.meta },
+     { source = from, destination = to, value = amount })
+  if not T then return nil, err end
+  return self:commit(T)
+end
+
+-- pending -> canceling -> cancelled, undoing what was applied.  A
+-- transaction never started ends cancelled at once.
+function Manager:rollback(t, reason)
+  local T, err = self:_load(t, "rollback")
+  if not T then return nil, err end
+  reason = reason or "rolled back"
+  if T.state == "initial" then
+    local res
+    res, err = self:_step("transition", T._id, self.tx, T._id, "initial", "cancelled",
+      T.epoch, { reason = reason }, self.wopts)
+    if not res then return nil, err end
+    T = self:get(T._id)
+  elseif T.state == "pending" then
+    if not self:_holds(T) then
+      local claimed
+      claimed, err = self:_claim(T)
+      if claimed == nil then return nil, err end
+      if not claimed then return self:rollback(t, reason) end
+      T = claimed
+    end
+    T, err = self:_cancel(T, reason)
+    if not T then return nil, err end
+  end
+  if T.state == "applied" or T.state == "done" then
+    return nil, errors.new("state", "the transaction is committed: compensate it instead",
+      { step = "rollback", id = T._id })
+  end
+  local final
+  final, err = self:_drive(T, nil)
+  if final then return nil, errors.new("state", "the transaction committed meanwhile",
+    { step = "rollback", id = T._id }) end
+  if err.code == "cancelled" then return true end
+  return nil, err
+end
+
+-- A new transaction with the inverse ops of a committed one, linked by
+-- `compensates`; its id derives from the original's, so it is created at
+-- most once however often (and from wherever) this is called.
+function Manager:compensate(t)
+  local T, err = self:_load(t, "compensate")
+  if not T then return nil, err end
+  if T.state == "applied" then
+    T, err = self:_drive(T, nil)
+    if not T then return nil, err end
+  end
+  if T.state ~= "done" then
+    return nil, errors.new("state", "only a committed transaction can be compensated",
+      { step = "compensate", id = T._id })
+  end
+  local ops, why = self.policy.compensation(T)
+  if not ops then
+    return nil, errors.new("invalid", why, { step = "compensate", id = T._id })
+  end
+  local C
+  C, err = self:begin(ops, { id = core.doc("compensates", T._id) }, { compensates = T._id })
+  if not C then return nil, err end
+  self:_event("compensate", { id = T._id, by = C._id })
+  return self:commit(C)
+end
+
+-- Recovery ----------------------------------------------------------------
+
+local function well_formed(T)
+  if type(T.ops) ~= "table" or #T.ops == 0 then return false, "ops is not a list" end
+  for i, op in ipairs(T.ops) do
+    if type(op) ~= "table" or type(op.collection) ~= "string" or op.id == nil
+        or type(op.kind) ~= "string" then
+      return false, "op " .. i .. " is malformed"
+    end
+  end
+  if T.lastModified ~= nil and core.type(T.lastModified) ~= "date" then
+    return false, "lastModified is not a date"
+  end
+  return true
+end
+
+function Manager:_park(T, reason)
+  local res, err = self.tx:update_one({ _id = T._id },
+    { ["$set"] = { parked = true, reason = reason } }, self.wopts)
+  if not res then return nil, errors.wrap(err, "park", T._id) end
+  self:_event("park", { id = T._id, reason = reason })
+  return "parked"
+end
+
+-- Recovers one stale transaction; returns what happened: "done",
+-- "cancelled", "skipped" or "parked", or nil, err.
+function Manager:_recover_one(T, now, me)
+  local ok, why = well_formed(T)
+  if not ok then return self:_park(T, "malformed: " .. why) end
+  if (T.attempts or 0) >= self.policy.max_attempts then
+    return self:_park(T, T.reason or "recovery failed too many times")
+  end
+  local age = T.lastModified and (now - T.lastModified:value()) / 1000 or math.huge
+  if not self.policy.may_recover(T, age, me) then return "skipped" end
+  local versions, err
+  if T.state == "initial" and self.policy.stale_initial(T) == "expire" then
+    local res
+    res, err = self:_step("transition", T._id, self.tx, T._id, "initial", "cancelled",
+      T.epoch, { reason = "expired" }, self.wopts)
+    if not res then return nil, err end
+    return res.moved and "cancelled" or "skipped"
+  end
+  if T.state == "initial" or T.state == "pending" then
+    versions, err = self:_versions(T)
+    if not versions then return nil, err end
+  end
+  local claimed
+  claimed, err = self:_claim(T, T.state == "initial" and { state = "pending" } or nil)
+  if claimed == nil then return nil, err end
+  if not claimed then return "skipped" end
+  T = claimed
+  if T.state == "pending" and self.policy.stale_pending(T) == "back" then
+    T, err = self:_cancel(T, "rolled back by recovery")
+    if not T then return nil, err end
+    versions = nil
+  end
+  local final
+  final, err = self:_drive(T, versions)
+  if final then return "done" end
+  if err.code == "cancelled" or err.code == "missing" or err.code == "guard"
+      or err.code == "conflict" then
+    local again = self:get(T._id)
+    if again and again.state == "cancelled" then return "cancelled" end
+  end
+  return nil, err
+end
+
+-- Finds stale transactions and drives each to done or cancelled under the
+-- policies.  Returns a report: { examined, done, cancelled, skipped,
+-- parked, failed, errors = { {id, error}, ... } }.
+function Manager:recover(opts)
+  opts = validate.options(opts, { limit = true }, "recover", 2)
+  local now, err = self:server_now()
+  if not now then return nil, err end
+  local policy = self.policy
+  local me = { application = self.application, instance = self.instance,
+               stale_after = policy.stale_after, lease = policy.lease }
+  local min_age = math.min(policy.stale_after, policy.lease) * 1000
+  local list
+  list, err = self.tx:find_all({
+    state = { ["$in"] = ACTIVE },
+    parked = { ["$ne"] = true },
+    ["$or"] = { { lastModified = { ["$lt"] = core.Date(math.floor(now - min_age)) } },
+                { instance = self.instance } },
+  }, { limit = opts.limit or 1000, sort = { lastModified = 1 } })
+  if not list then return nil, errors.wrap(err, "recover") end
+  local report = { examined = 0, done = 0, cancelled = 0, skipped = 0, parked = 0,
+                   failed = 0, errors = {} }
+  for _, T in ipairs(list) do
+    report.examined = report.examined + 1
+    local ok, outcome, failure = pcall(self._recover_one, self, T, now, me)
+    if ok and outcome then
+      report[outcome] = report[outcome] + 1
+    else
+      local e = ok and failure or errors.new("policy", tostring(outcome), { id = T._id })
+      report.failed = report.failed + 1
+      report.errors[#report.errors + 1] = { id = T._id, error = e }
+      -- count the failure, so that a transaction that keeps failing is
+      -- parked (with this reason) instead of blocking every pass
+      self.tx:update_one({ _id = T._id }, { ["$inc"] = { attempts = 1 },
+        ["$set"] = { reason = tostring(e) } }, self.wopts)
+    end
+  end
+  self:_event("recover", report)
+  return report
+end
+
+-- Deletes finished transactions older than the retention period (or
+-- opts.older_than seconds); returns how many.
+function Manager:prune(opts)
+  opts = validate.options(opts, { older_than = true }, "prune", 2)
+  local now, err = self:server_now()
+  if not now then return nil, err end
+  local age = opts.older_than or self.policy.retention
+  local res
+  res, err = self.tx:delete_many({
+    state = { ["$in"] = { "done", "cancelled" } },
+    lastModified = { ["$lt"] = core.Date(math.floor(now - age * 1000)) },
+  }, self.wopts)
+  if not res then return nil, errors.wrap(err, "prune") end
+  return res.deleted
+end
+
+function Manager:find(filter, opts)
+  local list, err = self.tx:find_all(filter or {}, opts)
+  if not list then return nil, errors.wrap(err, "find") end
+  return list
+end
+
+-- Counts by state, plus `parked`.
+function Manager:stats()
+  local out = {}
+  for _, state in ipairs(STATES) do
+    local n, err = self.tx:count({ state = state })
+    if not n then return nil, errors.wrap(err, "stats") end
+    out[state] = n
+  end
+  local n, err = self.tx:count({ parked = true })
+  if not n then return nil, errors.wrap(err, "stats") end
+  out.parked = n
+  return out
+end
+
+-- One protocol step at a time, as in the tutorial:
+--   tm:step("claim", t)        initial -> pending (reads versions first)
+--   tm:step("apply", t, i)     op i, with the versions read at the claim
+--   tm:step("commit", t)       pending -> applied
+--   tm:step("finish", t, i)    pull op i's marker
+--   tm:step("done", t)         applied -> done
+--   tm:step("cancel", t)       pending -> canceling
+--   tm:step("undo", t, i)      undo op i if it was applied
+--   tm:step("cancelled", t)    canceling -> cancelled
+-- Each returns the step's result table (or false / nil, err).
+function Manager:step(name, t, i)
+  local T, err = self:_load(t, name)
+  if not T then return nil, err end
+  local k = key(T._id)
+  if name == "claim" then
+    local versions
+    versions, err = self:_versions(T)
+    if not versions then return nil, err end
+    local claimed
+    claimed, err = self:_claim(T, T.state == "initial" and { state = "pending" } or nil)
+    if claimed then self.versions[k] = versions end
+    return claimed, err
+  elseif name == "apply" or name == "undo" or name == "finish" then
+    local op = T.ops[i]
+    if not op then error("no op " .. tostring(i), 2) end
+    if name ~= "apply" then
+      return self:_step(name, T._id, self:_coll(op.collection), T._id, op, self.fields, self.wopts)
+    end
+    local versions = self.versions[k]
+    if not versions then
+      versions, err = self:_confirmed_versions(T)
+      if not versions then
+        return nil, err or errors.new("owned", "not held by this manager", { id = T._id })
+      end
+      self.versions[k] = versions
+    end
+    local ok, why = self:_apply_one(T, i, versions[i])
+    if ok == nil then return nil, why end
+    if not ok then return nil, op_failure(T, i, why) end
+    return { applied = true }
+  end
+  local moves = {
+    commit = { "pending", "applied", T.epoch }, done = { "applied", "done" },
+    cancel = { "pending", "canceling", T.epoch }, cancelled = { "canceling", "cancelled" },
+  }
+  local m = moves[name]
+  if not m then error("unknown step " .. tostring(name), 2) end
+  if name == "done" or name == "cancelled" then self.versions[k] = nil end
+  return self:_step("transition", T._id, self.tx, T._id, m[1], m[2], m[3], nil, self.wopts)
+end
+
+return _M
