@@ -296,6 +296,8 @@ encode_fail(encoder *e, const char *what)
 	luaL_addstring(&buf, what);
 	luaL_addstring(&buf, " at ");
 	for (i = 0; i <= e->depth; i++) {
+		if (!e->path[i].key && e->path[i].index == 0)
+			continue; /* a container whose fields have not begun */
 		if (e->path[i].key) {
 			if (i > 0)
 				luaL_addchar(&buf, '.');
@@ -459,11 +461,14 @@ encode_array_items(encoder *e, int idx, bson_t *b, lua_Integer n, int types)
 		e->path[e->depth].index = i;
 		keylen = bson_uint32_to_string((uint32_t)(i - 1), &key, numbuf,
 					       sizeof numbuf);
-		lua_rawgeti(L, idx, (int)i);
-		if (types)
+		enum hint hint = HINT_NONE;
+
+		if (types) {
 			lua_pushinteger(L, i);
-		encode_value(e, lua_gettop(L) - (types ? 1 : 0), b, key,
-			     (int)keylen, types ? type_hint(L, types) : HINT_NONE);
+			hint = type_hint(L, types);
+		}
+		lua_rawgeti(L, idx, (int)i);
+		encode_value(e, lua_gettop(L), b, key, (int)keylen, hint);
 		lua_pop(L, 1);
 	}
 }
@@ -616,6 +621,8 @@ encode_child(encoder *e, int idx, bson_t *b, const char *key, int keylen)
 		bson_append_document_begin(b, key, keylen, &child);
 	e->depth++;
 	e->tables[e->depth] = p;
+	e->path[e->depth].key = NULL;
+	e->path[e->depth].index = 0;
 	encode_table_body(e, idx, &child);
 	e->depth--;
 	if (array)

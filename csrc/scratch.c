@@ -1,5 +1,7 @@
 /* scratch.c: C resources owned by Lua userdata for the length of one call,
  * so that raising from anywhere inside the call never leaks them. */
+#include <stdint.h>
+
 #include "mongotx.h"
 
 #define MTX_SCRATCH_MT "mongotx.scratch"
@@ -10,17 +12,25 @@ typedef struct {
 	void (*destroy)(void *);
 } guard;
 
+/* bson_t asks for 128-byte alignment, more than a userdata's: the
+ * document sits at the first aligned address inside a larger block. */
+static bson_t *
+aligned(void *raw)
+{
+	return (bson_t *)(((uintptr_t)raw + 127) & ~(uintptr_t)127);
+}
+
 static int
 scratch_gc(lua_State *L)
 {
-	bson_destroy((bson_t *)lua_touserdata(L, 1));
+	bson_destroy(aligned(lua_touserdata(L, 1)));
 	return 0;
 }
 
 bson_t *
 mtx_scratch(lua_State *L)
 {
-	bson_t *b = (bson_t *)lua_newuserdata(L, sizeof *b);
+	bson_t *b = aligned(lua_newuserdata(L, sizeof(bson_t) + 127));
 
 	bson_init(b);
 	luaL_getmetatable(L, MTX_SCRATCH_MT);

@@ -63,6 +63,53 @@ function helpers.dump(coll)
   return assert(coll:find_all({}, { sort = { _id = 1 } }))
 end
 
+-- The Lua interpreter running the specs, for worker processes.
+function helpers.lua()
+  return os.getenv("MONGOTX_LUA") or (type(jit) == "table" and "luajit" or "lua5.4")
+end
+
+-- Starts spec/support/worker.lua with args in the background; returns its
+-- pid and the file collecting its output.
+function helpers.spawn_worker(...)
+  local out = os.tmpname()
+  local args = {}
+  for i, a in ipairs { ... } do args[i] = "'" .. tostring(a):gsub("'", "'\\''") .. "'" end
+  local p = assert(io.popen(string.format("%s spec/support/worker.lua %s > %s 2>&1 & echo $!",
+    helpers.lua(), table.concat(args, " "), out)))
+  local pid = tonumber(p:read("*l"))
+  p:close()
+  return pid, out
+end
+
+function helpers.signal(pid, sig)
+  os.execute(string.format("kill -%s %d 2>/dev/null", sig, pid))
+end
+
+-- Waits (up to `seconds`) until the process exits; true when it did.
+function helpers.wait_exit(pid, seconds)
+  for _ = 1, seconds * 20 do
+    if not os.execute(string.format("kill -0 %d 2>/dev/null", pid)) then return true end
+    core.sleep(0.05)
+  end
+  return false
+end
+
+function helpers.wait_file(path, seconds)
+  for _ = 1, seconds * 50 do
+    local f = io.open(path)
+    if f then f:close() return true end
+    core.sleep(0.02)
+  end
+  return false
+end
+
+function helpers.read_file(path)
+  local f = assert(io.open(path))
+  local s = f:read("*a")
+  f:close()
+  return s
+end
+
 math.randomseed(os.time() + tonumber(tostring({}):match("0x(%x+)") or "0", 16) % 100000)
 
 return helpers

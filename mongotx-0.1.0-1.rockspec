@@ -1,0 +1,70 @@
+-- LuaRocks build of mongotx: the C core (mongotx.core, on libmongoc) and the
+-- Lua layer.  libmongoc and libbson are found under the usual prefixes; when
+-- their headers live elsewhere, point LuaRocks at them:
+--
+--   luarocks install mongotx LIBMONGOC_INCDIR=/opt/mongo-c/include \
+--     LIBBSON_INCDIR=/opt/mongo-c/include \
+--     LIBMONGOC_LIBDIR=/opt/mongo-c/lib LIBBSON_LIBDIR=/opt/mongo-c/lib
+rockspec_format = "3.0"
+package = "mongotx"
+version = "0.1.0-1"
+
+source = {
+  url = "git+https://example.invalid/mongotx.git",
+  tag = "v0.1.0",
+}
+
+description = {
+  summary = "Two-phase-commit transactions across MongoDB documents",
+  detailed = [[
+Changes several MongoDB documents, in one or several collections, as one
+unit with the two-phase-commit pattern: all-or-nothing with crash recovery,
+using only single-document atomic writes.  A C core on libmongoc issues
+each protocol step; the Lua layer holds the policies.]],
+  license = "MIT",
+}
+
+dependencies = {
+  "lua >= 5.1",
+}
+
+external_dependencies = {
+  LIBMONGOC = { header = "libmongoc-1.0/mongoc/mongoc.h" },
+  LIBBSON = { header = "libbson-1.0/bson/bson.h" },
+}
+
+build = {
+  type = "builtin",
+  modules = {
+    ["mongotx.core"] = {
+      sources = {
+        "csrc/bson.c", "csrc/client.c", "csrc/collection.c", "csrc/core.c",
+        "csrc/cursor.c", "csrc/error.c", "csrc/options.c", "csrc/scratch.c",
+        "csrc/txn.c",
+      },
+      libraries = { "mongoc-1.0", "bson-1.0" },
+      incdirs = {
+        "$(LIBMONGOC_INCDIR)/libmongoc-1.0",
+        "$(LIBBSON_INCDIR)/libbson-1.0",
+      },
+      libdirs = { "$(LIBMONGOC_LIBDIR)", "$(LIBBSON_LIBDIR)" },
+      -- The Makefile's -D_DEFAULT_SOURCE.  Its -std=c99 -fvisibility=hidden
+      -- cannot be set per module (the builtin backend takes only defines,
+      -- incdirs, libraries, libdirs); nothing depends on them: the sources
+      -- mark every shared function hidden and export only
+      -- luaopen_mongotx_core.  To build exactly like the Makefile anyway:
+      --   luarocks make CFLAGS="-O2 -fPIC -std=c99 -fvisibility=hidden"
+      defines = { "_DEFAULT_SOURCE" },
+    },
+    ["mongotx"] = "lua/mongotx/init.lua",
+    ["mongotx.policy"] = "lua/mongotx/policy.lua",
+    ["mongotx.manager"] = "lua/mongotx/manager.lua",
+    ["mongotx.validate"] = "lua/mongotx/validate.lua",
+    ["mongotx.errors"] = "lua/mongotx/errors.lua",
+  },
+}
+
+test = {
+  type = "command",
+  command = "make test",
+}
