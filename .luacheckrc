@@ -1,4 +1,4 @@
 std = "max"
-max_line_length = 100
+max_line_length = 120
 files["spec/**"] = { std = "+busted" }
 globals = { "jit" }

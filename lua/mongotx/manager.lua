@@ -593,13 +593,12 @@ function Manager:recover(opts)
   local policy = self.policy
   local me = { application = self.application, instance = self.instance,
                stale_after = policy.stale_after, lease = policy.lease }
-  local min_age = math.min(policy.stale_after, policy.lease) * 1000
+  -- Oldest first; whether each one is stale enough is the policy's call
+  -- (a holder may have declared a shorter lease than this manager's).
   local list
   list, err = self.tx:find_all({
     state = { ["$in"] = ACTIVE },
     parked = { ["$ne"] = true },
-    ["$or"] = { { lastModified = { ["$lt"] = core.Date(math.floor(now - min_age)) } },
-                { instance = self.instance } },
   }, { limit = opts.limit or 1000, sort = { lastModified = 1 } })
   if not list then return nil, errors.wrap(err, "recover") end
   local report = { examined = 0, done = 0, cancelled = 0, skipped = 0, parked = 0,

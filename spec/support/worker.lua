@@ -30,7 +30,7 @@ if mode == "stall" then
   local ready, seconds = arg[4], tonumber(arg[5])
   local paused = false
   local tm = assert(db:manager {
-    application = "stalling",
+    application = "stalling", lease = 1, stale_after = 1,
     on_event = function(name)
       if name == "apply" and not paused then
         paused = true
