@@ -74,7 +74,8 @@ asan: setup
 
 demo: setup
 	@$(MAKE) --no-print-directory all
-	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- $(LUA) examples/00-accounts.lua
+	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- sh -c \
+	  '$(LUA) examples/00-accounts.lua && $(LUA) examples/01-tutorial.lua'
 
 lint:
 	luacheck -q lua spec examples bench

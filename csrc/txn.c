@@ -415,8 +415,9 @@ l_transition(lua_State *L)
 }
 
 /* create(txcoll, doc [, opts]) -> { created = bool }
- * Upsert {_id: doc._id} with $setOnInsert: doc and $currentDate:
- * lastModified, so the time is the server's and repeating it is safe. */
+ * Upsert {_id: doc._id, state: {$exists: false}} with $setOnInsert: doc
+ * and $currentDate: lastModified, so the time is the server's; repeating
+ * it fails on the _id and changes nothing. */
 static int
 l_create(lua_State *L)
 {
@@ -432,6 +433,11 @@ l_create(lua_State *L)
 	BSON_APPEND_BOOL(opts, "upsert", true);
 	filter = mtx_scratch(L);
 	bson_append_iter(filter, "_id", 3, &it);
+	/* never matches a transaction (they all have a state), so an existing
+	 * one is left untouched: the upsert fails on its _id instead */
+	bson_append_document_begin(filter, "state", 5, &sub);
+	BSON_APPEND_BOOL(&sub, "$exists", false);
+	bson_append_document_end(filter, &sub);
 	update = mtx_scratch(L);
 	bson_append_document_begin(update, "$setOnInsert", -1, &sub);
 	bson_iter_init(&it, doc);

@@ -59,6 +59,8 @@ describe("#server collection", function()
     end)
 
     it("stores every BSON type and reads it back byte for byte", function()
+      local lacks = helpers.ferretdb_lacks("every BSON type (it drops the connection on the deprecated ones)")
+      if lacks then return pending(lacks) end
       local doc = core.doc(
         "_id", core.ObjectId(), "i", 7, "l", core.Int64(1099511627776),
         "max", core.Int64("9223372036854775807"), "min", core.Int64("-9223372036854775808"),
@@ -350,6 +352,8 @@ describe("#server collection", function()
     end)
 
     it("returns the new document with new = true, limited by fields", function()
+      local lacks = helpers.ferretdb_lacks("findAndModify's fields")
+      if lacks then return pending(lacks) end
       local res = assert(coll:find_and_modify({ _id = 2 }, {
         update = { ["$set"] = { n = 20 } }, new = true, fields = { n = 1 } }))
       assert.are.same({ _id = 2, n = 20 }, res.value)
@@ -497,6 +501,8 @@ describe("#server collection", function()
     end)
 
     it("names the index as asked, keys in core.doc order", function()
+      local lacks = helpers.ferretdb_lacks("the expireAfterSeconds index option")
+      if lacks then return pending(lacks) end
       assert(coll:create_index(core.doc("b", 1, "a", -1), { name = "b_a", sparse = true }))
       assert(coll:create_index({ t = 1 }, { expire_after = 3600 }))
       local all = indexes()
@@ -509,6 +515,8 @@ describe("#server collection", function()
     end)
 
     it("create_index raises for a plain table with several keys", function()
+      local lacks = helpers.ferretdb_lacks("listIndexes on a collection that does not exist")
+      if lacks then return pending(lacks) end
       assert.has_error(function() coll:create_index({ a = 1, b = 1 }) end)
       assert.has_error(function() coll:create_index({ a = 1 }, { bogus = true }) end)
       assert.has_error(function() coll:create_index({ a = 1 }, { unique = "yes" }) end)

@@ -75,6 +75,38 @@ end
 
 local function key(id) return canon(id) end
 
+-- An op's update, undo and where hold `$` keys, which servers refuse in a
+-- stored document (MongoDB before 5.0, FerretDB): the transaction keeps
+-- them as BSON inside a Binary, and loading turns them back into tables.
+local OPERATOR_FIELDS = { "update", "undo", "where" }
+
+local function stored_ops(ops)
+  local out = {}
+  for i, op in ipairs(ops) do
+    local s = {}
+    for k, v in pairs(op) do s[k] = v end
+    for _, f in ipairs(OPERATOR_FIELDS) do
+      if op[f] ~= nil then s[f] = core.Binary(core.encode(op[f])) end
+    end
+    out[i] = s
+  end
+  return out
+end
+
+-- Decodes the operator fields of T's ops in place; T as it was when they
+-- are not binaries (a malformed document is left for well_formed()).
+local function live(T)
+  if type(T) ~= "table" or type(T.ops) ~= "table" then return T end
+  for _, op in ipairs(T.ops) do
+    for _, f in ipairs(OPERATOR_FIELDS) do
+      if type(op) == "table" and core.type(op[f]) == "binData" then
+        op[f] = core.decode((op[f]:value()))
+      end
+    end
+  end
+  return T
+end
+
 function Manager:_event(name, info)
   pcall(self.policy.on_event, name, info)
 end
@@ -122,7 +154,7 @@ end
 function Manager:get(id)
   local doc, err = self.tx:find_one({ _id = id })
   if err then return nil, errors.wrap(err, "get", id) end
-  return doc
+  return live(doc)
 end
 
 function Manager:_load(t, step)
@@ -186,7 +218,13 @@ function Manager:_claim(T, set)
   local doc, err = self:_step("claim", T._id, self.tx, T._id, expect, set, self.wopts)
   if doc == nil then return nil, err end
   if doc then self.held[key(T._id)] = doc.epoch end
-  return doc
+  return live(doc)
+end
+
+-- This manager as the ownership policy sees it.
+function Manager:_me()
+  return { application = self.application, instance = self.instance,
+           stale_after = self.policy.stale_after, lease = self.policy.lease }
 end
 
 function Manager:_holds(T)
@@ -409,13 +447,16 @@ function Manager:begin(ops, opts, extra)
   end
   local id = opts.id
   if id == nil then id = core.ObjectId() end
-  local doc = { _id = id, state = "initial", ops = norm, epoch = 0, attempts = 0,
-                meta = opts.meta }
+  local doc = { _id = id, state = "initial", ops = stored_ops(norm), epoch = 0,
+                attempts = 0, meta = opts.meta }
   for k, v in pairs(extra or {}) do doc[k] = v end
   local res
   res, err = self:_step("create", id, self.tx, doc, self.wopts)
   if not res then return nil, err end
-  if res.created then return doc end
+  if res.created then
+    doc.ops = norm
+    return doc
+  end
   local existing
   existing, err = self:get(id)
   if err then return nil, err end
@@ -470,6 +511,14 @@ function Manager:rollback(t, reason)
     T = self:get(T._id)
   elseif T.state == "pending" then
     if not self:_holds(T) then
+      local now
+      now, err = self:server_now()
+      if not now then return nil, err end
+      local age = T.lastModified and (now - T.lastModified:value()) / 1000 or math.huge
+      if not self.policy.may_recover(T, age, self:_me()) then
+        return nil, errors.new("owned", format("held by %s until its lease expires",
+          tostring(T.application)), { step = "rollback", id = T._id })
+      end
       local claimed
       claimed, err = self:_claim(T)
       if claimed == nil then return nil, err end
@@ -491,9 +540,16 @@ function Manager:rollback(t, reason)
   return nil, err
 end
 
+-- The id of the transaction compensating the one with this id: derived
+-- from it, so it is created at most once however often (and from
+-- wherever) compensate is called.  A string, not a document: it becomes a
+-- marker, and FerretDB cannot $pull a document value.
+function _M.compensation_id(id)
+  return "compensates:" .. canon(id)
+end
+
 -- A new transaction with the inverse ops of a committed one, linked by
--- `compensates`; its id derives from the original's, so it is created at
--- most once however often (and from wherever) this is called.
+-- `compensates`.
 function Manager:compensate(t)
   local T, err = self:_load(t, "compensate")
   if not T then return nil, err end
@@ -510,7 +566,7 @@ function Manager:compensate(t)
     return nil, errors.new("invalid", why, { step = "compensate", id = T._id })
   end
   local C
-  C, err = self:begin(ops, { id = core.doc("compensates", T._id) }, { compensates = T._id })
+  C, err = self:begin(ops, { id = _M.compensation_id(T._id) }, { compensates = T._id })
   if not C then return nil, err end
   self:_event("compensate", { id = T._id, by = C._id })
   return self:commit(C)
@@ -590,9 +646,7 @@ function Manager:recover(opts)
   opts = validate.options(opts, { limit = true }, "recover", 2)
   local now, err = self:server_now()
   if not now then return nil, err end
-  local policy = self.policy
-  local me = { application = self.application, instance = self.instance,
-               stale_after = policy.stale_after, lease = policy.lease }
+  local me = self:_me()
   -- Oldest first; whether each one is stale enough is the policy's call
   -- (a holder may have declared a shorter lease than this manager's).
   local list
@@ -605,7 +659,9 @@ function Manager:recover(opts)
                    failed = 0, errors = {} }
   for _, T in ipairs(list) do
     report.examined = report.examined + 1
-    local ok, outcome, failure = pcall(self._recover_one, self, T, now, me)
+    local ok, outcome, failure = pcall(function()
+      return self:_recover_one(live(T), now, me)
+    end)
     if ok and outcome then
       report[outcome] = report[outcome] + 1
     else
@@ -641,6 +697,7 @@ end
 function Manager:find(filter, opts)
   local list, err = self.tx:find_all(filter or {}, opts)
   if not list then return nil, errors.wrap(err, "find") end
+  for _, T in ipairs(list) do live(T) end
   return list
 end
 
@@ -689,8 +746,9 @@ function Manager:step(name, t, i)
     local versions = self.versions[k]
     if not versions then
       versions, err = self:_confirmed_versions(T)
+      if versions == nil then return nil, err end
       if not versions then
-        return nil, err or errors.new("owned", "not held by this manager", { id = T._id })
+        return nil, errors.new("owned", "not held by this manager", { step = "apply", id = T._id })
       end
       self.versions[k] = versions
     end

@@ -232,6 +232,8 @@ local function normalise_op(op, i, ctx)
     if doc._id ~= nil and canon(doc._id) ~= canon(op.id) then
       return invalid("doc._id differs from the op's id", i)
     end
+    local op_key = operator_key(doc, 0)
+    if op_key then return invalid(format("doc may not hold the key %q", op_key), i) end
     local bad = non_finite(doc, 0)
     if bad then return invalid("doc holds " .. tostring(bad), i) end
     doc._id = op.id

@@ -1,0 +1,185 @@
+-- A recovery worker: finds transactions left unfinished (their owner
+-- crashed or stalled) and drives each one to done or cancelled under a
+-- policy of its own:
+--   stale_after = 5        a transaction untouched for 5 s counts as stale
+--   stale_pending          a stale pending transaction rolls forward when
+--                          its meta.priority is "high", back otherwise
+--   on_event               prints every step the worker takes
+--   max_attempts = 3       after 3 failed recoveries a transaction is parked
+--
+--   lua5.4 examples/04-recovery-worker.lua          the demo: leaves two
+--       transfers pending by hand (a crashed owner), then runs one
+--       recovery pass with stale_after = 0 and lease = 0, so it need not
+--       wait, and prints the report
+--   lua5.4 examples/04-recovery-worker.lua --loop   a worker: no demo set-up
+--       (nothing dropped), the policy above with the default lease; runs
+--       tm:recover() every 5 seconds until interrupted
+--
+-- Run from the repository root; MONGOTX_CPATH says where mongotx/core.so
+-- is (default ./build/lua54/?.so); MONGOTX_TEST_URI is the server
+-- (default mongodb://127.0.0.1:27017).  Uses the database mongotx_demo;
+-- the demo drops its accounts and transactions collections first.
+
+local cpath = os.getenv("MONGOTX_CPATH") or "./build/lua54/?.so"
+package.cpath = cpath .. ";" .. package.cpath
+package.path = "./lua/?.lua;./lua/?/init.lua;" .. package.path
+
+local mongotx = require "mongotx"
+
+-- A value as the mongo shell would print it (dates as ISO time).
+local function show(v)
+  if v == mongotx.null then return "null" end
+  local t = type(v)
+  if t == "string" then return string.format("%q", v) end
+  if t ~= "table" and t ~= "userdata" then return tostring(v) end
+  local kind = mongotx.type(v)
+  if kind == "date" then
+    local ms = v:value()
+    return os.date("!%Y-%m-%dT%H:%M:%S", ms // 1000) .. string.format(".%03dZ", ms % 1000)
+  end
+  if t == "userdata" then return tostring(v) end
+  local parts = {}
+  if kind == "array" then
+    for i = 1, #v do parts[i] = show(v[i]) end
+    return "[" .. table.concat(parts, ", ") .. "]"
+  end
+  local mt = getmetatable(v)
+  local keys, seen = {}, {}
+  if v._id ~= nil then keys[1], seen._id = "_id", true end
+  for _, k in ipairs(mt or {}) do
+    if not seen[k] and v[k] ~= nil then keys[#keys + 1], seen[k] = k, true end
+  end
+  local rest = {}
+  for k in pairs(v) do
+    if not seen[k] then rest[#rest + 1] = tostring(k) end
+  end
+  table.sort(rest)
+  for _, k in ipairs(rest) do keys[#keys + 1] = k end
+  for i, k in ipairs(keys) do parts[i] = k .. ": " .. show(v[k]) end
+  return "{ " .. table.concat(parts, ", ") .. " }"
+end
+
+local uri = os.getenv("MONGOTX_TEST_URI") or "mongodb://127.0.0.1:27017"
+local db = assert(mongotx.connect(uri, { database = "mongotx_demo" }))
+
+local loop = arg[1] == "--loop"
+if arg[1] ~= nil and not loop then
+  io.stderr:write("usage: lua5.4 examples/04-recovery-worker.lua [--loop]\n")
+  os.exit(2)
+end
+
+local policy = {
+  stale_after = 5,
+  stale_pending = function(tx)
+    return tx.meta and tx.meta.priority == "high" and "forward" or "back"
+  end,
+  on_event = function(name, info)
+    if name == "recover" then return end -- the report is printed below
+    local res = info.result
+    local extra = ""
+    if type(res) == "table" and res.state then -- a claim returns the claimed document
+      extra = (" -> %s, owner %s, epoch %s"):format(res.state, res.application, res.epoch)
+    elseif res ~= nil then
+      extra = " " .. show(res)
+    end
+    if info.reason then extra = extra .. " reason " .. tostring(info.reason) end
+    print(("    event %s, transaction %s%s"):format(name, show(info.id), extra))
+  end,
+  max_attempts = 3,
+}
+
+local function heading(text)
+  print()
+  print("== " .. text)
+end
+
+local function print_report(report)
+  print(("  examined %d, done %d, cancelled %d, skipped %d, parked %d, failed %d"):format(
+    report.examined, report.done, report.cancelled, report.skipped, report.parked,
+    report.failed))
+  for _, e in ipairs(report.errors) do
+    print(("  error on %s: %s"):format(show(e.id), tostring(e.error)))
+  end
+end
+
+if loop then
+  local opts = { application = "recovery-worker" }
+  for k, v in pairs(policy) do opts[k] = v end
+  local tm = assert(db:manager(opts))
+  print("recovery worker: a pass every 5 seconds (interrupt to stop)")
+  while true do
+    local report, err = tm:recover()
+    if report then
+      io.write(os.date("!%H:%M:%S "))
+      print_report(report)
+    else
+      print("recovery pass failed: " .. tostring(err))
+    end
+    mongotx.core.sleep(5)
+  end
+end
+
+local accounts = db:collection("accounts")
+assert(accounts:drop())
+assert(db:collection("transactions"):drop())
+
+local function balances()
+  local docs = assert(accounts:find_all({}, { sort = { _id = 1 } }))
+  for _, d in ipairs(docs) do
+    print(("  %s: balance %d, pendingTransactions %s"):format(d._id, d.balance,
+      show(d.pendingTransactions)))
+  end
+end
+
+heading("accounts A and B with 1000 each")
+assert(accounts:insert_many({
+  { _id = "A", balance = 1000, pendingTransactions = mongotx.array() },
+  { _id = "B", balance = 1000, pendingTransactions = mongotx.array() },
+}, {}))
+balances()
+
+-- The crashed owner: lease = 0, so others may take its transactions over
+-- at once.  It claims each transfer and applies op 1 only, then "dies".
+local web = assert(db:manager{ application = "web-1", lease = 0 })
+local function half_done(id, amount, priority)
+  local t = assert(web:begin({
+    { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -amount } } },
+    { collection = "accounts", id = "B", update = { ["$inc"] = { balance = amount } } },
+  }, { id = id, meta = { priority = priority } }))
+  assert(web:step("claim", t))
+  assert(web:step("apply", t, 1))
+  return t
+end
+
+heading("web-1 starts two transfers from A to B, applies op 1 of each, and crashes")
+half_done("urgent", 100, "high")
+half_done("routine", 10, "low")
+for _, T in ipairs(assert(web:find({}, { sort = { _id = 1 } }))) do
+  print(("  transaction %s: state %s, owner %s, meta.priority %s"):format(
+    show(T._id), T.state, T.application, T.meta.priority))
+end
+balances()
+
+heading("one recovery pass by \"recovery-worker\" (stale_after = 0, lease = 0 for the demo)")
+local opts = { application = "recovery-worker" }
+for k, v in pairs(policy) do opts[k] = v end
+opts.stale_after, opts.lease = 0, 0
+local tm = assert(db:manager(opts))
+local report = assert(tm:recover())
+print("  report:")
+print_report(report)
+assert(report.examined == 2 and report.done == 1 and report.cancelled == 1
+       and report.failed == 0, "unexpected recovery report")
+
+heading("afterwards")
+for _, T in ipairs(assert(tm:find({}, { sort = { _id = 1 } }))) do
+  print(("  transaction %s: state %s, owner %s, epoch %d%s"):format(show(T._id), T.state,
+    T.application, T.epoch, T.reason and ", reason " .. T.reason or ""))
+end
+balances()
+assert(tm:get("urgent").state == "done" and tm:get("routine").state == "cancelled")
+local A = assert(accounts:find_one({ _id = "A" }, {}))
+local B = assert(accounts:find_one({ _id = "B" }, {}))
+assert(A.balance == 900 and B.balance == 1100, "only the urgent transfer should remain")
+assert(#A.pendingTransactions == 0 and #B.pendingTransactions == 0)
+db:close()
