@@ -20,47 +20,11 @@
 -- (default mongodb://127.0.0.1:27017).  Uses the database mongotx_demo;
 -- the demo drops its accounts and transactions collections first.
 
-local cpath = os.getenv("MONGOTX_CPATH") or "./build/lua54/?.so"
-package.cpath = cpath .. ";" .. package.cpath
-package.path = "./lua/?.lua;./lua/?/init.lua;" .. package.path
+package.path = "./examples/?.lua;" .. package.path
+local common = require "common"
+local mongotx, show = common.mongotx, common.show
 
-local mongotx = require "mongotx"
-
--- A value as the mongo shell would print it (dates as ISO time).
-local function show(v)
-  if v == mongotx.null then return "null" end
-  local t = type(v)
-  if t == "string" then return string.format("%q", v) end
-  if t ~= "table" and t ~= "userdata" then return tostring(v) end
-  local kind = mongotx.type(v)
-  if kind == "date" then
-    local ms = v:value()
-    return os.date("!%Y-%m-%dT%H:%M:%S", ms // 1000) .. string.format(".%03dZ", ms % 1000)
-  end
-  if t == "userdata" then return tostring(v) end
-  local parts = {}
-  if kind == "array" then
-    for i = 1, #v do parts[i] = show(v[i]) end
-    return "[" .. table.concat(parts, ", ") .. "]"
-  end
-  local mt = getmetatable(v)
-  local keys, seen = {}, {}
-  if v._id ~= nil then keys[1], seen._id = "_id", true end
-  for _, k in ipairs(mt or {}) do
-    if not seen[k] and v[k] ~= nil then keys[#keys + 1], seen[k] = k, true end
-  end
-  local rest = {}
-  for k in pairs(v) do
-    if not seen[k] then rest[#rest + 1] = tostring(k) end
-  end
-  table.sort(rest)
-  for _, k in ipairs(rest) do keys[#keys + 1] = k end
-  for i, k in ipairs(keys) do parts[i] = k .. ": " .. show(v[k]) end
-  return "{ " .. table.concat(parts, ", ") .. " }"
-end
-
-local uri = os.getenv("MONGOTX_TEST_URI") or "mongodb://127.0.0.1:27017"
-local db = assert(mongotx.connect(uri, { database = "mongotx_demo" }))
+local db = common.connect()
 
 local loop = arg[1] == "--loop"
 if arg[1] ~= nil and not loop then
