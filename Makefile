@@ -78,7 +78,7 @@ demo: setup
 	  '$(LUA) examples/00-accounts.lua && $(LUA) examples/01-tutorial.lua'
 
 lint:
-	luacheck -q lua spec examples bench
+	luacheck -q lua spec examples $(wildcard bench torture fuzz)
 
 clean:
 	rm -rf build
