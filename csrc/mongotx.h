@@ -140,4 +140,9 @@ MTX_HIDDEN int mtx_open_cursor(lua_State *L);
 
 MTX_HIDDEN int mtx_open_txn(lua_State *L);
 
+/* fault.c: named crash points around every write of a step. */
+#define MTX_FAULT_EXIT 86
+MTX_HIDDEN void mtx_fault(const char *point, const char *when);
+MTX_HIDDEN int mtx_open_fault(lua_State *L);
+
 #endif

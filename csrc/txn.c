@@ -154,17 +154,22 @@ write_opts(lua_State *L, int idx)
 	return opts;
 }
 
-/* Runs an update_one; pushes the matched count or nil, err (returns the
- * number of values pushed, 1 or 2). */
+/* Runs an update_one at crash point `point` (fault.c); sets *matched, or
+ * pushes nil, err and returns 2 (0 on success). */
 static int
-run_update(lua_State *L, mongoc_collection_t *coll, const bson_t *filter,
-	   const bson_t *update, const bson_t *opts, int64_t *matched)
+run_update(lua_State *L, const char *point, mongoc_collection_t *coll,
+	   const bson_t *filter, const bson_t *update, const bson_t *opts,
+	   int64_t *matched)
 {
 	bson_t *reply = mtx_scratch(L);
 	bson_error_t err;
 	bson_iter_t it;
+	bool ok;
 
-	if (!mongoc_collection_update_one(coll, filter, update, opts, reply, &err))
+	mtx_fault(point, "before");
+	ok = mongoc_collection_update_one(coll, filter, update, opts, reply, &err);
+	mtx_fault(point, "after");
+	if (!ok)
 		return mtx_push_error(L, &err, reply);
 	*matched = bson_iter_init_find(&it, reply, "matchedCount")
 			   ? bson_iter_as_int64(&it) : 0;
@@ -172,14 +177,18 @@ run_update(lua_State *L, mongoc_collection_t *coll, const bson_t *filter,
 }
 
 static int
-run_delete(lua_State *L, mongoc_collection_t *coll, const bson_t *filter,
-	   const bson_t *opts, int64_t *deleted)
+run_delete(lua_State *L, const char *point, mongoc_collection_t *coll,
+	   const bson_t *filter, const bson_t *opts, int64_t *deleted)
 {
 	bson_t *reply = mtx_scratch(L);
 	bson_error_t err;
 	bson_iter_t it;
+	bool ok;
 
-	if (!mongoc_collection_delete_one(coll, filter, opts, reply, &err))
+	mtx_fault(point, "before");
+	ok = mongoc_collection_delete_one(coll, filter, opts, reply, &err);
+	mtx_fault(point, "after");
+	if (!ok)
 		return mtx_push_error(L, &err, reply);
 	*deleted = bson_iter_init_find(&it, reply, "deletedCount")
 			   ? bson_iter_as_int64(&it) : 0;
@@ -234,6 +243,7 @@ l_apply(lua_State *L)
 		bson_t *reply = mtx_scratch(L), marker;
 		bson_error_t err;
 		bson_iter_t it;
+		bool ok;
 
 		lua_getfield(L, 3, "doc");
 		doc = mtx_check_document(L, -1);
@@ -242,7 +252,10 @@ l_apply(lua_State *L)
 		bson_append_iter(&marker, "0", 1, &it);
 		bson_append_array_end(doc, &marker);
 		BSON_APPEND_INT32(doc, f.version, 1);
-		if (!mongoc_collection_insert_one(coll, doc, opts, reply, &err)) {
+		mtx_fault("apply", "before");
+		ok = mongoc_collection_insert_one(coll, doc, opts, reply, &err);
+		mtx_fault("apply", "after");
+		if (!ok) {
 			if (err.code == 11000)
 				return push_bool_result(L, "applied", 0);
 			return mtx_push_error(L, &err, reply);
@@ -261,7 +274,7 @@ l_apply(lua_State *L)
 	}
 	doc = mtx_scratch(L);
 	merge_update(doc, update, &f, "$push", tid);
-	if ((rc = run_update(L, coll, filter, doc, opts, &n)))
+	if ((rc = run_update(L, "apply", coll, filter, doc, opts, &n)))
 		return rc;
 	return push_bool_result(L, "applied", n);
 }
@@ -286,12 +299,12 @@ l_finish(lua_State *L)
 	filter = id_filter(L, 3, 0);
 	append_marker_eq(filter, &f, tid);
 	if (op_kind(L, 3) == K_REMOVE) {
-		if ((rc = run_delete(L, coll, filter, opts, &n)))
+		if ((rc = run_delete(L, "finish", coll, filter, opts, &n)))
 			return rc;
 	} else {
 		update = mtx_scratch(L);
 		merge_update(update, NULL, &f, "$pull", tid);
-		if ((rc = run_update(L, coll, filter, update, opts, &n)))
+		if ((rc = run_update(L, "finish", coll, filter, update, opts, &n)))
 			return rc;
 	}
 	return push_bool_result(L, "finished", n);
@@ -318,7 +331,7 @@ l_undo(lua_State *L)
 	filter = id_filter(L, 3, 0);
 	append_marker_eq(filter, &f, tid);
 	if (kind == K_INSERT) {
-		if ((rc = run_delete(L, coll, filter, opts, &n)))
+		if ((rc = run_delete(L, "undo", coll, filter, opts, &n)))
 			return rc;
 		return push_bool_result(L, "undone", n);
 	}
@@ -328,7 +341,7 @@ l_undo(lua_State *L)
 	}
 	update = mtx_scratch(L);
 	merge_update(update, undo, &f, "$pull", tid);
-	if ((rc = run_update(L, coll, filter, update, opts, &n)))
+	if ((rc = run_update(L, "undo", coll, filter, update, opts, &n)))
 		return rc;
 	return push_bool_result(L, "undone", n);
 }
@@ -367,9 +380,20 @@ l_fence(lua_State *L)
 	} else {
 		merge_update(update, NULL, &f, NULL, tid);
 	}
-	if ((rc = run_update(L, coll, filter, update, opts, &n)))
+	if ((rc = run_update(L, "fence", coll, filter, update, opts, &n)))
 		return rc;
 	return push_bool_result(L, "fenced", n);
+}
+
+/* The crash point of a move to state `to`, in the protocol's words. */
+static const char *
+transition_point(const char *to)
+{
+	if (strcmp(to, "applied") == 0)
+		return "commit";
+	if (strcmp(to, "canceling") == 0)
+		return "cancel";
+	return to; /* done, cancelled */
 }
 
 /* transition(txcoll, tid, from, to [, epoch [, set [, opts]]])
@@ -409,7 +433,7 @@ l_transition(lua_State *L)
 	bson_append_document_begin(update, "$currentDate", -1, &cd);
 	BSON_APPEND_BOOL(&cd, "lastModified", true);
 	bson_append_document_end(update, &cd);
-	if ((rc = run_update(L, coll, filter, update, opts, &n)))
+	if ((rc = run_update(L, transition_point(to), coll, filter, update, opts, &n)))
 		return rc;
 	return push_bool_result(L, "moved", n);
 }
@@ -425,6 +449,8 @@ l_create(lua_State *L)
 	bson_t *doc, *filter, *update, *opts, *reply, sub;
 	bson_iter_t it;
 	bson_error_t err;
+	const char *point;
+	bool ok;
 
 	lua_settop(L, 3); /* absent optional arguments keep their slots */
 	doc = mtx_check_document(L, 2);
@@ -449,7 +475,11 @@ l_create(lua_State *L)
 	BSON_APPEND_BOOL(&sub, "lastModified", true);
 	bson_append_document_end(update, &sub);
 	reply = mtx_scratch(L);
-	if (!mongoc_collection_update_one(coll, filter, update, opts, reply, &err)) {
+	point = bson_has_field(doc, "compensates") ? "compensate" : "create";
+	mtx_fault(point, "before");
+	ok = mongoc_collection_update_one(coll, filter, update, opts, reply, &err);
+	mtx_fault(point, "after");
+	if (!ok) {
 		/* two creators racing on one id: the loser sees a duplicate */
 		if (err.code == 11000)
 			return push_bool_result(L, "created", 0);
@@ -474,6 +504,7 @@ l_claim(lua_State *L)
 	bson_error_t err;
 	bson_iter_t it;
 	void **slot;
+	bool ok;
 
 	lua_settop(L, 5); /* absent optional arguments keep their slots */
 	tid = check_tid(L, 2);
@@ -501,7 +532,10 @@ l_claim(lua_State *L)
 	mongoc_find_and_modify_opts_set_flags(fam, MONGOC_FIND_AND_MODIFY_RETURN_NEW);
 	mongoc_find_and_modify_opts_append(fam, extra);
 	reply = mtx_scratch(L);
-	if (!mongoc_collection_find_and_modify_with_opts(coll, query, fam, reply, &err))
+	mtx_fault("claim", "before");
+	ok = mongoc_collection_find_and_modify_with_opts(coll, query, fam, reply, &err);
+	mtx_fault("claim", "after");
+	if (!ok)
 		return mtx_push_error(L, &err, reply);
 	if (bson_iter_init_find(&it, reply, "value") && BSON_ITER_HOLDS_DOCUMENT(&it)) {
 		bson_t value;

@@ -1,0 +1,107 @@
+/* fault.c: crash points for the torture suite (TESTING.md).
+ *
+ * Every write a protocol step makes passes a named point twice, "before"
+ * and "after" the command.  Nothing happens unless the environment asks:
+ *
+ *   MONGOTX_FAULT=<point>:<when>:<n>   the nth time this process reaches
+ *       <point> <when>, end it at once with _exit(MTX_FAULT_EXIT): no
+ *       clean-up, no buffered output, like a kill -9 at that instant;
+ *   MONGOTX_FAULT_TRACE=<file>         append "<point> <when>" per point
+ *       reached, so a test can list the points a scenario passes.
+ *
+ * core.fault(spec) sets the same thing from Lua (nil turns it off), for
+ * tests that start no child process.  The environment is read once. */
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "mongotx.h"
+
+static struct {
+	int loaded;
+	char point[32], when[8];
+	long target, seen;
+	int trace_fd;
+} fault = {0, "", "", 0, 0, -1};
+
+/* Parses "<point>:<when>:<n>" into the crash target; 0 when malformed. */
+static int
+parse_spec(const char *spec)
+{
+	char point[32], when[8];
+	long n;
+
+	if (sscanf(spec, "%31[^:]:%7[^:]:%ld", point, when, &n) != 3 || n < 1 ||
+	    (strcmp(when, "before") != 0 && strcmp(when, "after") != 0))
+		return 0;
+	memcpy(fault.point, point, sizeof point);
+	memcpy(fault.when, when, sizeof when);
+	fault.target = n;
+	fault.seen = 0;
+	return 1;
+}
+
+static void
+load_env(void)
+{
+	const char *spec = getenv("MONGOTX_FAULT");
+	const char *trace = getenv("MONGOTX_FAULT_TRACE");
+
+	fault.loaded = 1;
+	if (spec && *spec && !parse_spec(spec)) {
+		fprintf(stderr, "mongotx: ignoring MONGOTX_FAULT=%s "
+				"(want <point>:<before|after>:<n>)\n", spec);
+	}
+	if (trace && *trace)
+		fault.trace_fd = open(trace, O_WRONLY | O_CREAT | O_APPEND |
+					  O_CLOEXEC, 0644);
+}
+
+void
+mtx_fault(const char *point, const char *when)
+{
+	if (!fault.loaded)
+		load_env();
+	if (fault.trace_fd >= 0) {
+		char line[64];
+		int n = snprintf(line, sizeof line, "%s %s\n", point, when);
+
+		if (n > 0 && write(fault.trace_fd, line, (size_t)n) < 0)
+			fault.trace_fd = -1; /* tracing is best effort */
+	}
+	if (fault.target > 0 && strcmp(point, fault.point) == 0 &&
+	    strcmp(when, fault.when) == 0 && ++fault.seen == fault.target) {
+		static const char msg[] = "mongotx: fault injected, exiting\n";
+		ssize_t r = write(STDERR_FILENO, msg, sizeof msg - 1);
+
+		(void)r; /* exiting either way */
+		_exit(MTX_FAULT_EXIT);
+	}
+}
+
+/* core.fault("<point>:<when>:<n>" | nil): arm (or disarm) a crash point
+ * from Lua; raises on a malformed spec. */
+static int
+l_fault(lua_State *L)
+{
+	lua_settop(L, 1);
+	if (!fault.loaded)
+		load_env();
+	if (lua_isnil(L, 1)) {
+		fault.target = 0;
+		return 0;
+	}
+	luaL_argcheck(L, parse_spec(luaL_checkstring(L, 1)), 1,
+		      "want \"<point>:<before|after>:<n>\"");
+	return 0;
+}
+
+int
+mtx_open_fault(lua_State *L)
+{
+	lua_pushcfunction(L, l_fault);
+	lua_setfield(L, -2, "fault");
+	return 0;
+}
