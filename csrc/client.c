@@ -71,6 +71,55 @@ apply_tls(lua_State *L, int idx, mongoc_client_t *client)
 	lua_pop(L, 5);
 }
 
+/* Statements a write command carries: the length of its documents,
+ * updates or deletes array (libmongoc hands APM the OP_MSG document
+ * sequence as that array), 1 for findAndModify, 0 for anything else. */
+static int64_t
+count_writes(const char *name, const bson_t *cmd)
+{
+	const char *key;
+	bson_iter_t it, arr;
+	int64_t n = 0;
+
+	if (strcmp(name, "insert") == 0)
+		key = "documents";
+	else if (strcmp(name, "update") == 0)
+		key = "updates";
+	else if (strcmp(name, "delete") == 0)
+		key = "deletes";
+	else
+		return strcmp(name, "findAndModify") == 0;
+	if (bson_iter_init_find(&it, cmd, key) && BSON_ITER_HOLDS_ARRAY(&it) &&
+	    bson_iter_recurse(&it, &arr))
+		while (bson_iter_next(&arr))
+			n++;
+	return n;
+}
+
+/* Runs for every command the client sends, on the calling thread (a
+ * client is single-threaded): counting only, so it stays cheap. */
+static void
+count_command(const mongoc_apm_command_started_t *event)
+{
+	mtx_counters *n = (mtx_counters *)
+		mongoc_apm_command_started_get_context(event);
+
+	n->commands++;
+	n->writes += count_writes(
+		mongoc_apm_command_started_get_command_name(event),
+		mongoc_apm_command_started_get_command(event));
+}
+
+static void
+watch_commands(mtx_client *c)
+{
+	mongoc_apm_callbacks_t *cbs = mongoc_apm_callbacks_new();
+
+	mongoc_apm_set_command_started_cb(cbs, count_command);
+	mongoc_client_set_apm_callbacks(c->client, cbs, &c->counters); /* copies cbs */
+	mongoc_apm_callbacks_destroy(cbs);
+}
+
 /* connect(uri [, { appname, write_concern, read_preference, tls }]).
  * Authentication, TLS, timeouts and the rest come in the URI as libmongoc
  * reads it; the options cover what a URI cannot say as well. */
@@ -104,6 +153,7 @@ l_connect(lua_State *L)
 	c = (mtx_client *)mtx_newuserdata(L, sizeof *c);
 	c->client = NULL;
 	c->cursors = NULL;
+	c->counters.commands = c->counters.writes = 0;
 	luaL_getmetatable(L, MTX_CLIENT_MT);
 	lua_setmetatable(L, -2);
 
@@ -114,6 +164,7 @@ l_connect(lua_State *L)
 	if (!c->client)
 		return mtx_push_error(L, &err, NULL);
 	mongoc_client_set_error_api(c->client, MONGOC_ERROR_API_VERSION_2);
+	watch_commands(c);
 	if (appname)
 		mongoc_client_set_appname(c->client, appname);
 	/* from here on the userdata owns the client: raising cannot leak */
@@ -171,6 +222,32 @@ client_command(lua_State *L)
 	return 1;
 }
 
+/* client:counters() -> { commands, writes } since connect or the last
+ * reset_counters(): round trips and write statements, as sent. */
+static int
+client_counters(lua_State *L)
+{
+	mtx_client *c = mtx_check_client(L, 1);
+
+	mtx_client_handle(L, c);
+	lua_createtable(L, 0, 2);
+	lua_pushinteger(L, (lua_Integer)c->counters.commands);
+	lua_setfield(L, -2, "commands");
+	lua_pushinteger(L, (lua_Integer)c->counters.writes);
+	lua_setfield(L, -2, "writes");
+	return 1;
+}
+
+static int
+client_reset_counters(lua_State *L)
+{
+	mtx_client *c = mtx_check_client(L, 1);
+
+	mtx_client_handle(L, c);
+	c->counters.commands = c->counters.writes = 0;
+	return 0;
+}
+
 static int
 client_set_write_concern(lua_State *L)
 {
@@ -206,6 +283,8 @@ mtx_open_client(lua_State *L)
 		{"close", client_close},
 		{"collection", client_collection},
 		{"command", client_command},
+		{"counters", client_counters},
+		{"reset_counters", client_reset_counters},
 		{"set_read_preference", client_set_read_preference},
 		{"set_write_concern", client_set_write_concern},
 		{NULL, NULL},

@@ -95,9 +95,17 @@ MTX_HIDDEN mongoc_read_prefs_t *mtx_opt_read_prefs(lua_State *L, int idx);
 
 typedef struct mtx_cursor mtx_cursor;
 
+/* What the client sent, counted by libmongoc's command monitoring (APM):
+ * commands is round trips, writes the statements of write commands. */
+typedef struct {
+	int64_t commands;
+	int64_t writes;
+} mtx_counters;
+
 typedef struct {
 	mongoc_client_t *client; /* NULL once closed */
 	mtx_cursor *cursors;	 /* open cursors: destroyed before the client */
+	mtx_counters counters;	 /* the APM context: the userdata never moves */
 } mtx_client;
 
 MTX_HIDDEN mtx_client *mtx_check_client(lua_State *L, int idx);
@@ -119,6 +127,8 @@ MTX_HIDDEN mtx_collection *mtx_check_collection(lua_State *L, int idx);
 MTX_HIDDEN mongoc_collection_t *mtx_collection_handle(lua_State *L,
 						      mtx_collection *c);
 MTX_HIDDEN int mtx_open_collection(lua_State *L);
+MTX_HIDDEN int mtx_bulk_execute(lua_State *L, mongoc_bulk_operation_t *bulk,
+				const char *point, int n, int ordered);
 
 /* ---- cursor.c ---- */
 
