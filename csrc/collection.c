@@ -643,8 +643,7 @@ collection_bulk_write(lua_State *L)
 	static const char *const names[] = {"ordered", "write_concern", NULL};
 	mongoc_collection_t *coll = check_open(L);
 	mongoc_bulk_operation_t *bulk;
-	bson_t *opts, *reply;
-	bson_error_t err;
+	bson_t *opts;
 	void **slot;
 	int i, n, ordered;
 
@@ -666,9 +665,27 @@ collection_bulk_write(lua_State *L)
 		add_request(L, bulk, i);
 		lua_pop(L, 1);
 	}
-	reply = mtx_scratch(L);
-	if (!mongoc_bulk_operation_execute(bulk, reply, &err) &&
-	    (!has_write_errors(reply) || has_write_concern_errors(reply)))
+	return mtx_bulk_execute(L, bulk, NULL, n, ordered);
+}
+
+/* Executes bulk (n requests) between the crash points of `point` (none
+ * when NULL) and pushes the result table coll:bulk_write describes, or nil,
+ * err; returns the number of values pushed.  The transaction steps share
+ * it for their batched writes. */
+int
+mtx_bulk_execute(lua_State *L, mongoc_bulk_operation_t *bulk,
+		 const char *point, int n, int ordered)
+{
+	bson_t *reply = mtx_scratch(L);
+	bson_error_t err;
+	bool ok;
+
+	if (point)
+		mtx_fault(point, "before");
+	ok = mongoc_bulk_operation_execute(bulk, reply, &err);
+	if (point)
+		mtx_fault(point, "after");
+	if (!ok && (!has_write_errors(reply) || has_write_concern_errors(reply)))
 		return mtx_push_error(L, &err, reply);
 	lua_createtable(L, 0, 7);
 	lua_pushboolean(L, !has_write_errors(reply));

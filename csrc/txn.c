@@ -1,13 +1,17 @@
 /* txn.c: the steps of the two-phase-commit protocol, one function each.
- * Each issues exactly one single-document write (or one read) and reports
- * what happened; deciding what to do next is the Lua layer's job.
+ * Each issues exactly one write (one single-document write, or for the
+ * _many steps one bulk write covering a batch) and reports what happened;
+ * deciding what to do next is the Lua layer's job.
  *
  * Fencing: every write mongotx makes to a document also increments its
- * version field, and an apply is conditioned on the version the owner read
- * before it claimed the transaction.  A new owner touches (and so
- * versions) every document of the transaction before the transaction
- * leaves `pending`, so a stalled former owner that wakes up can never
- * match its apply again, even after the markers were pulled. */
+ * version field, and an apply is conditioned either on the version the
+ * owner read before it claimed the transaction or on a deadline by the
+ * server's clock.  A new owner touches (and so versions) every document
+ * of the transaction before the transaction leaves `pending`, so a
+ * stalled former owner that wakes up can never match its apply again,
+ * even after the markers were pulled; and no one may claim a transaction
+ * before its deadline passed (lua/mongotx/manager.lua), so an apply that
+ * was fenced by the deadline cannot run after a takeover either. */
 #include <string.h>
 #include <time.h>
 
@@ -30,28 +34,51 @@ check_fields(lua_State *L, int idx, fields *f)
 	lua_pop(L, 2);
 }
 
-/* {_id: id} followed by the fields of op.where, if any. */
+/* {_id: op.id} */
 static bson_t *
-id_filter(lua_State *L, int op, int with_where)
+id_filter(lua_State *L, int op)
 {
 	bson_t *filter = mtx_scratch(L);
-	bson_iter_t it;
 
 	lua_getfield(L, op, "id");
 	mtx_append_value(L, -1, filter, "_id");
 	lua_pop(L, 1);
-	if (with_where) {
-		lua_getfield(L, op, "where");
-		if (!lua_isnil(L, -1)) {
-			bson_t *where = mtx_check_document(L, -1);
-			bson_iter_init(&it, where);
+	return filter;
+}
+
+/* Appends op.where's conditions to filter: flattened, or with a deadline
+ * (stack index, 0 for none) $and: [where, {$expr: {$lt: ["$$NOW",
+ * deadline]}}], so that neither can shadow a key of the other. */
+static void
+append_conditions(lua_State *L, int op, int deadline, bson_t *filter)
+{
+	bson_t *where = NULL, and, elem, expr, lt;
+	bson_iter_t it;
+	int top = lua_gettop(L);
+
+	lua_getfield(L, op, "where");
+	if (!lua_isnil(L, -1))
+		where = mtx_check_document(L, -1);
+	if (!deadline) {
+		if (where && bson_iter_init(&it, where))
 			while (bson_iter_next(&it))
 				bson_append_iter(filter, NULL, 0, &it);
-			lua_pop(L, 1);
-		}
-		lua_pop(L, 1);
+		lua_settop(L, top);
+		return;
 	}
-	return filter;
+	bson_append_array_begin(filter, "$and", 4, &and);
+	if (where)
+		BSON_APPEND_DOCUMENT(&and, "0", where);
+	bson_append_document_begin(&and, where ? "1" : "0", 1, &elem);
+	bson_append_document_begin(&elem, "$expr", 5, &expr);
+	bson_append_array_begin(&expr, "$lt", 3, &lt);
+	BSON_APPEND_UTF8(&lt, "0", "$$NOW");
+	mtx_append_value(L, deadline, &lt, "1");
+	bson_append_array_end(&expr, &lt);
+	bson_append_document_end(&elem, &expr);
+	bson_append_document_end(&and, &elem);
+	bson_append_array_end(filter, &and);
+	lua_settop(L, top);
 }
 
 static void
@@ -85,6 +112,18 @@ check_tid(lua_State *L, int idx)
 	luaL_argcheck(L, !lua_isnoneornil(L, idx), idx, "a transaction id");
 	mtx_append_value(L, idx, holder, "t");
 	return holder;
+}
+
+/* The same for item i of a batch, into holder (reused across items). */
+static void
+item_tid(lua_State *L, int item, int i, bson_t *holder)
+{
+	lua_getfield(L, item, "tid");
+	if (lua_isnil(L, -1))
+		luaL_error(L, "mongotx: batch item %d has no tid", i);
+	bson_reinit(holder);
+	mtx_append_value(L, -1, holder, "t");
+	lua_pop(L, 1);
 }
 
 /* Copies the operators of update (may be NULL) into out, adding the
@@ -154,12 +193,12 @@ write_opts(lua_State *L, int idx)
 	return opts;
 }
 
-/* Runs an update_one at crash point `point` (fault.c); sets *matched, or
+/* Runs an update_one (update_many if `many`) at crash point `point` (fault.c); sets *matched, or
  * pushes nil, err and returns 2 (0 on success). */
 static int
 run_update(lua_State *L, const char *point, mongoc_collection_t *coll,
 	   const bson_t *filter, const bson_t *update, const bson_t *opts,
-	   int64_t *matched)
+	   int many, int64_t *matched)
 {
 	bson_t *reply = mtx_scratch(L);
 	bson_error_t err;
@@ -167,7 +206,8 @@ run_update(lua_State *L, const char *point, mongoc_collection_t *coll,
 	bool ok;
 
 	mtx_fault(point, "before");
-	ok = mongoc_collection_update_one(coll, filter, update, opts, reply, &err);
+	ok = many ? mongoc_collection_update_many(coll, filter, update, opts, reply, &err)
+		     : mongoc_collection_update_one(coll, filter, update, opts, reply, &err);
 	mtx_fault(point, "after");
 	if (!ok)
 		return mtx_push_error(L, &err, reply);
@@ -219,39 +259,81 @@ push_bool_result(lua_State *L, const char *field, int64_t n)
 	return 1;
 }
 
-/* apply(coll, tid, op, version, fields [, opts]) -> { applied = bool }
- * update/remove/assert: update_one {_id, where..., marker: {$ne: tid},
- * version: v} with op.update (none for remove/assert) plus $push marker
- * and $inc version.  insert: insert_one of op.doc with the marker set;
- * a duplicate key is reported as applied = false. */
+/* The insert of op.doc carrying the marker [tid] and version 1 (a
+ * scratch document left on the stack). */
+static bson_t *
+build_insert(lua_State *L, int op, const bson_t *tid, const fields *f)
+{
+	bson_t *doc, marker;
+	bson_iter_t it;
+
+	lua_getfield(L, op, "doc");
+	doc = mtx_check_document(L, -1);
+	bson_iter_init_find(&it, tid, "t");
+	bson_append_array_begin(doc, f->marker, -1, &marker);
+	bson_append_iter(&marker, "0", 1, &it);
+	bson_append_array_end(doc, &marker);
+	BSON_APPEND_INT32(doc, f->version, 1);
+	return doc;
+}
+
+/* The apply of an update/remove/assert op: filter {_id, where...,
+ * marker: {$ne: tid}} fenced either by the version the owner read
+ * (stack index `version`; nil means the document had none) or, when
+ * `deadline` (a stack index, 0 for none) is given, by the server's clock
+ * being before it; update: op.update (update kind only) + $push marker +
+ * $inc version. */
+static void
+build_apply(lua_State *L, int op, int kind, const bson_t *tid, int version,
+	    int deadline, const fields *f, bson_t *filter, bson_t *update)
+{
+	bson_t *upd = NULL;
+
+	lua_getfield(L, op, "id");
+	mtx_append_value(L, -1, filter, "_id");
+	lua_pop(L, 1);
+	append_conditions(L, op, deadline, filter);
+	append_marker_ne(filter, f, tid);
+	if (!deadline) {
+		if (lua_isnil(L, version))
+			bson_append_null(filter, f->version, -1);
+		else
+			mtx_append_value(L, version, filter, f->version);
+	}
+	if (kind == K_UPDATE) {
+		lua_getfield(L, op, "update");
+		upd = mtx_check_document(L, -1);
+	}
+	merge_update(update, upd, f, "$push", tid);
+	if (upd)
+		lua_pop(L, 2);
+}
+
+/* apply(coll, tid, op, version, fields [, opts [, deadline]])
+ *   -> { applied = bool }
+ * update/remove/assert: update_one of build_apply's filter and update.
+ * insert: insert_one of op.doc with the marker set; a duplicate key is
+ * reported as applied = false. */
 static int
 l_apply(lua_State *L)
 {
 	mongoc_collection_t *coll = arg_collection(L, 1);
-	bson_t *tid, *filter, *update = NULL, *opts, *doc;
+	bson_t *tid, *filter, *update, *opts;
 	fields f;
 	int64_t n = 0;
 	int kind, rc;
 
-	lua_settop(L, 6); /* absent optional arguments keep their slots */
+	lua_settop(L, 7); /* absent optional arguments keep their slots */
 	tid = check_tid(L, 2);
 	luaL_checktype(L, 3, LUA_TTABLE);
 	check_fields(L, 5, &f);
 	kind = op_kind(L, 3);
 	opts = write_opts(L, 6);
 	if (kind == K_INSERT) {
-		bson_t *reply = mtx_scratch(L), marker;
+		bson_t *doc = build_insert(L, 3, tid, &f), *reply = mtx_scratch(L);
 		bson_error_t err;
-		bson_iter_t it;
 		bool ok;
 
-		lua_getfield(L, 3, "doc");
-		doc = mtx_check_document(L, -1);
-		bson_iter_init_find(&it, tid, "t");
-		bson_append_array_begin(doc, f.marker, -1, &marker);
-		bson_append_iter(&marker, "0", 1, &it);
-		bson_append_array_end(doc, &marker);
-		BSON_APPEND_INT32(doc, f.version, 1);
 		mtx_fault("apply", "before");
 		ok = mongoc_collection_insert_one(coll, doc, opts, reply, &err);
 		mtx_fault("apply", "after");
@@ -262,21 +344,118 @@ l_apply(lua_State *L)
 		}
 		return push_bool_result(L, "applied", 1);
 	}
-	filter = id_filter(L, 3, 1);
-	append_marker_ne(filter, &f, tid);
-	if (lua_isnoneornil(L, 4))
-		bson_append_null(filter, f.version, -1);
-	else
-		mtx_append_value(L, 4, filter, f.version);
-	if (kind == K_UPDATE) {
-		lua_getfield(L, 3, "update");
-		update = mtx_check_document(L, -1);
-	}
-	doc = mtx_scratch(L);
-	merge_update(doc, update, &f, "$push", tid);
-	if ((rc = run_update(L, "apply", coll, filter, doc, opts, &n)))
+	filter = mtx_scratch(L);
+	update = mtx_scratch(L);
+	build_apply(L, 3, kind, tid, 4, lua_isnil(L, 7) ? 0 : 7, &f, filter, update);
+	if ((rc = run_update(L, "apply", coll, filter, update, opts, 0, &n)))
 		return rc;
 	return push_bool_result(L, "applied", n);
+}
+
+/* The options of a batch: the write concern, unordered (one failing
+ * request does not stop the others). */
+static bson_t *
+batch_opts(lua_State *L, int idx, int n)
+{
+	bson_t *opts = write_opts(L, idx);
+
+	luaL_argcheck(L, n > 0, 2, "at least one item");
+	BSON_APPEND_BOOL(opts, "ordered", false);
+	return opts;
+}
+
+static mongoc_bulk_operation_t *
+new_bulk(lua_State *L, mongoc_collection_t *coll, const bson_t *opts)
+{
+	void **slot = mtx_guard(L, (void (*)(void *))mongoc_bulk_operation_destroy);
+
+	*slot = mongoc_collection_create_bulk_operation_with_opts(coll, opts);
+	return (mongoc_bulk_operation_t *)*slot;
+}
+
+/* Pushes item i of the batch at idx (a table) and returns its index. */
+static int
+batch_item(lua_State *L, int idx, int i)
+{
+	lua_rawgeti(L, idx, i);
+	if (!lua_istable(L, -1))
+		luaL_error(L, "mongotx: batch item %d is not a table", i);
+	return lua_gettop(L);
+}
+
+static void
+check_added(lua_State *L, bool ok, int i, const bson_error_t *err)
+{
+	if (!ok)
+		luaL_error(L, "mongotx: batch item %d: %s", i, err->message);
+}
+
+/* apply_many(coll, items, fields [, opts]) -> bulk result (see
+ * coll:bulk_write) or nil, err.  items[i] = { tid, op, version, deadline }:
+ * apply's writes for many ops of one collection in one unordered bulk
+ * write.  MongoDB counts matches for the whole batch only: when
+ * `matched + inserted` falls short, the caller reads which ops applied. */
+static int
+l_apply_many(lua_State *L)
+{
+	mongoc_collection_t *coll = arg_collection(L, 1);
+	mongoc_bulk_operation_t *bulk;
+	bson_t *tid, *filter, *update;
+	bson_error_t err;
+	fields f;
+	int i, n;
+
+	lua_settop(L, 4); /* absent optional arguments keep their slots */
+	luaL_checktype(L, 2, LUA_TTABLE);
+	check_fields(L, 3, &f);
+	n = (int)mtx_rawlen(L, 2);
+	bulk = new_bulk(L, coll, batch_opts(L, 4, n));
+	tid = mtx_scratch(L);
+	filter = mtx_scratch(L);
+	update = mtx_scratch(L);
+	for (i = 1; i <= n; i++) {
+		int top = lua_gettop(L), item = batch_item(L, 2, i), op;
+		bool ok;
+
+		item_tid(L, item, i, tid);
+		lua_getfield(L, item, "op");
+		op = lua_gettop(L);
+		if (!lua_istable(L, op))
+			luaL_error(L, "mongotx: batch item %d has no op", i);
+		if (op_kind(L, op) == K_INSERT) {
+			ok = mongoc_bulk_operation_insert_with_opts(
+				bulk, build_insert(L, op, tid, &f), NULL, &err);
+		} else {
+			lua_getfield(L, item, "version");
+			lua_getfield(L, item, "deadline");
+			bson_reinit(filter);
+			bson_reinit(update);
+			build_apply(L, op, op_kind(L, op), tid, op + 1,
+				    lua_isnil(L, op + 2) ? 0 : op + 2, &f, filter, update);
+			ok = mongoc_bulk_operation_update_one_with_opts(
+				bulk, filter, update, NULL, &err);
+		}
+		check_added(L, ok, i, &err);
+		lua_settop(L, top);
+	}
+	return mtx_bulk_execute(L, bulk, "apply", n, 0);
+}
+
+/* The finish of op: filter {_id, marker: tid}; update $pull marker and
+ * $inc version (unused for a remove, which deletes the document).
+ * Returns whether the op is a remove. */
+static int
+build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
+	     bson_t *filter, bson_t *update)
+{
+	lua_getfield(L, op, "id");
+	mtx_append_value(L, -1, filter, "_id");
+	lua_pop(L, 1);
+	append_marker_eq(filter, f, tid);
+	if (op_kind(L, op) == K_REMOVE)
+		return 1;
+	merge_update(update, NULL, f, "$pull", tid);
+	return 0;
 }
 
 /* finish(coll, tid, op, fields [, opts]) -> { finished = bool }
@@ -296,18 +475,58 @@ l_finish(lua_State *L)
 	luaL_checktype(L, 3, LUA_TTABLE);
 	check_fields(L, 4, &f);
 	opts = write_opts(L, 5);
-	filter = id_filter(L, 3, 0);
-	append_marker_eq(filter, &f, tid);
-	if (op_kind(L, 3) == K_REMOVE) {
-		if ((rc = run_delete(L, "finish", coll, filter, opts, &n)))
-			return rc;
-	} else {
-		update = mtx_scratch(L);
-		merge_update(update, NULL, &f, "$pull", tid);
-		if ((rc = run_update(L, "finish", coll, filter, update, opts, &n)))
-			return rc;
-	}
+	filter = mtx_scratch(L);
+	update = mtx_scratch(L);
+	if (build_finish(L, 3, tid, &f, filter, update))
+		rc = run_delete(L, "finish", coll, filter, opts, &n);
+	else
+		rc = run_update(L, "finish", coll, filter, update, opts, 0, &n);
+	if (rc)
+		return rc;
 	return push_bool_result(L, "finished", n);
+}
+
+/* finish_many(coll, items, fields [, opts]) -> bulk result or nil, err.
+ * items[i] = { tid, op }: finish's writes for many ops of one collection
+ * in one unordered bulk write. */
+static int
+l_finish_many(lua_State *L)
+{
+	mongoc_collection_t *coll = arg_collection(L, 1);
+	mongoc_bulk_operation_t *bulk;
+	bson_t *tid, *filter, *update;
+	bson_error_t err;
+	fields f;
+	int i, n;
+
+	lua_settop(L, 4); /* absent optional arguments keep their slots */
+	luaL_checktype(L, 2, LUA_TTABLE);
+	check_fields(L, 3, &f);
+	n = (int)mtx_rawlen(L, 2);
+	bulk = new_bulk(L, coll, batch_opts(L, 4, n));
+	tid = mtx_scratch(L);
+	filter = mtx_scratch(L);
+	update = mtx_scratch(L);
+	for (i = 1; i <= n; i++) {
+		int top = lua_gettop(L), item = batch_item(L, 2, i);
+		bool ok;
+
+		item_tid(L, item, i, tid);
+		lua_getfield(L, item, "op");
+		if (!lua_istable(L, -1))
+			luaL_error(L, "mongotx: batch item %d has no op", i);
+		bson_reinit(filter);
+		bson_reinit(update);
+		if (build_finish(L, lua_gettop(L), tid, &f, filter, update))
+			ok = mongoc_bulk_operation_remove_one_with_opts(bulk, filter,
+									NULL, &err);
+		else
+			ok = mongoc_bulk_operation_update_one_with_opts(bulk, filter,
+									update, NULL, &err);
+		check_added(L, ok, i, &err);
+		lua_settop(L, top);
+	}
+	return mtx_bulk_execute(L, bulk, "finish", n, 0);
 }
 
 /* undo(coll, tid, op, fields [, opts]) -> { undone = bool }
@@ -328,7 +547,7 @@ l_undo(lua_State *L)
 	check_fields(L, 4, &f);
 	kind = op_kind(L, 3);
 	opts = write_opts(L, 5);
-	filter = id_filter(L, 3, 0);
+	filter = id_filter(L, 3);
 	append_marker_eq(filter, &f, tid);
 	if (kind == K_INSERT) {
 		if ((rc = run_delete(L, "undo", coll, filter, opts, &n)))
@@ -341,7 +560,7 @@ l_undo(lua_State *L)
 	}
 	update = mtx_scratch(L);
 	merge_update(update, undo, &f, "$pull", tid);
-	if ((rc = run_update(L, "undo", coll, filter, update, opts, &n)))
+	if ((rc = run_update(L, "undo", coll, filter, update, opts, 0, &n)))
 		return rc;
 	return push_bool_result(L, "undone", n);
 }
@@ -365,7 +584,7 @@ l_fence(lua_State *L)
 	luaL_checktype(L, 3, LUA_TTABLE);
 	check_fields(L, 4, &f);
 	opts = write_opts(L, 5);
-	filter = id_filter(L, 3, 0);
+	filter = id_filter(L, 3);
 	append_marker_ne(filter, &f, tid);
 	update = mtx_scratch(L);
 	if (op_kind(L, 3) == K_INSERT) {
@@ -380,7 +599,7 @@ l_fence(lua_State *L)
 	} else {
 		merge_update(update, NULL, &f, NULL, tid);
 	}
-	if ((rc = run_update(L, "fence", coll, filter, update, opts, &n)))
+	if ((rc = run_update(L, "fence", coll, filter, update, opts, 0, &n)))
 		return rc;
 	return push_bool_result(L, "fenced", n);
 }
@@ -396,6 +615,34 @@ transition_point(const char *to)
 	return to; /* done, cancelled */
 }
 
+/* The rest of a transition's filter ({state: from [, epoch]}, after the
+ * caller's _id) and its update {$set: {state: to, ...set}, $currentDate:
+ * {lastModified: true}}; epoch and set are stack indices (nil: none). */
+static void
+build_transition(lua_State *L, const char *from, const char *to, int epoch,
+		 int set_idx, bson_t *filter, bson_t *update)
+{
+	bson_t set, cd;
+	bson_iter_t it;
+
+	BSON_APPEND_UTF8(filter, "state", from);
+	if (!lua_isnil(L, epoch))
+		mtx_append_value(L, epoch, filter, "epoch");
+	bson_append_document_begin(update, "$set", 4, &set);
+	BSON_APPEND_UTF8(&set, "state", to);
+	if (!lua_isnil(L, set_idx)) {
+		bson_t *extra = mtx_check_document(L, set_idx);
+
+		bson_iter_init(&it, extra);
+		while (bson_iter_next(&it))
+			bson_append_iter(&set, NULL, 0, &it);
+	}
+	bson_append_document_end(update, &set);
+	bson_append_document_begin(update, "$currentDate", -1, &cd);
+	BSON_APPEND_BOOL(&cd, "lastModified", true);
+	bson_append_document_end(update, &cd);
+}
+
 /* transition(txcoll, tid, from, to [, epoch [, set [, opts]]])
  *   -> { moved = bool }
  * update_one {_id: tid, state: from [, epoch]} with {$set: {state: to,
@@ -404,7 +651,7 @@ static int
 l_transition(lua_State *L)
 {
 	mongoc_collection_t *coll = arg_collection(L, 1);
-	bson_t *tid, *filter, *update, *opts, set, cd;
+	bson_t *tid, *filter, *update, *opts;
 	const char *from = luaL_checkstring(L, 3);
 	const char *to = luaL_checkstring(L, 4);
 	bson_iter_t it;
@@ -417,54 +664,63 @@ l_transition(lua_State *L)
 	filter = mtx_scratch(L);
 	bson_iter_init_find(&it, tid, "t");
 	bson_append_iter(filter, "_id", 3, &it);
-	BSON_APPEND_UTF8(filter, "state", from);
-	if (!lua_isnoneornil(L, 5))
-		mtx_append_value(L, 5, filter, "epoch");
 	update = mtx_scratch(L);
-	bson_append_document_begin(update, "$set", 4, &set);
-	BSON_APPEND_UTF8(&set, "state", to);
-	if (!lua_isnoneornil(L, 6)) {
-		bson_t *extra = mtx_check_document(L, 6);
-		bson_iter_init(&it, extra);
-		while (bson_iter_next(&it))
-			bson_append_iter(&set, NULL, 0, &it);
-	}
-	bson_append_document_end(update, &set);
-	bson_append_document_begin(update, "$currentDate", -1, &cd);
-	BSON_APPEND_BOOL(&cd, "lastModified", true);
-	bson_append_document_end(update, &cd);
-	if ((rc = run_update(L, transition_point(to), coll, filter, update, opts, &n)))
+	build_transition(L, from, to, 5, 6, filter, update);
+	if ((rc = run_update(L, transition_point(to), coll, filter, update, opts, 0, &n)))
 		return rc;
 	return push_bool_result(L, "moved", n);
 }
 
-/* create(txcoll, doc [, opts]) -> { created = bool }
- * Upsert {_id: doc._id, state: {$exists: false}} with $setOnInsert: doc
- * and $currentDate: lastModified, so the time is the server's; repeating
- * it fails on the _id and changes nothing. */
+/* transition_many(txcoll, tids, from, to [, epoch [, set [, opts]]])
+ *   -> { moved = <count> }
+ * One update_many {_id: {$in: tids}, state: from [, epoch]} moving every
+ * listed transaction that is still in `from` (and at that epoch). */
 static int
-l_create(lua_State *L)
+l_transition_many(lua_State *L)
 {
 	mongoc_collection_t *coll = arg_collection(L, 1);
-	bson_t *doc, *filter, *update, *opts, *reply, sub;
-	bson_iter_t it;
-	bson_error_t err;
-	const char *point;
-	bool ok;
+	const char *from = luaL_checkstring(L, 3);
+	const char *to = luaL_checkstring(L, 4);
+	bson_t *filter, *update, *opts, id;
+	int64_t n = 0;
+	int rc;
 
-	lua_settop(L, 3); /* absent optional arguments keep their slots */
-	doc = mtx_check_document(L, 2);
-	luaL_argcheck(L, bson_iter_init_find(&it, doc, "_id"), 2, "needs an _id");
-	opts = write_opts(L, 3);
-	BSON_APPEND_BOOL(opts, "upsert", true);
+	lua_settop(L, 7); /* absent optional arguments keep their slots */
+	luaL_checktype(L, 2, LUA_TTABLE);
+	luaL_argcheck(L, mtx_rawlen(L, 2) > 0, 2, "at least one id");
+	opts = write_opts(L, 7);
 	filter = mtx_scratch(L);
+	bson_append_document_begin(filter, "_id", 3, &id);
+	mtx_append_value(L, 2, &id, "$in"); /* a sequence: an array */
+	bson_append_document_end(filter, &id);
+	update = mtx_scratch(L);
+	build_transition(L, from, to, 5, 6, filter, update);
+	if ((rc = run_update(L, transition_point(to), coll, filter, update, opts, 1, &n)))
+		return rc;
+	lua_createtable(L, 0, 1);
+	lua_pushinteger(L, (lua_Integer)n);
+	lua_setfield(L, -2, "moved");
+	return 1;
+}
+
+/* The upsert that creates the transaction `doc` (stack index): filter
+ * {_id: doc._id, state: {$exists: false}}, which never matches a
+ * transaction (they all have a state), so an existing one is left
+ * untouched and the upsert fails on its _id instead; update $setOnInsert
+ * the rest of doc and $currentDate lastModified, so the time is the
+ * server's.  Returns the crash point: compensate or create. */
+static const char *
+build_create(lua_State *L, int idx, int i, bson_t *filter, bson_t *update)
+{
+	bson_t *doc = mtx_check_document(L, idx), sub;
+	bson_iter_t it;
+
+	if (!bson_iter_init_find(&it, doc, "_id"))
+		luaL_error(L, "mongotx: transaction %d needs an _id", i);
 	bson_append_iter(filter, "_id", 3, &it);
-	/* never matches a transaction (they all have a state), so an existing
-	 * one is left untouched: the upsert fails on its _id instead */
 	bson_append_document_begin(filter, "state", 5, &sub);
 	BSON_APPEND_BOOL(&sub, "$exists", false);
 	bson_append_document_end(filter, &sub);
-	update = mtx_scratch(L);
 	bson_append_document_begin(update, "$setOnInsert", -1, &sub);
 	bson_iter_init(&it, doc);
 	while (bson_iter_next(&it))
@@ -474,8 +730,30 @@ l_create(lua_State *L)
 	bson_append_document_begin(update, "$currentDate", -1, &sub);
 	BSON_APPEND_BOOL(&sub, "lastModified", true);
 	bson_append_document_end(update, &sub);
+	return bson_has_field(doc, "compensates") ? "compensate" : "create";
+}
+
+/* create(txcoll, doc [, opts]) -> { created = bool }
+ * build_create's upsert; repeating it fails on the _id and changes
+ * nothing. */
+static int
+l_create(lua_State *L)
+{
+	mongoc_collection_t *coll = arg_collection(L, 1);
+	bson_t *filter, *update, *opts, *reply;
+	bson_iter_t it;
+	bson_error_t err;
+	const char *point;
+	bool ok;
+
+	lua_settop(L, 3); /* absent optional arguments keep their slots */
+	luaL_checktype(L, 2, LUA_TTABLE);
+	opts = write_opts(L, 3);
+	BSON_APPEND_BOOL(opts, "upsert", true);
+	filter = mtx_scratch(L);
+	update = mtx_scratch(L);
+	point = build_create(L, 2, 1, filter, update);
 	reply = mtx_scratch(L);
-	point = bson_has_field(doc, "compensates") ? "compensate" : "create";
 	mtx_fault(point, "before");
 	ok = mongoc_collection_update_one(coll, filter, update, opts, reply, &err);
 	mtx_fault(point, "after");
@@ -487,6 +765,40 @@ l_create(lua_State *L)
 	}
 	return push_bool_result(L, "created",
 				bson_iter_init_find(&it, reply, "upsertedId"));
+}
+
+/* create_many(txcoll, docs [, opts]) -> bulk result or nil, err
+ * build_create's upserts in one unordered bulk write: items[i].upserted_id
+ * is set for each transaction created, and a duplicate key (code 11000)
+ * marks an id that exists already. */
+static int
+l_create_many(lua_State *L)
+{
+	mongoc_collection_t *coll = arg_collection(L, 1);
+	mongoc_bulk_operation_t *bulk;
+	bson_t *filter, *update, *upsert;
+	bson_error_t err;
+	int i, n;
+
+	lua_settop(L, 3); /* absent optional arguments keep their slots */
+	luaL_checktype(L, 2, LUA_TTABLE);
+	n = (int)mtx_rawlen(L, 2);
+	bulk = new_bulk(L, coll, batch_opts(L, 3, n));
+	filter = mtx_scratch(L);
+	update = mtx_scratch(L);
+	upsert = mtx_scratch(L);
+	BSON_APPEND_BOOL(upsert, "upsert", true);
+	for (i = 1; i <= n; i++) {
+		int top = lua_gettop(L), item = batch_item(L, 2, i);
+
+		bson_reinit(filter);
+		bson_reinit(update);
+		build_create(L, item, i, filter, update);
+		check_added(L, mongoc_bulk_operation_update_one_with_opts(
+					bulk, filter, update, upsert, &err), i, &err);
+		lua_settop(L, top);
+	}
+	return mtx_bulk_execute(L, bulk, "create", n, 0);
 }
 
 /* claim(txcoll, tid, expect, set [, opts]) -> the claimed document or nil
@@ -584,11 +896,15 @@ mtx_open_txn(lua_State *L)
 {
 	static const luaL_Reg steps[] = {
 		{"apply", l_apply},
+		{"apply_many", l_apply_many},
 		{"claim", l_claim},
 		{"create", l_create},
+		{"create_many", l_create_many},
 		{"fence", l_fence},
 		{"finish", l_finish},
+		{"finish_many", l_finish_many},
 		{"transition", l_transition},
+		{"transition_many", l_transition_many},
 		{"undo", l_undo},
 		{NULL, NULL},
 	};

@@ -12,6 +12,7 @@ local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local default_policy = require "mongotx.policy"
+local stored = require "mongotx.stored"
 
 local steps = core.steps
 local canon = validate.canon
@@ -75,37 +76,7 @@ end
 
 local function key(id) return canon(id) end
 
--- An op's update, undo and where hold `$` keys, which servers refuse in a
--- stored document (MongoDB before 5.0, FerretDB): the transaction keeps
--- them as BSON inside a Binary, and loading turns them back into tables.
-local OPERATOR_FIELDS = { "update", "undo", "where" }
-
-local function stored_ops(ops)
-  local out = {}
-  for i, op in ipairs(ops) do
-    local s = {}
-    for k, v in pairs(op) do s[k] = v end
-    for _, f in ipairs(OPERATOR_FIELDS) do
-      if op[f] ~= nil then s[f] = core.Binary(core.encode(op[f])) end
-    end
-    out[i] = s
-  end
-  return out
-end
-
--- Decodes the operator fields of T's ops in place; T as it was when they
--- are not binaries (a malformed document is left for well_formed()).
-local function live(T)
-  if type(T) ~= "table" or type(T.ops) ~= "table" then return T end
-  for _, op in ipairs(T.ops) do
-    for _, f in ipairs(OPERATOR_FIELDS) do
-      if type(op) == "table" and core.type(op[f]) == "binData" then
-        op[f] = core.decode((op[f]:value()))
-      end
-    end
-  end
-  return T
-end
+local stored_ops, live, has_marker = stored.ops, stored.live, stored.has_marker
 
 function Manager:_event(name, info)
   pcall(self.policy.on_event, name, info)
@@ -139,16 +110,6 @@ function Manager:_step(name, id, ...)
   local res, err = self:_retry(name, id, steps[name], ...)
   if res ~= nil then self:_event(name, { id = id, result = res }) end
   return res, err
-end
-
-local function has_marker(doc, marker, id)
-  local list = doc and doc[marker]
-  if type(list) ~= "table" then return false end
-  local k = key(id)
-  for _, x in ipairs(list) do
-    if key(x) == k then return true end
-  end
-  return false
 end
 
 function Manager:get(id)

@@ -1,0 +1,56 @@
+-- How a transaction and its markers look in the database: shared by the
+-- manager (lua/mongotx/manager.lua) and the batched protocol
+-- (lua/mongotx/batch.lua).
+
+local core = require "mongotx.core"
+local canon = require("mongotx.validate").canon
+
+local ipairs, pairs, type = ipairs, pairs, type
+
+local _M = {}
+
+-- An op's update, undo and where hold `$` keys, which servers refuse in a
+-- stored document (MongoDB before 5.0, FerretDB): the transaction keeps
+-- them as BSON inside a Binary, and loading turns them back into tables.
+local OPERATOR_FIELDS = { "update", "undo", "where" }
+
+-- The ops as they are stored.
+function _M.ops(ops)
+  local out = {}
+  for i, op in ipairs(ops) do
+    local s = {}
+    for k, v in pairs(op) do s[k] = v end
+    for _, f in ipairs(OPERATOR_FIELDS) do
+      if op[f] ~= nil then s[f] = core.Binary(core.encode(op[f])) end
+    end
+    out[i] = s
+  end
+  return out
+end
+
+-- Decodes the operator fields of T's ops in place; T as it was when they
+-- are not binaries (a malformed document is left for well_formed()).
+function _M.live(T)
+  if type(T) ~= "table" or type(T.ops) ~= "table" then return T end
+  for _, op in ipairs(T.ops) do
+    for _, f in ipairs(OPERATOR_FIELDS) do
+      if type(op) == "table" and core.type(op[f]) == "binData" then
+        op[f] = core.decode((op[f]:value()))
+      end
+    end
+  end
+  return T
+end
+
+-- Does doc carry transaction id's marker in its `marker` array?
+function _M.has_marker(doc, marker, id)
+  local list = doc and doc[marker]
+  if type(list) ~= "table" then return false end
+  local k = canon(id)
+  for _, x in ipairs(list) do
+    if canon(x) == k then return true end
+  end
+  return false
+end
+
+return _M
