@@ -1,0 +1,56 @@
+-- bench/worker.lua: one process of the concurrent mode (started by
+-- bench/concurrent.lua, not by hand).
+--
+--   lua bench/worker.lua <uri> <db> <accounts> <n> <seed> <go-file>
+--
+-- Connects, prints "ready", waits for <go-file> so that every process
+-- starts at once, makes n tm:transfer calls between random accounts and
+-- prints its measurements, one "key value..." line each:
+--   span <start ms> <end ms>        (CLOCK_MONOTONIC, shared by processes)
+--   counts <ok> <failed> <cpu s> <commands> <writes>
+--   lat <ms> <ms> ...               per transfer
+--   moved <account> <delta> ...     balance changes of completed transfers
+
+package.path = "./lua/?.lua;./lua/?/init.lua;./?.lua;" .. package.path
+local cpath = os.getenv("MONGOTX_CPATH")
+if cpath then package.cpath = cpath .. ";" .. package.cpath end
+
+local mongotx = require "mongotx"
+local helpers = require "spec.helpers"
+local bank = require "bench.bank"
+
+local uri, dbname, accounts, n, seed, go =
+  arg[1], arg[2], tonumber(arg[3]), tonumber(arg[4]), tonumber(arg[5]), arg[6]
+local now = mongotx.core.monotonic_ms
+
+math.randomseed(seed)
+local db = assert(mongotx.connect(uri, { database = dbname, write_concern = bank.WRITE_CONCERN }))
+local tm = assert(db:manager { application = "worker-" .. seed })
+local from, to = bank.plan(accounts, n, 1)
+print("ready")
+io.stdout:flush()
+assert(helpers.wait_file(go, 60), "no go file")
+
+local lat, moved, ok = {}, {}, 0
+db.client:reset_counters()
+local cpu0, t0 = os.clock(), now()
+for i = 1, n do
+  local t = now()
+  local res = tm:transfer(bank.COLLECTION, from[i], to[i], 1)
+  lat[i] = string.format("%.3f", now() - t)
+  if res then
+    ok = ok + 1
+    moved[from[i]] = (moved[from[i]] or 0) - 1
+    moved[to[i]] = (moved[to[i]] or 0) + 1
+  end
+end
+local t1, cpu = now(), os.clock() - cpu0
+local c = db.client:counters()
+
+print(string.format("span %.3f %.3f", t0, t1))
+print(string.format("counts %d %d %.6f %d %d", ok, n - ok, cpu, c.commands, c.writes))
+print("lat " .. table.concat(lat, " "))
+local m = {}
+for account, delta in pairs(moved) do m[#m + 1] = account .. " " .. delta end
+print("moved " .. table.concat(m, " "))
+db:close()
