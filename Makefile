@@ -24,7 +24,7 @@ SPEC_ENV    = MONGOTX_CPATH="$(CURDIR)/$(BUILD)/?.so"
 SERVER     ?= memory
 WITH_SERVER = spec/support/with-server
 
-.PHONY: all setup test test-ferretdb test-luajit memcheck asan demo bench lint clean
+.PHONY: all setup test test-ferretdb test-luajit memcheck asan demo bench bench-memory bench-valgrind lint clean
 
 all: $(SO)
 
@@ -76,6 +76,26 @@ demo: setup
 	@$(MAKE) --no-print-directory all
 	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- sh -c \
 	  '$(LUA) examples/00-accounts.lua && $(LUA) examples/01-tutorial.lua'
+
+# Benchmarks (bench/README.md): figures, not tests; each starts its own
+# server.  bench takes about 15 minutes and rewrites the table in
+# bench/README.md and bench/throughput.png (BENCH_ARGS: --runs, --scale,
+# --only); bench-memory checks that RSS stays flat over 1 000 000
+# transfers; bench-valgrind runs 10 000 under valgrind (a definite leak or
+# an invalid access fails it).
+bench: setup
+	@$(MAKE) --no-print-directory all
+	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- $(LUA) bench/run.lua $(BENCH_ARGS)
+
+bench-memory: setup
+	@$(MAKE) --no-print-directory all
+	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- $(LUA) bench/memory.lua 1000000 --check-rss
+
+bench-valgrind: setup
+	@$(MAKE) --no-print-directory all
+	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- valgrind --error-exitcode=99 \
+	  --leak-check=full --errors-for-leak-kinds=definite \
+	  --suppressions=spec/support/valgrind.supp $(LUA) bench/memory.lua 10000
 
 lint:
 	luacheck -q lua spec examples $(wildcard bench torture fuzz)
