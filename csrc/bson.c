@@ -488,6 +488,10 @@ encode_field(encoder *e, bson_t *b, int types)
 	e->path[e->depth].key = key;
 	if (strlen(key) != len)
 		encode_fail(e, "a key containing a NUL byte");
+	/* bson_validate refuses a key that is not UTF-8, so core.decode could
+	 * not read back what this wrote (found by fuzz/lua_encode.c) */
+	if (!bson_utf8_validate(key, len, false))
+		encode_fail(e, "a key that is not valid UTF-8");
 	if (types) {
 		lua_pushvalue(L, -2);
 		hint = type_hint(L, types);
@@ -805,6 +809,21 @@ push_element(lua_State *L, const bson_iter_t *it, int depth)
 		push_container(L, &child, t == BSON_TYPE_ARRAY, depth + 1);
 		return HINT_NONE;
 	}
+	case BSON_TYPE_CODEWSCOPE: {
+		uint32_t code_len, scope_len;
+		const uint8_t *scope;
+		bson_t s;
+
+		/* bson_validate (libbson 1.23) skips a scope that
+		 * bson_init_static refuses (no final NUL), and bson_append_value
+		 * then leaves the field out: it vanished on re-encoding (found
+		 * by fuzz/bson_roundtrip.c) */
+		bson_iter_codewscope(it, &code_len, &scope_len, &scope);
+		if (!bson_init_static(&s, scope, scope_len))
+			luaL_error(L, "mongotx: corrupt BSON");
+		push_value(L, bson_iter_value((bson_iter_t *)it));
+		return HINT_NONE;
+	}
 	case BSON_TYPE_BOOL:
 		lua_pushboolean(L, bson_iter_bool(it));
 		return HINT_NONE;
@@ -932,7 +951,9 @@ l_encode(lua_State *L)
 	return 1;
 }
 
-/* decode(bytes): the document, or nil and an error for invalid BSON. */
+/* decode(bytes): the document, or nil and an error for invalid BSON (a
+ * raise for the rare BSON that bson_validate passes and the bridge cannot
+ * give back, see push_element). */
 static int
 l_decode(lua_State *L)
 {
@@ -979,13 +1000,13 @@ l_doc(lua_State *L)
 	lua_setfield(L, -2, "__mongotx");
 	for (i = 1; i <= n; i += 2) {
 		luaL_checktype(L, i, LUA_TSTRING);
-		lua_pushvalue(L, i);
-		lua_rawget(L, n + 1);
-		if (lua_isnil(L, -1)) { /* a repeated key keeps its place */
+		/* a repeated key keeps its place; asked of the order list, not
+		 * the value, which is nil for doc("a", nil, "a", 1) and listed
+		 * "a" twice: two "a" fields in the BSON (found by fuzz/) */
+		if (!listed_in_order(L, n + 2, pos, i)) {
 			lua_pushvalue(L, i);
 			lua_rawseti(L, n + 2, ++pos);
 		}
-		lua_pop(L, 1);
 		lua_pushvalue(L, i);
 		lua_pushvalue(L, i + 1);
 		lua_rawset(L, n + 1);

@@ -392,6 +392,15 @@ describe("bson bridge", function()
       assert.are.equal(3, d.a)
     end)
 
+    it("a key repeated after a nil value is written once (found by fuzz/)", function()
+      local bytes = core.encode(core.doc("a", nil, "b", 2, "a", 1))
+      assert.are.same({ "a", "b" }, keys_of(bytes))
+      local doc = assert(core.decode(bytes))
+      assert.are.equal(1, doc.a)
+      assert.are.equal(2, doc.b)
+      assert.are.same({ "b" }, keys_of(core.encode(core.doc("a", nil, "b", 2, "a", nil))))
+    end)
+
     it("decoded documents keep their order through changes", function()
       local bytes = core.encode(core.doc("z", 1, "y", 2, "x", 3, "w", 4))
       local doc = assert(core.decode(bytes))
@@ -460,6 +469,14 @@ describe("bson bridge", function()
       fails({ ["a\0b"] = 1 }, "a key containing a NUL byte")
     end)
 
+    it("refuse keys that are not UTF-8, which decode would refuse (found by fuzz/)", function()
+      fails({ ["\218"] = {} }, "a key that is not valid UTF-8 at \218")
+      fails({ a = { ["k\192\128"] = 1 } }, "a key that is not valid UTF-8 at a.k")
+      -- values are not keys: a string that is not UTF-8 still round-trips
+      local bytes = core.encode { ["h\195\169"] = "\218\192\128" }
+      assert.are.equal("\218\192\128", assert(core.decode(bytes))["h\195\169"])
+    end)
+
     it("refuse an array at the top level", function()
       assert.has_error(function() core.encode { 1, 2 } end)
       assert.has_error(function() core.encode(core.array()) end)
@@ -483,6 +500,19 @@ describe("bson bridge", function()
         assert.are.equal("bson", err.domain)
         assert.matches("invalid BSON", tostring(err))
       end
+    end)
+
+    it("refuses a code with scope whose scope is cut short (found by fuzz/)", function()
+      -- { c: Code("x + 1", <scope of 12 bytes whose last is "+", not NUL>) }:
+      -- bson_validate passes it, and re-encoding used to drop the field
+      local scope = "\12\0\0\0" .. "\16x\0\1\0\0\0" .. "+"
+      local bytes = "\34\0\0\0" .. "\15c\0" .. "\26\0\0\0" .. "\6\0\0\0x + 1\0" .. scope .. "\0"
+      local ok, err = pcall(core.decode, bytes)
+      assert.is_false(ok)
+      assert.matches("corrupt BSON", err)
+      -- the same with its NUL decodes and comes back byte for byte
+      local good = bytes:sub(1, 32) .. "\0\0"
+      assert.are.equal(good, core.encode(assert(core.decode(good))))
     end)
 
     it("raises for a non-string argument", function()
