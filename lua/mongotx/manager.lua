@@ -13,6 +13,7 @@ local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local default_policy = require "mongotx.policy"
 local stored = require "mongotx.stored"
+local batch = require "mongotx.batch"
 
 local steps = core.steps
 local canon = validate.canon
@@ -35,8 +36,12 @@ local MAX_CONTENTION = 20
 
 local manager_options = {
   collection = true, application = true, marker = true, version_field = true,
-  write_concern = true,
+  write_concern = true, fencing = true,
 }
+
+-- How a creator fences its own applies (see batch.lua): "auto" uses the
+-- server's clock where the server can evaluate $$NOW in a filter.
+local FENCING = { auto = true, deadline = true, version = true }
 for k in pairs(default_policy) do manager_options[k] = true end
 
 function _M.new(db, opts)
@@ -50,6 +55,12 @@ function _M.new(db, opts)
       policy[k] = opts[k]
     end
   end
+  if opts.finish ~= nil and opts.finish ~= "inline" and opts.finish ~= "deferred" then
+    error("finish must be \"inline\" or \"deferred\"", 3)
+  end
+  if opts.fencing ~= nil and not FENCING[opts.fencing] then
+    error("fencing must be \"auto\", \"deadline\" or \"version\"", 3)
+  end
   local self = setmetatable({
     db = db,
     policy = policy,
@@ -61,6 +72,8 @@ function _M.new(db, opts)
     colls = {},
     held = {},     -- canon(id) -> epoch this manager holds
     versions = {}, -- canon(id) -> versions read before the claim (steps)
+    fencing = opts.fencing or "auto",
+    finishing = {}, -- committed transactions the finisher has yet to finish
   }, Manager)
   self.fields = { marker = self.marker, version = self.version_field }
   self.vctx = { collection = self.collection,
@@ -139,31 +152,44 @@ function Manager:server_now()
   return reply.localTime:value()
 end
 
--- For each op: { version = <the document's version>, marked = <the
--- transaction's marker is on it> } (nil version for a missing document).
-function Manager:_versions(T)
-  local by_coll, out = {}, {}
-  for i, op in ipairs(T.ops) do
-    local ids = by_coll[op.collection] or {}
-    ids[#ids + 1] = op.id
-    by_coll[op.collection] = ids
-    out[i] = { marked = false }
+-- For each transaction of the list and each of its ops: { version = <the
+-- document's version>, marked = <the transaction's marker is on it> } (nil
+-- version for a missing document); one find per collection for them all.
+function Manager:_versions_many(list)
+  local by_coll, found = {}, {}
+  for _, T in ipairs(list) do
+    for _, op in ipairs(T.ops) do
+      local ids = by_coll[op.collection] or {}
+      ids[#ids + 1] = op.id
+      by_coll[op.collection] = ids
+    end
   end
-  local found = {}
   for name, ids in pairs(by_coll) do
     local docs, err = self:_coll(name):find_all({ _id = { ["$in"] = ids } },
       { projection = { [self.marker] = 1, [self.version_field] = 1 } })
-    if not docs then return nil, errors.wrap(err, "versions", T._id) end
+    if not docs then return nil, errors.wrap(err, "versions", #list == 1 and list[1]._id or nil) end
     for _, doc in ipairs(docs) do found[name .. "\0" .. key(doc._id)] = doc end
   end
-  for i, op in ipairs(T.ops) do
-    local doc = found[op.collection .. "\0" .. key(op.id)]
-    if doc then
-      out[i].version = doc[self.version_field]
-      out[i].marked = has_marker(doc, self.marker, T._id)
+  local out = {}
+  for t, T in ipairs(list) do
+    local vs = {}
+    for i, op in ipairs(T.ops) do
+      local doc = found[op.collection .. "\0" .. key(op.id)]
+      vs[i] = { marked = false }
+      if doc then
+        vs[i].version = doc[self.version_field]
+        vs[i].marked = has_marker(doc, self.marker, T._id)
+      end
     end
+    out[t] = vs
   end
   return out
+end
+
+function Manager:_versions(T)
+  local all, err = self:_versions_many({ T })
+  if not all then return nil, err end
+  return all[1]
 end
 
 -- Claims T as it was read: same state and epoch.  The epoch changes with
@@ -172,10 +198,24 @@ end
 -- it returns, so an equality match on it never succeeds).  `set` adds
 -- fields (state for initial -> pending).  Returns the claimed document, or
 -- false when somebody else moved T first.
-function Manager:_claim(T, set)
+--
+-- A transaction its creator runs at once carries a `deadline` (batch.lua):
+-- the creator's applies match only before it by the server's clock, and
+-- no one may claim the transaction until it passed.  `now` is the server's
+-- time read before this call (read here when not given): the claim then
+-- runs later still.
+function Manager:_claim(T, set, now)
   set = set or {}
   set.application, set.instance, set.lease = self.application, self.instance, self.policy.lease
   local expect = { state = T.state, epoch = T.epoch or 0 }
+  if T.deadline ~= nil and T.state == "pending" then
+    if not now then
+      local err
+      now, err = self:server_now()
+      if not now then return nil, err end
+    end
+    expect.deadline = { ["$lt"] = core.Date(now) }
+  end
   local doc, err = self:_step("claim", T._id, self.tx, T._id, expect, set, self.wopts)
   if doc == nil then return nil, err end
   if doc then self.held[key(T._id)] = doc.epoch end
@@ -222,12 +262,14 @@ end
 
 -- Phases ------------------------------------------------------------------
 
--- Applies op i; returns true, or false and why it cannot, or nil, err.
+-- Applies op i, fenced by v.deadline when set, else by v.version;
+-- returns true, or false and why it cannot, or nil, err.
 function Manager:_apply_one(T, i, v)
   local op = T.ops[i]
   local coll = self:_coll(op.collection)
   for _ = 1, MAX_CONTENTION do
-    local res, err = self:_step("apply", T._id, coll, T._id, op, v.version, self.fields, self.wopts)
+    local res, err = self:_step("apply", T._id, coll, T._id, op, v.version, self.fields,
+      self.wopts, v.deadline)
     if not res then return nil, err end
     if res.applied then return true end
     -- Why not? Read the document, then (if its version moved) check
@@ -255,7 +297,9 @@ function Manager:_apply_one(T, i, v)
         return nil, errors.new("fenced", "another owner took the transaction over",
           { step = "apply", id = T._id, op = i })
       end
-      v.version = doc[self.version_field]
+      -- still ours: from here on fenced by the version just read (the
+      -- deadline may have passed)
+      v.version, v.deadline = doc[self.version_field], nil
     end
   end
   return false, "contention"
@@ -351,8 +395,11 @@ function Manager:_drive(T, versions)
   local failure, err
   for _ = 1, MAX_ROUNDS do
     local state = T.state
-    if state == "done" then return T end
-    if state == "cancelled" then return nil, failure or cancelled_error(T) end
+    if state == "done" or state == "cancelled" then
+      self.held[key(T._id)] = nil -- nothing left to fence
+      if state == "done" then return T end
+      return nil, failure or cancelled_error(T)
+    end
     if state == "initial" then
       versions, err = self:_versions(T)
       if not versions then return nil, err end
@@ -394,11 +441,10 @@ end
 
 local begin_options = { id = true, meta = true }
 
--- Creates the transaction (state initial) after checking every op.  With
--- opts.id, repeating begin is safe: the same ops return the existing
--- transaction, other ops are an `idempotency` error.
-function Manager:begin(ops, opts, extra)
-  opts = validate.options(opts, begin_options, "begin", 2)
+-- Checks what begin and run take: a batch spec { ops, id, meta, extra }
+-- (batch.lua), or nil, err.  Wrong argument types raise at `level`.
+function Manager:_spec(ops, opts, extra, what, level)
+  opts = validate.options(opts, begin_options, what, level + 1)
   local norm, err = validate.ops(ops, self.vctx)
   if not norm then return nil, err end
   if opts.id ~= nil then
@@ -406,22 +452,31 @@ function Manager:begin(ops, opts, extra)
     ok, err = validate.check_id(opts.id)
     if not ok then return nil, err end
   end
-  local id = opts.id
+  return { ops = norm, id = opts.id, meta = opts.meta, extra = extra }
+end
+
+-- Creates the transaction (state initial) after checking every op.  With
+-- opts.id, repeating begin is safe: the same ops return the existing
+-- transaction, other ops are an `idempotency` error.
+function Manager:begin(ops, opts, extra)
+  local spec, err = self:_spec(ops, opts, extra, "begin", 2)
+  if not spec then return nil, err end
+  local id = spec.id
   if id == nil then id = core.ObjectId() end
-  local doc = { _id = id, state = "initial", ops = stored_ops(norm), epoch = 0,
-                attempts = 0, meta = opts.meta }
+  local doc = { _id = id, state = "initial", ops = stored_ops(spec.ops), epoch = 0,
+                attempts = 0, meta = spec.meta }
   for k, v in pairs(extra or {}) do doc[k] = v end
   local res
   res, err = self:_step("create", id, self.tx, doc, self.wopts)
   if not res then return nil, err end
   if res.created then
-    doc.ops = norm
+    doc.ops = spec.ops
     return doc
   end
   local existing
   existing, err = self:get(id)
   if err then return nil, err end
-  if existing and canon(existing.ops) == canon(norm) then return existing end
+  if existing and canon(existing.ops) == canon(spec.ops) then return existing end
   return nil, errors.new("idempotency", "this id was used for other ops",
     { step = "begin", id = id })
 end
@@ -434,28 +489,122 @@ function Manager:commit(t)
   return self:_drive(T, nil)
 end
 
-function Manager:transfer(collection, from, to, amount, opts)
-  opts = validate.options(opts, { field = true, min = true, id = true, meta = true },
-    "transfer", 2)
+-- Runs specs as one batch; the i-th result, or false and its error.
+function Manager:_run_batch(specs, errs)
+  local todo, where = {}, {}
+  for i = 1, #errs do
+    if specs[i] then
+      todo[#todo + 1], where[#todo + 1] = specs[i], i
+    end
+  end
+  local results = {}
+  for i = 1, #errs do results[i] = false end
+  if #todo > 0 then
+    local res, bad = batch.run(self, todo)
+    for k, i in ipairs(where) do results[i], errs[i] = res[k], bad[k] end
+  end
+  return results, errs
+end
+
+-- begin + commit in one go, the fast way (batch.lua): the transaction is
+-- created pending and owned.  Returns it at `done` (or at `applied` with
+-- policy.finish = "deferred"), or nil, err.
+function Manager:run(ops, opts, extra)
+  local spec, err = self:_spec(ops, opts, extra, "run", 2)
+  if not spec then return nil, err end
+  local results, errs = self:_run_batch({ spec }, { false })
+  if results[1] then return results[1] end
+  return nil, errs[1]
+end
+
+local transfer_options = { field = true, min = true, id = true, meta = true }
+
+-- The spec of a transfer (raises at `level` for wrong argument types).
+function Manager:_transfer_spec(collection, from, to, amount, opts, level)
   local ok, err = validate.amount(amount)
   if not ok then return nil, err end
   local field = opts.field or "balance"
-  if type(field) ~= "string" then error("field must be a string", 2) end
+  if type(field) ~= "string" then error("field must be a string", level + 1) end
   local where
   if opts.min ~= nil then
     ok, err = validate.amount(opts.min + 1) -- finite, a number
     if not ok then return nil, err end
     where = { [field] = { ["$gte"] = opts.min + amount } }
   end
-  local T
-  T, err = self:begin({
+  return self:_spec({
     { collection = collection, id = from, update = { ["$inc"] = { [field] = -amount } },
       where = where },
     { collection = collection, id = to, update = { ["$inc"] = { [field] = amount } } },
-  }, { id = opts.id, meta = opts.meta },
-     { source = from, destination = to, value = amount })
-  if not T then return nil, err end
-  return self:commit(T)
+  }, { id = opts.id, meta = opts.meta }, { source = from, destination = to, value = amount },
+    "transfer", level + 1)
+end
+
+function Manager:transfer(collection, from, to, amount, opts)
+  opts = validate.options(opts, transfer_options, "transfer", 2)
+  local spec, err = self:_transfer_spec(collection, from, to, amount, opts, 2)
+  if not spec then return nil, err end
+  local results, errs = self:_run_batch({ spec }, { false })
+  if results[1] then return results[1] end
+  return nil, errs[1]
+end
+
+-- A batch of specs checked one by one: a bad one gets its error and is
+-- left out, nothing written for it; so does a repeated id.
+local function batch_specs(list, what, check)
+  if type(list) ~= "table" then error(what .. " takes a list", 3) end
+  local specs, errs, seen = {}, {}, {}
+  for i = 1, #list do
+    if type(list[i]) ~= "table" then error(format("%s: item %d is not a table", what, i), 3) end
+    local spec, err = check(list[i], i)
+    if spec and spec.id ~= nil then
+      local k = canon(spec.id)
+      if seen[k] then
+        spec, err = nil, errors.new("invalid", format("item %d repeats the id of item %d", i,
+          seen[k]), { step = what, id = spec.id })
+      end
+      seen[k] = seen[k] or i
+    end
+    specs[i], errs[i] = spec or false, err or false
+  end
+  return specs, errs
+end
+
+local many_options = { ops = true, id = true, meta = true }
+
+-- Runs many transactions with one round trip per protocol step for the
+-- whole batch.  list[i] is an ops list or { ops =, id =, meta = }.
+-- Returns results, errs: results[i] the transaction or false, errs[i]
+-- why not (false when it ran); an op that cannot apply cancels only its
+-- own transaction.
+function Manager:commit_many(list)
+  return self:_run_batch(batch_specs(list, "commit_many", function(item, i)
+    if item.ops == nil then return self:_spec(item, nil, nil, "commit_many", 4) end
+    validate.options(item, many_options, "commit_many item " .. i, 5)
+    return self:_spec(item.ops, { id = item.id, meta = item.meta }, nil, "commit_many", 4)
+  end))
+end
+
+local transfer_many_options = { collection = true, from = true, to = true, amount = true }
+for k in pairs(transfer_options) do transfer_many_options[k] = true end
+
+-- tm:transfer for many: list[i] = { collection =, from =, to =, amount =
+-- [, field =, min =, id =, meta =] }; returns results, errs as commit_many.
+function Manager:transfer_many(list)
+  return self:_run_batch(batch_specs(list, "transfer_many", function(item, i)
+    validate.options(item, transfer_many_options, "transfer_many item " .. i, 5)
+    return self:_transfer_spec(item.collection, item.from, item.to, item.amount, item, 4)
+  end))
+end
+
+-- Finishes the transactions committed with policy.finish = "deferred"
+-- (it runs by itself every policy.finish_batch commits): pulls their
+-- markers and moves them to done, one round trip per collection and one
+-- for the states.  Returns how many, or nil, err (they stay `applied`,
+-- and recovery finishes them).
+function Manager:finish()
+  local list = self.finishing
+  self.finishing = {}
+  return batch.finish(self, list)
 end
 
 -- pending -> canceling -> cancelled, undoing what was applied.  A
@@ -481,7 +630,7 @@ function Manager:rollback(t, reason)
           tostring(T.application)), { step = "rollback", id = T._id })
       end
       local claimed
-      claimed, err = self:_claim(T)
+      claimed, err = self:_claim(T, nil, now)
       if claimed == nil then return nil, err end
       if not claimed then return self:rollback(t, reason) end
       T = claimed
@@ -580,7 +729,7 @@ function Manager:_recover_one(T, now, me)
     if not versions then return nil, err end
   end
   local claimed
-  claimed, err = self:_claim(T, T.state == "initial" and { state = "pending" } or nil)
+  claimed, err = self:_claim(T, T.state == "initial" and { state = "pending" } or nil, now)
   if claimed == nil then return nil, err end
   if not claimed then return "skipped" end
   T = claimed

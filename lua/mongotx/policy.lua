@@ -54,6 +54,16 @@ end
 
 _M.sleep = core.sleep
 
+-- When a transaction run at once (run, transfer, commit_many,
+-- transfer_many) has reached `applied`, its commit point, the finishing
+-- steps (pull the markers, move it to done) run "inline" before the call
+-- returns, or "deferred": queued and done for many transactions together
+-- by tm:finish(), which runs by itself every `finish_batch` commits.  A
+-- process that exits with a queue leaves those transactions `applied`:
+-- committed, and finished by recovery.
+_M.finish = "inline"
+_M.finish_batch = 100
+
 -- Recovery parks a transaction (flags it `parked` with its reason, and
 -- leaves it alone) after this many claims that did not finish it.
 _M.max_attempts = 5

@@ -1,0 +1,336 @@
+-- The batched protocol: transactions a caller runs at once (tm:run,
+-- tm:transfer, tm:commit_many, tm:transfer_many) skip `initial` and the
+-- claim.  For a whole batch:
+--
+--   1. create   one bulk write inserting every transaction `pending`,
+--               owned by this manager (epoch 1);
+--   2. apply    one bulk write per collection for all their ops;
+--   3. commit   one update moving them all to `applied`, the commit point;
+--   4. finish   one bulk write per collection pulling the markers, and one
+--               update moving them all to `done` -- at once, or later and
+--               for many commits together (policy.finish = "deferred").
+--
+-- A single transaction on one collection thus commits in 3 round trips.
+--
+-- Fencing without a read.  A creator knows nothing of its documents'
+-- versions, and reading them would cost a round trip.  Instead each
+-- transaction carries a `deadline` (its lease from now, by the server's
+-- clock) and the creator's applies match only while `$$NOW < deadline`;
+-- Manager:_claim lets no one claim a pending transaction before its
+-- deadline, so every apply of the creator runs before any takeover.
+-- Servers that cannot evaluate $$NOW in a filter (FerretDB v1, MongoDB
+-- before 4.2) get the versions read first instead (4 round trips).
+--
+-- Whatever does not go the fast way (an op that cannot apply, a
+-- transaction taken over, an id that exists already) falls back to the
+-- manager's one-at-a-time steps for that transaction only.
+
+local core = require "mongotx.core"
+local errors = require "mongotx.errors"
+local stored = require "mongotx.stored"
+local canon = require("mongotx.validate").canon
+
+local steps = core.steps
+local ipairs, pairs = ipairs, pairs
+local floor = math.floor
+
+local _M = {}
+
+-- The server's clock, estimated from an isMaster a minute old at most:
+-- only the length of the creator's window depends on it, not safety
+-- (applies and claims both compare the deadline with the server's clock).
+local CLOCK_REFRESH_MS = 60000
+
+local function server_clock(tm)
+  local before = core.monotonic_ms()
+  if not tm.clock_offset or before - tm.clock_at > CLOCK_REFRESH_MS then
+    local now, err = tm:server_now()
+    if not now then return nil, err end
+    local after = core.monotonic_ms()
+    tm.clock_offset, tm.clock_at = now - (before + after) / 2, after
+    before = after
+  end
+  return before + tm.clock_offset
+end
+
+-- Does the server evaluate $$NOW in a query?  Asked once per manager; an
+-- _id lookup keeps the probe cheap on a large collection.
+local function deadlines(tm)
+  if tm.use_deadline == nil then
+    if tm.fencing == "auto" then
+      local n = tm.tx:count({ _id = "mongotx:probe",
+                              ["$expr"] = { ["$lt"] = { "$$NOW", core.Date(0) } } })
+      tm.use_deadline = n ~= nil
+    else
+      tm.use_deadline = tm.fencing == "deadline"
+    end
+  end
+  return tm.use_deadline
+end
+
+-- Entries: { T = <the transaction, ops as tables>, doc = <as stored>,
+-- err = <why it failed>, slow = <needs the one-at-a-time steps> }.
+
+local function fail(e, err) e.err = e.err or err end
+
+-- Step 1: insert them all pending and owned.  An id that exists already
+-- is handled the way begin handles it (same ops: its outcome).
+local function create(tm, entries)
+  local docs = {}
+  for i, e in ipairs(entries) do docs[i] = e.doc end
+  local res, err = tm:_retry("create", nil, steps.create_many, tm.tx, docs, tm.wopts)
+  for i, e in ipairs(entries) do
+    local item = res and res.items[i]
+    if not item then
+      fail(e, err)
+    elseif item.upserted_id ~= nil then
+      e.created = true
+      tm:_event("create", { id = e.T._id })
+    elseif item.code == 11000 or item.ok then
+      -- exists, or a server that stopped the batch at an error (FerretDB):
+      -- settle it alone
+      e.slow = "create"
+    else
+      fail(e, errors.new("server", item.message or "create failed",
+        { step = "create", id = e.T._id, server_code = item.code }))
+    end
+  end
+end
+
+-- Step 2: every op of every created transaction, one bulk write per
+-- collection.  When a collection's writes matched fewer documents than
+-- sent, its markers say which ops applied.
+local function apply(tm, entries, deadline, versions)
+  local by_coll, order = {}, {}
+  for t, e in ipairs(entries) do
+    e.applied = {}
+    for i, op in ipairs(e.T.ops) do
+      local v = versions and versions[t][i]
+      if v and v.marked then
+        e.applied[i] = true
+      else
+        local items = by_coll[op.collection]
+        if not items then
+          items = {}
+          by_coll[op.collection], order[#order + 1] = items, op.collection
+        end
+        items[#items + 1] = { tid = e.T._id, op = op, deadline = deadline,
+                              version = v and v.version, entry = e, i = i }
+      end
+    end
+  end
+  for _, name in ipairs(order) do
+    local items, coll = by_coll[name], tm:_coll(name)
+    local res, err = tm:_retry("apply", nil, steps.apply_many, coll, items, tm.fields, tm.wopts)
+    if not res then
+      for _, item in ipairs(items) do fail(item.entry, err) end
+    elseif res.matched + res.inserted == #items then
+      for _, item in ipairs(items) do item.entry.applied[item.i] = true end
+    else
+      local ids = {}
+      for k, item in ipairs(items) do ids[k] = item.op.id end
+      local docs
+      docs, err = coll:find_all({ _id = { ["$in"] = ids } }, { projection = { [tm.marker] = 1 } })
+      if not docs then err = errors.wrap(err, "apply") end
+      local by_id = {}
+      for _, doc in ipairs(docs or {}) do by_id[canon(doc._id)] = doc end
+      for _, item in ipairs(items) do
+        if not docs then
+          fail(item.entry, err)
+        elseif stored.has_marker(by_id[canon(item.op.id)], tm.marker, item.entry.T._id) then
+          item.entry.applied[item.i] = true
+        end
+      end
+    end
+  end
+  for _, e in ipairs(entries) do
+    if not e.err then
+      for i in ipairs(e.T.ops) do
+        if not e.applied[i] then e.slow = "apply" end
+      end
+      if not e.slow then tm:_event("apply", { id = e.T._id }) end
+    end
+  end
+end
+
+-- Step 3: pending -> applied for all of them in one update.
+local function commit(tm, entries)
+  local ids = {}
+  for i, e in ipairs(entries) do ids[i] = e.T._id end
+  local res, err = tm:_retry("commit", nil, steps.transition_many, tm.tx, ids, "pending",
+    "applied", 1, nil, tm.wopts)
+  if res and res.moved == #ids then
+    for _, e in ipairs(entries) do e.T.state = "applied" end
+  else
+    -- some did not move (taken over meanwhile?): look at each
+    local docs
+    if res then docs, err = tm.tx:find_all({ _id = { ["$in"] = ids } },
+      { projection = { state = 1, epoch = 1 } }) end
+    local by_id = {}
+    for _, doc in ipairs(docs or {}) do by_id[canon(doc._id)] = doc end
+    for _, e in ipairs(entries) do
+      local doc = by_id[canon(e.T._id)]
+      if not docs then
+        fail(e, errors.wrap(err, "commit", e.T._id))
+      elseif doc and doc.state == "applied" and doc.epoch == 1 then
+        e.T.state = "applied"
+      else
+        e.slow = "commit"
+      end
+    end
+  end
+  for _, e in ipairs(entries) do
+    tm.held[canon(e.T._id)] = nil -- past the commit point: nothing to fence
+    if e.T.state == "applied" then tm:_event("commit", { id = e.T._id }) end
+  end
+end
+
+-- Step 4: pull the markers of many committed transactions (one bulk write
+-- per collection), then applied -> done in one update.  Returns how many
+-- finished, or nil, err (those not finished stay `applied`: recovery
+-- finishes them).
+function _M.finish(tm, list)
+  if #list == 0 then return 0 end
+  local by_coll, order, ids = {}, {}, {}
+  for t, T in ipairs(list) do
+    ids[t] = T._id
+    for _, op in ipairs(T.ops) do
+      local items = by_coll[op.collection]
+      if not items then
+        items = {}
+        by_coll[op.collection], order[#order + 1] = items, op.collection
+      end
+      items[#items + 1] = { tid = T._id, op = op }
+    end
+  end
+  for _, name in ipairs(order) do
+    local res, err = tm:_retry("finish", nil, steps.finish_many, tm:_coll(name), by_coll[name],
+      tm.fields, tm.wopts)
+    if not res then return nil, err end
+  end
+  local res, err = tm:_retry("done", nil, steps.transition_many, tm.tx, ids, "applied", "done",
+    nil, nil, tm.wopts)
+  if not res then return nil, err end
+  for _, T in ipairs(list) do
+    T.state = "done"
+    tm:_event("done", { id = T._id })
+  end
+  return #list
+end
+
+-- The one-at-a-time way for an entry the batch could not settle.
+local function settle(tm, e, deadline, versions)
+  local T = e.T
+  if e.slow == "create" then
+    local existing, err = tm:get(T._id)
+    if err then return fail(e, err) end
+    if not existing then
+      -- a batch the server cut short: create this one alone
+      local res
+      res, err = tm:_step("create", T._id, tm.tx, e.doc, tm.wopts)
+      if not res then return fail(e, err) end
+      existing = res.created and T or tm:get(T._id)
+    end
+    if existing ~= T and canon(existing.ops) ~= canon(T.ops) then
+      return fail(e, errors.new("idempotency", "this id was used for other ops",
+        { step = "begin", id = T._id }))
+    end
+    T = existing
+    if T.state == "pending" and T.instance == tm.instance and T.epoch == 1 then
+      tm.held[canon(T._id)] = 1 -- ours, from an earlier try of this batch
+    end
+  elseif e.slow == "apply" then
+    local vs = {}
+    for i in ipairs(T.ops) do
+      vs[i] = { marked = e.applied[i] or false, deadline = deadline,
+                version = versions and versions[i].version }
+    end
+    local moved, err, failure = tm:_apply_all(T, vs)
+    if not moved then return fail(e, err) end
+    T, e.failure = moved, failure
+  else -- commit: somebody else moved it; see where it stands
+    local err
+    T, err = tm:get(T._id)
+    if not T then return fail(e, err or errors.new("state", "no such transaction", { id = e.T._id })) end
+  end
+  if T.state == "applied" then
+    tm.held[canon(T._id)] = nil
+    e.T = T -- committed: finished with the others, inline or deferred
+    return
+  end
+  local final, err = tm:_drive(T, nil)
+  if not final then return fail(e, e.failure or err) end
+  e.T = final
+end
+
+-- Runs specs[i] = { ops = <validated ops>, id =, meta =, extra = <fields
+-- of the transaction document> } as one batch.  Returns results, errs:
+-- results[i] the transaction (state `applied` or `done`) or false,
+-- errs[i] why not.
+function _M.run(tm, specs)
+  local entries, results, errs = {}, {}, {}
+  local now, err = server_clock(tm)
+  local deadline
+  if now and deadlines(tm) then deadline = core.Date(floor(now + tm.policy.lease * 1000)) end
+  for i, spec in ipairs(specs) do
+    local id = spec.id
+    if id == nil then id = core.ObjectId() end
+    local T = { _id = id, state = "pending", ops = spec.ops, epoch = 1, attempts = 1,
+                application = tm.application, instance = tm.instance,
+                lease = tm.policy.lease, deadline = deadline, meta = spec.meta }
+    for k, v in pairs(spec.extra or {}) do T[k] = v end
+    local doc = {}
+    for k, v in pairs(T) do doc[k] = v end
+    doc.ops = stored.ops(spec.ops)
+    entries[i] = { T = T, doc = doc, err = not now and err or nil }
+  end
+  local versions
+  if now and not deadline then
+    -- read before the create, which is this manager's claim
+    local list = {}
+    for i, e in ipairs(entries) do list[i] = e.T end
+    versions, err = tm:_versions_many(list)
+    if not versions then
+      for _, e in ipairs(entries) do fail(e, err) end
+    end
+  end
+  -- the entries still on the fast way (and their versions)
+  local function live(pred)
+    local out, vs = {}, {}
+    for t, e in ipairs(entries) do
+      if not e.err and not e.slow and (not pred or pred(e)) then
+        local n = #out + 1
+        out[n] = e
+        if versions then vs[n] = versions[t] end
+      end
+    end
+    return out, versions and vs
+  end
+  local todo = live()
+  if #todo > 0 then create(tm, todo) end
+  local created, vs = live(function(e) return e.created end)
+  for _, e in ipairs(created) do tm.held[canon(e.T._id)] = 1 end
+  if #created > 0 then apply(tm, created, deadline, vs) end
+  local ready = live()
+  if #ready > 0 then commit(tm, ready) end
+  for t, e in ipairs(entries) do
+    if e.slow and not e.err then settle(tm, e, deadline, versions and versions[t]) end
+  end
+  local committed = {}
+  for _, e in ipairs(entries) do
+    if not e.err and e.T.state == "applied" then committed[#committed + 1] = e.T end
+  end
+  if tm.policy.finish == "deferred" then
+    local queue = tm.finishing
+    for _, T in ipairs(committed) do queue[#queue + 1] = T end
+    if #queue >= tm.policy.finish_batch then tm:finish() end
+  elseif #committed > 0 then
+    _M.finish(tm, committed) -- on failure they stay applied: recovery finishes them
+  end
+  for i, e in ipairs(entries) do
+    results[i], errs[i] = not e.err and e.T, e.err or false
+  end
+  return results, errs
+end
+
+return _M

@@ -1,0 +1,265 @@
+-- Transactions run at once (tm:run, tm:transfer, tm:commit_many,
+-- tm:transfer_many): created pending and owned, applied with one bulk
+-- write per collection, committed with one update, finished inline or by
+-- the deferred finisher; round trips counted by the client.
+local helpers = require "spec.helpers"
+local mongotx = require "mongotx"
+
+local deadline_reason = helpers.ferretdb_lacks("$$NOW in a query filter, so creators read versions")
+
+describe("#server transactions run at once", function()
+  local db, accounts
+
+  before_each(function()
+    db = assert(mongotx.connect(helpers.uri(), { database = helpers.db_name() }))
+    accounts = db:collection("accounts")
+    local docs = {}
+    for i = 1, 10 do docs[i] = { _id = "A" .. i, balance = 1000 } end
+    assert(accounts:insert_many(docs))
+  end)
+
+  local function balances()
+    local out, sum = {}, 0
+    for _, d in ipairs(helpers.dump(accounts)) do
+      out[d._id], sum = d.balance, sum + d.balance
+      assert.are.same({}, d.pendingTransactions or {}, "markers left on " .. d._id)
+    end
+    return out, sum
+  end
+
+  local function states(tm)
+    local s = assert(tm:stats())
+    s.parked = nil
+    for k, v in pairs(s) do if v == 0 then s[k] = nil end end
+    return s
+  end
+
+  -- Round trips of fn() after a first transfer has learnt the server's
+  -- clock and what it supports.
+  local function round_trips(tm, fn)
+    assert(tm:transfer("accounts", "A9", "A10", 1))
+    db.client:reset_counters()
+    local a, b = fn()
+    return db.client:counters().commands, a, b
+  end
+
+  describe("a single transfer", function()
+    it("commits in 3 round trips and finishes later with deferred finishing", function()
+      if deadline_reason then return pending(deadline_reason) end
+      local tm = assert(db:manager { finish = "deferred" })
+      local n, T = round_trips(tm, function() return tm:transfer("accounts", "A1", "A2", 100) end)
+      assert.are.equal(3, n)
+      assert.are.equal("applied", T.state)
+      local stored = assert(tm:get(T._id))
+      assert.are.equal("applied", stored.state)
+      assert.are.equal("date", mongotx.core.type(stored.deadline))
+      assert.are.same({ "A1", "A2", 100 }, { stored.source, stored.destination, stored.value })
+      local doc = assert(accounts:find_one({ _id = "A1" }))
+      assert.are.equal(900, doc.balance)
+      assert.are.same({ T._id }, doc.pendingTransactions)
+
+      assert.are.equal(2, assert(tm:finish()))
+      assert.are.same({ done = 2 }, states(tm))
+      local b, sum = balances()
+      assert.are.same({ 900, 1100 }, { b.A1, b.A2 })
+      assert.are.equal(10000, sum)
+      assert.are.equal(0, assert(tm:finish()), "nothing left to finish")
+    end)
+
+    it("finishes before returning by default: 5 round trips, done", function()
+      if deadline_reason then return pending(deadline_reason) end
+      local tm = assert(db:manager {})
+      local n, T = round_trips(tm, function() return tm:transfer("accounts", "A1", "A2", 100) end)
+      assert.are.equal(5, n)
+      assert.are.equal("done", T.state)
+      assert.are.same({ done = 2 }, states(tm))
+      local b = balances()
+      assert.are.same({ 900, 1100 }, { b.A1, b.A2 })
+    end)
+
+    it("reads versions first where deadlines are off: one more round trip", function()
+      local tm = assert(db:manager { fencing = "version", finish = "deferred" })
+      local n, T = round_trips(tm, function() return tm:transfer("accounts", "A1", "A2", 100) end)
+      assert.are.equal(4, n)
+      assert.is_nil(assert(tm:get(T._id)).deadline)
+      assert(tm:finish())
+      local b, sum = balances()
+      assert.are.same({ 900, 1100 }, { b.A1, b.A2 })
+      assert.are.equal(10000, sum)
+    end)
+
+    it("tm:run takes ops over several collections", function()
+      local tm = assert(db:manager {})
+      local T = assert(tm:run({
+        { collection = "accounts", id = "A1", update = { ["$inc"] = { balance = -5 } } },
+        { collection = "orders", id = "o1", kind = "insert", doc = { item = "pen" } },
+      }))
+      assert.are.equal("done", T.state)
+      assert.are.equal(995, assert(accounts:find_one({ _id = "A1" })).balance)
+      local order = assert(db:collection("orders"):find_one({ _id = "o1" }))
+      assert.are.equal("pen", order.item)
+      assert.are.same({}, order.pendingTransactions)
+    end)
+
+    it("a guard that fails cancels it with every document as it was", function()
+      local tm = assert(db:manager {})
+      local T, err = tm:transfer("accounts", "A1", "A2", 5000, { min = 0 })
+      assert.is_nil(T)
+      assert.are.equal("guard", err.code)
+      assert.are.same({ cancelled = 1 }, states(tm))
+      local b, sum = balances()
+      assert.are.same({ 1000, 1000 }, { b.A1, b.A2 })
+      assert.are.equal(10000, sum)
+    end)
+
+    it("repeating an id returns the first outcome; other ops are refused", function()
+      local tm = assert(db:manager {})
+      local first = assert(tm:transfer("accounts", "A1", "A2", 10, { id = "pay-1" }))
+      local again = assert(tm:transfer("accounts", "A1", "A2", 10, { id = "pay-1" }))
+      assert.are.equal(first._id, again._id)
+      assert.are.equal("done", again.state)
+      local T, err = tm:transfer("accounts", "A1", "A3", 10, { id = "pay-1" })
+      assert.is_nil(T)
+      assert.are.equal("idempotency", err.code)
+      local b = balances()
+      assert.are.same({ 990, 1010, 1000 }, { b.A1, b.A2, b.A3 })
+    end)
+  end)
+
+  describe("batches", function()
+    local function ring(n, amount)
+      local list = {}
+      for i = 1, n do
+        list[i] = { collection = "accounts", from = "A" .. (i % 10 + 1),
+                    to = "A" .. ((i + 3) % 10 + 1), amount = amount, min = 0 }
+      end
+      return list
+    end
+
+    it("transfer_many: 100 transfers, one round trip per step", function()
+      if deadline_reason then return pending(deadline_reason) end
+      local tm = assert(db:manager {})
+      local n, results, errs = round_trips(tm, function() return tm:transfer_many(ring(100, 1)) end)
+      assert.are.equal(5, n) -- create, apply, commit, finish, done
+      for i = 1, 100 do
+        assert.is_false(errs[i])
+        assert.are.equal("done", results[i].state)
+      end
+      assert.are.same({ done = 101 }, states(tm))
+      local _, sum = balances()
+      assert.are.equal(10000, sum)
+    end)
+
+    it("transfer_many gives the same balances on every server", function()
+      local tm = assert(db:manager {})
+      local results = tm:transfer_many(ring(40, 7))
+      for i = 1, 40 do assert.are.equal("done", results[i].state) end
+      local b, sum = balances()
+      assert.are.equal(10000, sum)
+      -- each account sends 4 and receives 4 transfers of 7
+      for i = 1, 10 do assert.are.equal(1000, b["A" .. i]) end
+    end)
+
+    it("an op that cannot apply cancels only its own transaction", function()
+      local tm = assert(db:manager {})
+      local results, errs = tm:transfer_many {
+        { collection = "accounts", from = "A1", to = "A2", amount = 10 },
+        { collection = "accounts", from = "A3", to = "A4", amount = 5000, min = 0 },
+        { collection = "accounts", from = "A5", to = "nobody", amount = 10 },
+        { collection = "accounts", from = "A6", to = "A7", amount = 10 },
+      }
+      assert.are.equal("done", results[1].state)
+      assert.are.equal("done", results[4].state)
+      assert.is_false(results[2])
+      assert.are.equal("guard", errs[2].code)
+      assert.is_false(results[3])
+      assert.are.equal("missing", errs[3].code)
+      assert.are.same({ done = 2, cancelled = 2 }, states(tm))
+      local b, sum = balances()
+      assert.are.same({ 990, 1010, 1000, 1000, 1000, 990, 1010 },
+        { b.A1, b.A2, b.A3, b.A4, b.A5, b.A6, b.A7 })
+      assert.are.equal(10000, sum)
+    end)
+
+    it("a bad item gets its error and nothing written; the rest run", function()
+      local tm = assert(db:manager {})
+      local results, errs = tm:commit_many {
+        { { collection = "accounts", id = "A1", update = { ["$inc"] = { balance = -1 } } } },
+        { ops = { { collection = "accounts", id = "A2", update = { balance = 0 } } } },
+        { ops = { { collection = "accounts", id = "A3", update = { ["$inc"] = { balance = 1 } } } },
+          id = "k1" },
+        { ops = { { collection = "accounts", id = "A4", update = { ["$inc"] = { balance = 1 } } } },
+          id = "k1" },
+      }
+      assert.are.equal("done", results[1].state)
+      assert.is_false(results[2])
+      assert.are.equal("invalid", errs[2].code)
+      assert.are.equal("done", results[3].state)
+      assert.is_false(results[4])
+      assert.matches("repeats the id of item 3", errs[4].message)
+      assert.are.same({ done = 2 }, states(tm))
+      local b = balances()
+      assert.are.same({ 999, 1000, 1001, 1000 }, { b.A1, b.A2, b.A3, b.A4 })
+    end)
+
+    it("refuses what is not a list, or unknown keys, before writing", function()
+      local tm = assert(db:manager {})
+      assert.has_error(function() tm:commit_many("x") end, "commit_many takes a list")
+      assert.has_error(function() tm:transfer_many { { collection = "accounts", from = "A1",
+        to = "A2", amount = 1, colour = "red" } } end)
+      assert.are.same({}, states(tm))
+    end)
+
+    it("the deferred finisher runs by itself every finish_batch commits", function()
+      local tm = assert(db:manager { finish = "deferred", finish_batch = 10 })
+      local results = tm:transfer_many(ring(6, 1))
+      assert.are.equal("applied", results[1].state)
+      assert.are.same({ applied = 6 }, states(tm))
+      tm:transfer_many(ring(6, 1))
+      assert.are.same({ done = 12 }, states(tm))
+      local _, sum = balances()
+      assert.are.equal(10000, sum)
+    end)
+  end)
+
+  describe("#concurrency fencing by deadline", function()
+    if deadline_reason then
+      it("needs $$NOW", function() pending(deadline_reason) end)
+      return
+    end
+
+    it("nobody claims a transaction before its deadline", function()
+      local rescuer = assert(db:manager { application = "rescuer", stale_after = 0, lease = 0 })
+      local report
+      local tm = assert(db:manager { application = "slow", lease = 30, stale_after = 0,
+        on_event = function(name)
+          if name == "apply" and not report then report = assert(rescuer:recover()) end
+        end })
+      local T = assert(tm:transfer("accounts", "A1", "A2", 100))
+      assert.are.equal(1, report.examined)
+      assert.are.equal(1, report.skipped)
+      assert.are.equal("done", T.state)
+      local b = balances()
+      assert.are.same({ 900, 1100 }, { b.A1, b.A2 })
+    end)
+
+    it("a creator whose deadline passed cannot apply after a takeover", function()
+      local rescuer = assert(db:manager { application = "rescuer", stale_after = 0, lease = 0 })
+      local report
+      local tm = assert(db:manager { application = "slow", lease = 1, stale_after = 1,
+        on_event = function(name)
+          -- the transaction exists, pending; its applies are prepared
+          if name == "create" and not report then
+            mongotx.core.sleep(1.2)
+            report = assert(rescuer:recover())
+          end
+        end })
+      local T = assert(tm:transfer("accounts", "A1", "A2", 100))
+      assert.are.equal(1, report.done, "the rescuer took it over and finished it")
+      assert.are.equal("done", T.state)
+      local b, sum = balances()
+      assert.are.same({ 900, 1100 }, { b.A1, b.A2 }, "applied exactly once")
+      assert.are.equal(10000, sum)
+    end)
+  end)
+end)
