@@ -1,7 +1,7 @@
 -- A separate process for the multi-process specs:
 --
 --   worker.lua stall <uri> <db> <ready-file> <seconds> <from> <to> <amount>
---     one transfer that pauses <seconds> right after its first apply,
+--     one transfer (begin + commit) that pauses <seconds> right after its first apply,
 --     having written <ready-file>, so the spec can SIGSTOP it there
 --   worker.lua transfers <uri> <db> <n> <accounts> <seed>
 --     n random transfers among the accounts (comma separated)
@@ -39,7 +39,14 @@ if mode == "stall" then
       end
     end,
   })
-  report(tm:transfer("accounts", arg[6], arg[7], tonumber(arg[8])))
+  -- begin + commit, not transfer: the one-at-a-time steps apply op by op,
+  -- so the pause falls between two applies (spec/20-fencing_spec.lua)
+  local amount = tonumber(arg[8])
+  local t = assert(tm:begin {
+    { collection = "accounts", id = arg[6], update = { ["$inc"] = { balance = -amount } } },
+    { collection = "accounts", id = arg[7], update = { ["$inc"] = { balance = amount } } },
+  })
+  report(tm:commit(t))
 elseif mode == "transfers" then
   local n, seed = tonumber(arg[4]), tonumber(arg[6])
   local accounts = {}
