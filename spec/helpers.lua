@@ -70,6 +70,58 @@ function helpers.dump(coll)
   return assert(coll:find_all({}, { sort = { _id = 1 } }))
 end
 
+-- The whole database `name` as one string: a line per collection (in name
+-- order) and then a line per document (in _id order) with the collection's
+-- name and the document `core.encode`d, in hex.  Two dumps are equal only
+-- when the database holds the same documents byte for byte (decoding keeps
+-- what re-encoding needs: key order and number types).  opts.skip lists
+-- collections to leave out and opts.without fields to leave out of every
+-- document, for the cases where mongotx's own bookkeeping is expected to
+-- change.
+function helpers.db_dump(client, name, opts)
+  opts = opts or {}
+  local reply = assert(client:command(name, { listCollections = 1 }))
+  -- every spec database is small enough to come back in the first batch
+  assert(reply.cursor.id == 0, "listCollections needs more than one batch")
+  local names, skip = {}, {}
+  for _, c in ipairs(opts.skip or {}) do skip[c] = true end
+  for _, c in ipairs(reply.cursor.firstBatch) do
+    if not skip[c.name] then names[#names + 1] = c.name end
+  end
+  table.sort(names)
+  local projection
+  for _, f in ipairs(opts.without or {}) do
+    projection = projection or {}
+    projection[f] = 0
+  end
+  local lines = {}
+  for _, c in ipairs(names) do
+    lines[#lines + 1] = c
+    local docs = assert(client:collection(name, c):find_all({},
+      { sort = { _id = 1 }, projection = projection }))
+    for _, d in ipairs(docs) do
+      lines[#lines + 1] = c .. " " .. core.encode(d):gsub(".", function(ch)
+        return string.format("%02x", ch:byte())
+      end)
+    end
+  end
+  return table.concat(lines, "\n")
+end
+
+-- Asserts that the database holds what `before` (a db_dump with the same
+-- opts) held; a difference is reported as the first line that differs.
+function helpers.assert_dump_unchanged(before, client, name, opts)
+  local after = helpers.db_dump(client, name, opts)
+  if after == before then return end
+  local a, b = {}, {}
+  for l in (before .. "\n"):gmatch("(.-)\n") do a[#a + 1] = l end
+  for l in (after .. "\n"):gmatch("(.-)\n") do b[#b + 1] = l end
+  local i = 1
+  while a[i] == b[i] do i = i + 1 end
+  error(string.format("the database changed (line %d of the dump):\n  before: %s\n  after:  %s",
+    i, tostring(a[i]), tostring(b[i])), 2)
+end
+
 -- The Lua interpreter running the specs, for worker processes.
 function helpers.lua()
   return os.getenv("MONGOTX_LUA") or (type(jit) == "table" and "luajit" or "lua5.4")

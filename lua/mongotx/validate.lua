@@ -2,7 +2,9 @@
 -- (DESIGN.md §8).  Wrong argument types are programming errors and raise;
 -- bad content returns nil and an `invalid` error saying which op and why.
 -- Caller data never becomes a query operator: ids and inserted documents
--- may not hold `$` keys, and the fields mongotx owns are off limits.
+-- may not hold `$` keys (nor dotted keys, which servers read as paths),
+-- and the fields mongotx owns are off limits.  Options are configuration
+-- written in code, so a wrong type or an impossible value there raises.
 
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
@@ -19,11 +21,15 @@ local function is_integer(n)
 end
 
 -- A string that is the same for equal BSON values whatever the order of
--- the table's keys: used to compare ids and ops across processes.
-local function canon(v)
+-- the table's keys: used to compare ids and ops across processes.  With
+-- `numeric`, an integral float reads as the integer (1.0 as 1), as the
+-- server compares numbers when it matches an _id.
+local function canon(v, numeric)
   local t = type(v)
   if t == "number" then
-    if is_integer(v) then return format("i%d", v) end
+    if is_integer(v) or (numeric and v == math.floor(v) and v > -2 ^ 63 and v < 2 ^ 63) then
+      return format("i%d", v)
+    end
     return format("n%.17g", v)
   elseif t == "string" then
     return format("s%d:%s", #v, v)
@@ -33,13 +39,13 @@ local function canon(v)
     local kind = core.type(v)
     local parts = {}
     if kind == "array" then
-      for i = 1, #v do parts[i] = canon(v[i]) end
+      for i = 1, #v do parts[i] = canon(v[i], numeric) end
       return "[" .. concat(parts, ",") .. "]"
     end
     local keys = {}
     for k in pairs(v) do keys[#keys + 1] = k end
     sort(keys)
-    for i, k in ipairs(keys) do parts[i] = canon(k) .. "=" .. canon(v[k]) end
+    for i, k in ipairs(keys) do parts[i] = canon(k) .. "=" .. canon(v[k], numeric) end
     return "{" .. concat(parts, ",") .. "}"
   end
   return (core.type(v) or t) .. ":" .. tostring(v)
@@ -57,6 +63,46 @@ local function operator_key(v, depth)
   for k, x in pairs(v) do
     if type(k) == "string" and k:sub(1, 1) == "$" then return k end
     local found = operator_key(x, depth + 1)
+    if found then return found end
+  end
+end
+
+-- A plain table (not from core.doc or decoding) with several keys anywhere
+-- in v: its keys would encode in whatever order pairs() gives.  Returns
+-- its keys, or nil.
+local function unordered_table(v, depth)
+  if type(v) ~= "table" or depth > 100 then return nil end
+  local mt = getmetatable(v)
+  local keys = {}
+  for k, x in pairs(v) do
+    if type(k) == "string" then keys[#keys + 1] = k end
+    local found = unordered_table(x, depth + 1)
+    if found then return found end
+  end
+  if #keys > 1 and not (mt and mt.__mongotx) then
+    sort(keys)
+    return concat(keys, ", ")
+  end
+end
+
+-- The first key holding a dot anywhere in v, or nil.
+local function dotted_key(v, depth)
+  if type(v) ~= "table" or depth > 100 then return nil end
+  for k, x in pairs(v) do
+    if type(k) == "string" and k:find(".", 1, true) then return k end
+    local found = dotted_key(x, depth + 1)
+    if found then return found end
+  end
+end
+
+-- The first operator anywhere in v that runs JavaScript on the server, or
+-- nil: a `where` is a filter, never code.
+local code_operators = { ["$where"] = true, ["$function"] = true, ["$accumulator"] = true }
+local function code_operator(v, depth)
+  if type(v) ~= "table" or depth > 100 then return nil end
+  for k, x in pairs(v) do
+    if code_operators[k] then return k end
+    local found = code_operator(x, depth + 1)
     if found then return found end
   end
 end
@@ -87,6 +133,10 @@ local update_operators = {
   ["$currentDate"] = true, ["$pullAll"] = true, ["$bit"] = true,
 }
 
+-- Operators whose every value must be a number, and what counts as one.
+local numeric_operators = { ["$inc"] = true, ["$mul"] = true }
+local numeric_types = { int = true, long = true, double = true, decimal = true }
+
 -- An update document: operators only, none touching _id or the fields
 -- mongotx keeps on documents.
 local function check_update(u, owned, what, i)
@@ -102,9 +152,25 @@ local function check_update(u, owned, what, i)
       return invalid(format("%s: %s needs a table of fields", what, opname), i)
     end
     for path, value in pairs(fieldset) do
-      if type(path) ~= "string" or path == "" or path:sub(1, 1) == "$" then
+      if type(path) ~= "string" or path == "" or path:sub(1, 1) == "$"
+          or (path .. "."):find("^%.") or (path .. "."):find("%.%.") then
         return invalid(format("%s: %s has a bad field name %s", what, opname,
           tostring(path)), i)
+      end
+      if numeric_operators[opname] then
+        if not numeric_types[core.type(value)] then
+          return invalid(format("%s: %s of %s needs a number, not %s", what, opname,
+            path, core.type(value) or type(value)), i)
+        end
+        -- its inverse would be itself: -math.mininteger overflows
+        if math.mininteger and value == math.mininteger then
+          return invalid(format("%s: %s of %s by %d cannot be undone (its " ..
+            "negation overflows)", what, opname, path, value), i)
+        end
+      end
+      if opname == "$rename" and (type(value) ~= "string" or value == ""
+          or value:sub(1, 1) == "$") then
+        return invalid(format("%s: $rename of %s needs a field name", what, path), i)
       end
       for _, field in ipairs(owned) do
         if touches(path, field) or (opname == "$rename" and type(value) == "string"
@@ -151,6 +217,15 @@ local function check_id(id, i)
     return invalid(format("id holds the key %q: an id may not look like a " ..
       "query operator", op), i)
   end
+  local unordered = unordered_table(id, 0)
+  if unordered then
+    return invalid(format("id holds a table with several keys (%s): the key order of " ..
+      "an _id matters, so build it with mongotx.doc", unordered), i)
+  end
+  local dotted = dotted_key(id, 0)
+  if dotted then
+    return invalid(format("id holds the key %q: keys of an id may not hold dots", dotted), i)
+  end
   return true
 end
 _M.check_id = check_id
@@ -174,6 +249,9 @@ local function check_where(where, owned, i)
   for k in pairs(where) do
     if type(k) ~= "string" then return invalid("where keys are strings", i) end
     if k == "$where" then return invalid("where may not use $where", i) end
+    if k == "" or k:sub(1, 1) == "." or k:sub(-1) == "." or k:find("..", 1, true) then
+      return invalid(format("where has a bad field name %q", k), i)
+    end
     if k == "_id" then return invalid("where may not constrain _id", i) end
     for _, field in ipairs(owned) do
       if touches(k, field) then
@@ -181,6 +259,8 @@ local function check_where(where, owned, i)
       end
     end
   end
+  local code = code_operator(where, 0)
+  if code then return invalid(format("where may not use %s (server-side code)", code), i) end
   return true
 end
 
@@ -234,6 +314,10 @@ local function normalise_op(op, i, ctx)
     end
     local op_key = operator_key(doc, 0)
     if op_key then return invalid(format("doc may not hold the key %q", op_key), i) end
+    local dotted = dotted_key(doc, 0)
+    if dotted then
+      return invalid(format("doc may not hold the key %q (dots are paths)", dotted), i)
+    end
     local bad = non_finite(doc, 0)
     if bad then return invalid("doc holds " .. tostring(bad), i) end
     doc._id = op.id
@@ -243,6 +327,10 @@ local function normalise_op(op, i, ctx)
   end
   return out
 end
+
+-- What a transaction's ops may take of its 16 MiB document, leaving the
+-- rest to its state, owner, meta and the like.
+local MAX_OPS_BYTES = 16 * 1024 * 1024 - 64 * 1024
 
 -- ops: the caller's op list; ctx: { collection = transactions collection
 -- name, owned = { "_id", marker, version } }.  Returns the normalised
@@ -259,7 +347,7 @@ function _M.ops(ops, ctx)
   for i, op in ipairs(ops) do
     local norm, err = normalise_op(op, i, ctx)
     if not norm then return nil, err end
-    local key = norm.collection .. "\0" .. canon(norm.id)
+    local key = norm.collection .. "\0" .. canon(norm.id, true)
     if seen[key] then
       return invalid(format("document %s of %s is also op %d: one op per " ..
         "document", tostring(norm.id), norm.collection, seen[key]), i)
@@ -267,20 +355,156 @@ function _M.ops(ops, ctx)
     seen[key] = i
     out[i] = norm
   end
+  -- Too big for one document (or not encodable at all: a table holding
+  -- itself, nesting beyond 100 levels) is bad content, found here rather
+  -- than as a raise from the insert.  The stored form wraps update, undo
+  -- and where in binaries (5 more bytes each), and the transaction's own
+  -- fields need room too.
+  local ok, bytes = pcall(core.encode, { ops = out })
+  if not ok then return invalid("the ops cannot be stored: " .. tostring(bytes)) end
+  if #bytes + 15 * #out > MAX_OPS_BYTES then
+    return invalid(format("the ops take %d bytes: a transaction is one document of " ..
+      "at most 16 MiB", #bytes))
+  end
   return out
 end
 
--- Raises unless every key of opts is listed in names.
+local function name_ok(s, bad)
+  return s ~= "" and not s:find(bad) and not s:find("%z")
+end
+
+-- Options mean the same wherever they are taken, so each name has one
+-- check: nil when the value is fine, else what it must be.  Options the C
+-- core takes (write_concern, read_preference, tls) are checked there.
+local option_checks = {
+  database = function(v)
+    if type(v) ~= "string" or not name_ok(v, "[/\\. \"%$%*<>:|%?]") then
+      return "a database name (no /\\. \"$*<>:|?)"
+    end
+  end,
+  appname = function(v) if type(v) ~= "string" then return "a string" end end,
+  collection = function(v)
+    if type(v) ~= "string" or not name_ok(v, "%$") or v:sub(1, 7) == "system." then
+      return "a collection name (not empty, no $, not system.*)"
+    end
+  end,
+  application = function(v)
+    if type(v) ~= "string" or v == "" then return "a non-empty string" end
+  end,
+  marker = function(v)
+    if type(v) ~= "string" or not name_ok(v, "^%$") or v:find(".", 1, true) or v == "_id" then
+      return "a top-level field name (no $ first, no dots, not _id)"
+    end
+  end,
+  field = function(v) if type(v) ~= "string" then return "a string" end end,
+  write_concern = function(v) if type(v) ~= "table" then return "a table" end end,
+  meta = function(v) if type(v) ~= "table" then return "a table" end end,
+  min = function(v) if type(v) ~= "number" then return "a number" end end,
+  limit = function(v)
+    if type(v) ~= "number" or not is_integer(v) or v < 1 then return "a positive integer" end
+  end,
+  older_than = function(v)
+    if type(v) ~= "number" or not finite(v) or v < 0 then
+      return "a finite number of seconds, not negative"
+    end
+  end,
+}
+option_checks.version_field = option_checks.marker
+
+-- Raises unless every key of opts is listed in names and its value is
+-- what option_checks says.
 function _M.options(opts, names, what, level)
   if opts == nil then return {} end
   if type(opts) ~= "table" then error(what .. " must be a table", level + 1) end
-  for k in pairs(opts) do
+  for k, v in pairs(opts) do
     if not names[k] then
       error(format("unknown option %s for %s", tostring(k), what), level + 1)
+    end
+    local must = option_checks[k] and option_checks[k](v)
+    if must then
+      error(format("option %s of %s must be %s, not %s", k, what, must,
+        type(v) == "string" and format("%q", v) or tostring(v)), level + 1)
     end
   end
   return opts
 end
+
+-- Stored transactions ------------------------------------------------------
+
+local states = { initial = true, pending = true, applied = true, done = true,
+                 canceling = true, cancelled = true }
+
+-- An op's update, undo or where as stored: a binary holding BSON (what
+-- begin writes) or a document; the table, or nil and what is wrong.
+local function stored_doc(v, name)
+  if core.type(v) == "binData" then
+    local doc, err = core.decode((v:value()))
+    if not doc then return nil, name .. " is not BSON (" .. tostring(err) .. ")" end
+    return doc
+  end
+  if core.type(v) ~= "object" then return nil, name .. " is not a document" end
+  return v
+end
+
+local function malformed_op(op, ctx)
+  if core.type(op) ~= "object" then return "not a document" end
+  local _, err = check_collection(op.collection, ctx.collection)
+  if err then return err.message end
+  _, err = check_id(op.id)
+  if err then return err.message end
+  if type(op.kind) ~= "string" or not kinds[op.kind] then
+    return "unknown kind " .. tostring(op.kind)
+  end
+  local parts = {}
+  for _, f in ipairs { "update", "undo", "where" } do
+    if op[f] ~= nil then
+      local why
+      parts[f], why = stored_doc(op[f], f)
+      if not parts[f] then return why end
+    end
+  end
+  if op.kind == "update" then
+    _, err = check_update(parts.update, ctx.owned, "update")
+    if err then return err.message end
+    _, err = check_update(parts.undo, ctx.owned, "undo")
+    if err then return err.message end
+  end
+  if op.kind == "insert" and core.type(op.doc) ~= "object" then
+    return "insert without a doc"
+  end
+  _, err = check_where(parts.where, ctx.owned)
+  if err then return err.message end
+end
+
+-- What is wrong with a transaction document read back from the database,
+-- or nil when the steps can drive it.  Recovery skips (and reports) such
+-- documents rather than let one raise in the middle of a pass, or turn a
+-- hand-edited op into a write the caller never asked for.  ctx as for
+-- ops().  Reads T only: update, undo and where stay as stored.
+function _M.malformed(T, ctx)
+  if type(T.state) ~= "string" or not states[T.state] then
+    return "state is not a state name: " .. (core.type(T.state) or type(T.state))
+  end
+  if core.type(T.ops) ~= "array" or #T.ops == 0 then
+    return "ops is not a list of ops: " .. (core.type(T.ops) or type(T.ops))
+  end
+  for i, op in ipairs(T.ops) do
+    local why = malformed_op(op, ctx)
+    if why then return format("op %d: %s", i, why) end
+  end
+  if T.lastModified ~= nil and core.type(T.lastModified) ~= "date" then
+    return "lastModified is not a date: " .. core.type(T.lastModified)
+  end
+  for _, f in ipairs { "epoch", "attempts", "lease" } do
+    if T[f] ~= nil and type(T[f]) ~= "number" then
+      return f .. " is not a number: " .. (core.type(T[f]) or type(T[f]))
+    end
+  end
+end
+
+-- Amounts beyond 2^53 are not exact as doubles (LuaJIT, or a double
+-- field), so their inverse would not restore the balance.
+local MAX_AMOUNT = 2 ^ 53
 
 function _M.amount(amount)
   if type(amount) ~= "number" then error("amount must be a number", 3) end
@@ -288,6 +512,9 @@ function _M.amount(amount)
     return invalid("amount must be finite, not " .. tostring(amount))
   end
   if amount <= 0 then return invalid("amount must be positive") end
+  if amount > MAX_AMOUNT then
+    return invalid(format("amount %.17g is beyond 2^53, where numbers stop being exact", amount))
+  end
   return true
 end
 
