@@ -515,6 +515,19 @@ describe("bson bridge", function()
       assert.are.equal(good, core.encode(assert(core.decode(good))))
     end)
 
+    it("refuses a nested array cut short instead of losing its tail (found by fuzz/)", function()
+      -- { a: [1.5, <"ab" where an element or the final NUL should be>] }:
+      -- bson_validate passes it, decode used to return { a = { 1.5 } }
+      local arr = "\17\0\0\0" .. "\1" .. "0\0" .. "\0\0\0\0\0\0\248\63" .. "ab"
+      local ok, err = pcall(core.decode, "\25\0\0\0" .. "\4a\0" .. arr .. "\0")
+      assert.is_false(ok)
+      assert.matches("corrupt BSON", err)
+      local good = "\16\0\0\0" .. "\1" .. "0\0" .. "\0\0\0\0\0\0\248\63" .. "\0"
+      local doc = assert(core.decode("\24\0\0\0" .. "\4a\0" .. good .. "\0"))
+      assert.are.equal(1, #doc.a)
+      assert.are.equal(1.5, doc.a[1])
+    end)
+
     it("raises for a non-string argument", function()
       assert.has_error(function() core.decode({}) end)
       assert.has_error(function() core.decode() end)
