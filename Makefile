@@ -24,7 +24,7 @@ SPEC_ENV    = MONGOTX_CPATH="$(CURDIR)/$(BUILD)/?.so"
 SERVER     ?= memory
 WITH_SERVER = spec/support/with-server
 
-.PHONY: all setup test test-ferretdb test-luajit memcheck asan demo bench bench-memory bench-valgrind lint clean
+.PHONY: all setup test test-ferretdb test-luajit memcheck asan fuzz fuzz-ci demo bench bench-memory bench-valgrind lint clean
 
 all: $(SO)
 
@@ -71,6 +71,34 @@ asan: setup
 	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	  ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  $(LUA) /usr/bin/busted $(BUSTED_ARGS)
+
+# Fuzzing the Lua <-> BSON bridge: fuzz/*.c are libFuzzer harnesses built
+# with clang, ASan and UBSan over the bridge's files (not the engine's).
+# fuzz-ci runs each for FUZZ_CI_SECONDS (CI), fuzz for FUZZ_SECONDS; both
+# print "fuzz: <harness> runs=N crashes=K" and fail on any crash or leak.
+FUZZ_CC         ?= clang
+FUZZ_SECONDS    ?= 600
+FUZZ_CI_SECONDS ?= 60
+FUZZ_HARNESSES  := bson_roundtrip lua_encode
+FUZZ_BINS       := $(patsubst %,$(BUILD)/fuzz/%,$(FUZZ_HARNESSES))
+FUZZ_SRC        := csrc/bson.c csrc/scratch.c csrc/error.c fuzz/harness.c
+
+$(BUILD)/fuzz/%: fuzz/%.c $(FUZZ_SRC) fuzz/harness.h $(HDR)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) -std=c99 -D_DEFAULT_SOURCE $(WARN) $(MONGOC_CFLAGS) \
+	  $$(pkg-config --cflags lua5.4) -g -O1 -fno-omit-frame-pointer \
+	  -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+	  $< $(FUZZ_SRC) -o $@ $$(pkg-config --libs libbson-1.0 lua5.4)
+
+fuzz:
+	@spec/support/setup.sh fuzz
+	@$(MAKE) --no-print-directory $(FUZZ_BINS)
+	fuzz/run.sh $(FUZZ_SECONDS) $(BUILD)/fuzz $(FUZZ_HARNESSES)
+
+fuzz-ci:
+	@spec/support/setup.sh fuzz
+	@$(MAKE) --no-print-directory $(FUZZ_BINS)
+	fuzz/run.sh $(FUZZ_CI_SECONDS) $(BUILD)/fuzz $(FUZZ_HARNESSES)
 
 demo: setup
 	@$(MAKE) --no-print-directory all

@@ -7,6 +7,7 @@
 #     java      mongo-java-server 1.47.0 (Maven Central) + MongoServerMain
 #     ferretdb  FerretDB v1.24.0 built with Go (about a minute the first time)
 #     all       all three
+#     fuzz      clang and libFuzzer for make fuzz / make fuzz-ci (fuzz/)
 #   default: deps java
 #
 # Artifacts go to $MONGOTX_CACHE (default ~/.cache/mongotx):
@@ -24,15 +25,20 @@ PACKAGES=(lua5.4 liblua5.4-dev libmongoc-dev libbson-dev lua-busted lua-check
   luarocks luajit libluajit-5.1-dev valgrind gnuplot-nox pkg-config make gcc
   python3 default-jdk-headless maven)
 
-do_deps() {
+# clang 14 with libFuzzer and the sanitizer runtimes (-fsanitize=fuzzer
+# needs libclang-rt-14-dev), and what the harnesses link: Lua 5.4, libbson.
+FUZZ_PACKAGES=(clang libclang-rt-14-dev liblua5.4-dev libbson-dev libmongoc-dev pkg-config make)
+
+# Installs the Debian packages named that are missing.
+apt_install() {
   local missing=() p
-  for p in "${PACKAGES[@]}"; do
+  for p in "$@"; do
     if [[ $(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true) != "install ok installed" ]]; then
       missing+=("$p")
     fi
   done
   if ((${#missing[@]} == 0)); then
-    say "Debian packages: all ${#PACKAGES[@]} present"
+    say "Debian packages: all $# present"
   else
     local sudo=()
     [[ $(id -u) == 0 ]] || sudo=(sudo)
@@ -42,6 +48,10 @@ do_deps() {
     say "apt-get install ${missing[*]}"
     DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
   fi
+}
+
+do_deps() {
+  apt_install "${PACKAGES[@]}"
   # busted: Debian's lua-busted installs its modules for Lua 5.1-5.4, so the
   # same runner works under every interpreter: `luajit /usr/bin/busted` and
   # `lua5.4 /usr/bin/busted` (plain `busted` uses /usr/bin/lua = lua5.1).
@@ -124,6 +134,19 @@ do_ferretdb() {
   say "FerretDB $FERRETDB_VERSION: ready ($bin)"
 }
 
+do_fuzz() {
+  apt_install "${FUZZ_PACKAGES[@]}"
+  # the package list is not the proof: libFuzzer must link
+  local tmp
+  tmp=$(mktemp -d)
+  printf 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { (void)d; (void)n; return 0; }\n' \
+    > "$tmp/t.c"
+  clang -fsanitize=fuzzer,address,undefined "$tmp/t.c" -o "$tmp/t" 2>"$tmp/err" \
+    || { cat "$tmp/err" >&2; rm -rf "$tmp"; die "clang -fsanitize=fuzzer does not link"; }
+  rm -rf "$tmp"
+  say "clang $(clang -dumpversion) links -fsanitize=fuzzer,address,undefined"
+}
+
 targets=("$@")
 ((${#targets[@]})) || targets=(deps java)
 for t in "${targets[@]}"; do
@@ -132,6 +155,7 @@ for t in "${targets[@]}"; do
     java) do_java ;;
     ferretdb) do_ferretdb ;;
     all) do_deps; do_java; do_ferretdb ;;
-    *) die "unknown target '$t' (deps|java|ferretdb|all)" ;;
+    fuzz) do_fuzz ;;
+    *) die "unknown target '$t' (deps|java|ferretdb|all|fuzz)" ;;
   esac
 done
