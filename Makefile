@@ -24,7 +24,7 @@ SPEC_ENV    = MONGOTX_CPATH="$(CURDIR)/$(BUILD)/?.so"
 SERVER     ?= memory
 WITH_SERVER = spec/support/with-server
 
-.PHONY: all setup test test-ferretdb test-luajit memcheck asan fuzz fuzz-ci demo bench bench-memory bench-valgrind lint clean
+.PHONY: all setup test test-ferretdb test-luajit memcheck asan fuzz fuzz-ci demo bench bench-memory bench-valgrind torture torture-ci lint clean
 
 all: $(SO)
 
@@ -124,6 +124,21 @@ bench-valgrind: setup
 	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- valgrind --error-exitcode=99 \
 	  --leak-check=full --errors-for-leak-kinds=definite \
 	  --suppressions=spec/support/valgrind.supp $(LUA) bench/memory.lua 10000
+
+# The torture suite (TESTING.md): crash points, kill -9 of workers, stalls,
+# server faults, and the hostile-input spec and fuzz-ci as rows of one
+# summary table; fails on any violation.  torture takes 20-30 minutes,
+# torture-ci (what CI runs) about 5.  TORTURE_ARGS: e.g. --only kills.
+TORTURE = $(SPEC_ENV) MONGOTX_TORTURE_BUILD=$(BUILD) $(LUA) torture/run.lua
+torture:
+	@spec/support/setup.sh deps java ferretdb
+	@$(MAKE) --no-print-directory all
+	$(TORTURE) $(TORTURE_ARGS)
+
+torture-ci:
+	@spec/support/setup.sh deps java ferretdb
+	@$(MAKE) --no-print-directory all
+	$(TORTURE) --ci $(TORTURE_ARGS)
 
 lint:
 	luacheck -q lua spec examples $(wildcard bench torture fuzz)

@@ -1,0 +1,204 @@
+-- The invariants every torture section checks, read from the database
+-- after the final recovery:
+--   1. every transaction ended done or cancelled (none parked, none in
+--      flight), and a compensating one only for a done original;
+--   2. no document carries a marker (pendingTransactions) any more;
+--   3. the documents are exactly the fixture with the ops of the done
+--      transactions applied once each and those of the cancelled ones not
+--      at all: a model replays the done transactions' stored ops ($inc,
+--      $set, insert, remove, assert) on the fixture and every field of
+--      every document must match (an op applied twice, half a transaction,
+--      a lost or a doubled write all show up as a difference);
+--   4. the balances of `accounts` sum to what they summed to before;
+--   5. what callers were told holds: a transaction reported done is done,
+--      one reported cancelled (code cancelled/guard/missing/conflict) is
+--      cancelled; and optional per-id allowed final states.
+--
+--   local r = check.database(db, fixture, { allowed = {...}, reported = {...} })
+--   r.violations (list of messages), r.states (id -> state), r.counts
+
+local validate = require "mongotx.validate"
+
+-- Ids as map keys and in messages: strings as they are (every id the
+-- suite makes is one), anything else in the engine's canonical form.
+local function canon(id)
+  if type(id) == "string" then return id end
+  return validate.canon(id)
+end
+
+local M = {}
+
+M.MARKER, M.VERSION = "pendingTransactions", "txVersion"
+
+local function copy(doc)
+  local out = {}
+  for k, v in pairs(doc) do out[k] = v end
+  return out
+end
+
+local function equal(a, b)
+  if type(a) ~= "table" or type(b) ~= "table" then return a == b end
+  for k, v in pairs(a) do
+    if not equal(v, b[k]) then return false end
+  end
+  for k in pairs(b) do
+    if a[k] == nil then return false end
+  end
+  return true
+end
+
+local function show(v)
+  if type(v) ~= "table" then return tostring(v) end
+  local parts = {}
+  for k, x in pairs(v) do parts[#parts + 1] = tostring(k) .. "=" .. show(x) end
+  table.sort(parts)
+  return "{" .. table.concat(parts, ",") .. "}"
+end
+
+-- Applies one op of a done transaction to the model; a message when it
+-- cannot (then the database cannot be right either).
+local function replay(model, op, tid)
+  local coll = model.docs[op.collection] or {}
+  model.docs[op.collection] = coll
+  local k = canon(op.id)
+  local doc = coll[k]
+  local where = ("op %s/%s of %s"):format(op.collection, tostring(op.id), tostring(tid))
+  if op.kind == "insert" then
+    if doc then return where .. ": inserted over an existing document" end
+    local d = copy(op.doc)
+    d._id = op.id
+    coll[k] = d
+    return
+  end
+  if not doc then
+    local gone = model.removed[op.collection .. "/" .. k]
+    return where .. ": its document does not exist" ..
+      (gone and (" (" .. gone .. " removed it, and both are done)") or "")
+  end
+  if op.kind == "remove" then
+    coll[k] = nil
+    model.removed[op.collection .. "/" .. k] = tostring(tid)
+  elseif op.kind == "update" then
+    for operator, fields in pairs(op.update) do
+      for f, v in pairs(fields) do
+        if operator == "$inc" then
+          doc[f] = (doc[f] or 0) + v
+        elseif operator == "$set" then
+          doc[f] = v
+        else
+          return where .. ": the model cannot replay " .. operator
+        end
+      end
+    end
+  end
+end
+
+-- The document as the model sees it: without marker and version, and
+-- absent when it is an insert's placeholder (README, known limit 3).
+local function visible(doc)
+  if doc.txPlaceholder == true then return nil end
+  local d = copy(doc)
+  d[M.MARKER], d[M.VERSION] = nil, nil
+  return d
+end
+
+local TERMINAL = { done = true, cancelled = true }
+local CANCEL_CODES = { cancelled = true, guard = true, missing = true, conflict = true }
+
+-- opts.allowed:  id -> { done = true, cancelled = true, absent = true }
+-- opts.reported: id -> "done" | error code, as the caller was told
+function M.database(db, fixture, opts)
+  opts = opts or {}
+  local r = { violations = {}, states = {}, counts = { done = 0, cancelled = 0, other = 0 } }
+  local function violation(fmt, ...) r.violations[#r.violations + 1] = fmt:format(...) end
+
+  local tm = assert(db:manager { application = "checker" })
+  local txs = assert(tm:find({}, { sort = { _id = 1 } }))
+  local model = { docs = {}, removed = {} } -- removed: who removed what
+  for name, docs in pairs(fixture) do
+    model.docs[name] = {}
+    for _, d in ipairs(docs) do model.docs[name][canon(d._id)] = copy(d) end
+  end
+  local done = {}
+  for _, T in ipairs(txs) do
+    local id = canon(T._id)
+    r.states[id] = T.state
+    if TERMINAL[T.state] then
+      r.counts[T.state] = r.counts[T.state] + 1
+    else
+      r.counts.other = r.counts.other + 1
+      violation("transaction %s ended %s%s", id, tostring(T.state), T.parked and " (parked)" or "")
+    end
+    if T.state == "done" then done[#done + 1] = T end
+  end
+  -- originals first: a compensation undoes what its original did
+  table.sort(done, function(a, b)
+    if (a.compensates == nil) ~= (b.compensates == nil) then return a.compensates == nil end
+    return canon(a._id) < canon(b._id)
+  end)
+  for _, T in ipairs(done) do
+    if T.compensates ~= nil and r.states[canon(T.compensates)] ~= "done" then
+      violation("transaction %s compensates %s, which is %s", canon(T._id),
+        canon(T.compensates), tostring(r.states[canon(T.compensates)]))
+    end
+    for _, op in ipairs(T.ops) do
+      local why = replay(model, op, canon(T._id))
+      if why then violation("%s", why) end
+    end
+  end
+
+  local sum_before, sum_after = 0, 0
+  for _, d in ipairs(fixture.accounts or {}) do sum_before = sum_before + d.balance end
+  for name, expected in pairs(model.docs) do
+    local actual = {}
+    for _, doc in ipairs(assert(db:collection(name):find_all({}))) do
+      local marker = doc[M.MARKER]
+      if marker ~= nil and (type(marker) ~= "table" or #marker > 0) then
+        violation("%s/%s still carries markers %s", name, tostring(doc._id), show(marker))
+      end
+      local d = visible(doc)
+      if d then actual[canon(doc._id)] = d end
+      if d and name == "accounts" then sum_after = sum_after + (d.balance or 0) end
+    end
+    for k, want in pairs(expected) do
+      if not actual[k] then
+        violation("%s/%s is missing (expected %s)", name, k, show(want))
+      elseif not equal(want, actual[k]) then
+        violation("%s/%s is %s, expected %s", name, k, show(actual[k]), show(want))
+      end
+    end
+    for k, got in pairs(actual) do
+      if not expected[k] then violation("%s/%s should not exist: %s", name, k, show(got)) end
+    end
+  end
+  if sum_before ~= sum_after then
+    violation("the balances sum to %s, they summed to %s", tostring(sum_after), tostring(sum_before))
+  end
+
+  for id, allowed in pairs(opts.allowed or {}) do
+    local state = r.states[canon(id)] or "absent"
+    if not allowed[state] then violation("transaction %s ended %s", canon(id), state) end
+  end
+  for id, said in pairs(opts.reported or {}) do
+    local state = r.states[canon(id)] or "absent"
+    if said == "done" and state ~= "done" then
+      violation("transaction %s was reported done, the database says %s", canon(id), state)
+    elseif CANCEL_CODES[said] and state ~= "cancelled" then
+      violation("transaction %s was reported cancelled (%s), the database says %s",
+        canon(id), said, state)
+    end
+  end
+  r.transactions = #txs
+  return r
+end
+
+-- Creates the fixture's documents in db (each collection emptied first).
+function M.load(db, fixture)
+  for name, docs in pairs(fixture) do
+    local coll = db:collection(name)
+    coll:drop()
+    if #docs > 0 then assert(coll:insert_many(docs)) end
+  end
+end
+
+return M

@@ -1,0 +1,169 @@
+-- Section 1, the crash matrix.  For every scenario of torture/scenarios.lua
+-- and each of its op kinds: a clean run lists the crash points it passes
+-- (MONGOTX_FAULT_TRACE, so the matrix follows the engine as it changes);
+-- then, for each (point, before|after, nth time), a fresh database, a
+-- child that crashes exactly there (MONGOTX_FAULT, _exit without clean-up)
+-- and, once all cases ran, one fresh process that recovers every database.
+-- torture/check.lua then checks each database, and the matrix of final
+-- states of transaction T (done / cancelled / absent, or VIOLATION) is
+-- printed per scenario.
+
+local proc = require "torture.proc"
+local check = require "torture.check"
+local scenarios = require "torture.scenarios"
+local mongotx = require "mongotx"
+
+local M = {}
+
+local function trace_points(path)
+  local seen, list = {}, {}
+  local f = io.open(path)
+  if not f then return list end
+  for line in f:lines() do
+    local point, when = line:match("^(%S+) (%S+)$")
+    if point then
+      local k = point .. ":" .. when
+      seen[k] = (seen[k] or 0) + 1
+      list[#list + 1] = k .. ":" .. seen[k]
+    end
+  end
+  f:close()
+  return list
+end
+
+-- Runs one phase in a child; returns its status class and output.
+local function phase(env, uri, dbname, s, kind, which)
+  local c = proc.spawn({ "run", uri, dbname, s.name, kind, which }, env)
+  local rc = proc.wait(c, 60)
+  local out = proc.output(c)
+  proc.cleanup(c)
+  return rc and proc.classify(rc) or "hung", out
+end
+
+-- ctx: { uri, server (kind), full (bool), say(fmt, ...) }
+function M.run(ctx)
+  local result = { cases = 0, violations = 0, crashes = 0, injected = 0, missed = 0,
+                   failures = {} }
+  local client = assert(mongotx.connect(ctx.uri, { database = "admin" })).client
+  local cases, counter = {}, 0
+  local function new_case(s, kind, fault)
+    counter = counter + 1
+    local c = { s = s, kind = kind, fault = fault,
+                db = ("cp%d_%s_%s"):format(counter, s.name:gsub("%W", ""), kind) }
+    local db = assert(mongotx.connect(ctx.uri, { database = c.db }))
+    check.load(db, scenarios.fixture(kind, s.failing))
+    db:close()
+    cases[#cases + 1] = c
+    return c
+  end
+  -- prepare + run of one case; a wrong exit is a crash of the suite's
+  -- own making or of the engine, counted and shown
+  local function play(c, run_env)
+    if c.s.prepare then
+      local env = c.s.prepare_fault and { MONGOTX_FAULT = c.s.prepare_fault } or nil
+      local how, out = phase(env, ctx.uri, c.db, c.s, c.kind, "prepare")
+      if how ~= (c.s.prepare_fault and "injected" or "ok") then
+        c.problem = "prepare " .. how .. ": " .. out
+      end
+    end
+    local how, out = phase(run_env, ctx.uri, c.db, c.s, c.kind, "run")
+    c.how = how
+    if how ~= (c.fault and "injected" or "ok") and how ~= "ok" then
+      c.problem = (c.problem and c.problem .. "; " or "") .. "run " .. how .. ": " .. out
+    end
+  end
+
+  for _, s in ipairs(scenarios.list) do
+    for _, kind in ipairs(s.kinds or scenarios.KINDS) do
+      local trace = os.tmpname()
+      local clean = new_case(s, kind, nil)
+      play(clean, { MONGOTX_FAULT_TRACE = trace })
+      local points = trace_points(trace)
+      os.remove(trace)
+      clean.points = points
+      if not ctx.full then
+        -- bounded run: every point's first time, before and after
+        local first = {}
+        for _, p in ipairs(points) do
+          if p:match(":1$") then first[#first + 1] = p end
+        end
+        points = first
+      end
+      for _, p in ipairs(points) do
+        local c = new_case(s, kind, p)
+        play(c, { MONGOTX_FAULT = p })
+        if c.how == "injected" then result.injected = result.injected + 1
+        elseif c.how == "ok" then result.missed = result.missed + 1 end
+      end
+      ctx.say("  crashpoints %-16s %-7s %3d points", s.name, kind, #points)
+    end
+  end
+
+  -- recovery in one fresh process for all the databases
+  local list = os.tmpname()
+  local f = assert(io.open(list, "w"))
+  for _, c in ipairs(cases) do f:write(c.db, "\n") end
+  f:close()
+  local r = proc.spawn({ "recover", ctx.uri, list })
+  local rc = proc.wait(r, 60 + 5 * #cases)
+  local said = proc.output(r)
+  proc.cleanup(r)
+  os.remove(list)
+  if rc ~= 0 then
+    result.crashes = result.crashes + 1
+    result.failures[#result.failures + 1] = "recovery process " .. tostring(rc) .. ": " .. said
+  end
+
+  local matrix = {}
+  for _, c in ipairs(cases) do
+    result.cases = result.cases + 1
+    local db = assert(mongotx.connect(ctx.uri, { database = c.db }))
+    local rep = check.database(db, scenarios.fixture(c.kind, c.s.failing),
+      { allowed = { [scenarios.ID] = c.s.allowed } })
+    db:close()
+    local cell = rep.states[scenarios.ID] or "absent"
+    if c.fault and c.how == "ok" then cell = cell .. "(no crash)" end
+    if c.problem then
+      result.crashes = result.crashes + 1
+      cell = "CRASH"
+      result.failures[#result.failures + 1] = ("%s %s %s: %s"):format(c.s.name, c.kind,
+        tostring(c.fault), c.problem)
+    end
+    if #rep.violations > 0 then
+      result.violations = result.violations + #rep.violations
+      cell = "VIOLATION"
+      result.failures[#result.failures + 1] = ("%s %s %s (db %s): %s"):format(c.s.name, c.kind,
+        tostring(c.fault), c.db, table.concat(rep.violations, "; "))
+    elseif not c.problem then
+      client:command(c.db, { dropDatabase = 1 })
+    end
+    local row = (matrix[c.s.name] or {})
+    matrix[c.s.name] = row
+    local key = c.fault or "clean"
+    if not row[key] then
+      row[key] = {}
+      row[#row + 1] = key
+    end
+    row[key][c.kind] = cell
+  end
+
+  for _, s in ipairs(scenarios.list) do
+    local row = matrix[s.name]
+    local kinds = s.kinds or scenarios.KINDS
+    ctx.say("")
+    local head = ("  %-22s"):format(s.name)
+    for _, k in ipairs(kinds) do head = head .. ("%-12s"):format(k) end
+    ctx.say("%s", head)
+    for _, key in ipairs(row or {}) do
+      local line = ("  %-22s"):format(key)
+      for _, k in ipairs(kinds) do line = line .. ("%-12s"):format(row[key][k] or "-") end
+      ctx.say("%s", line)
+    end
+  end
+  result.notes = ("%d injected crashes, %d points not reached"):format(result.injected,
+    result.missed)
+  client:close()
+  return result
+end
+
+return M

@@ -1,0 +1,123 @@
+-- A fleet of `mix` workers (torture/worker.lua, torture/workload.lua) on
+-- one database, for the kill, stall and server-fault sections: start
+-- them, kill or stop some, end them, recover in a fresh process and check.
+--
+--   local f = fleet.new(uri, dbname, { accounts = 5, tokens = 300 })
+--   f:spawn()            -- one more worker; f.live lists the running ones
+--   f:kill(w)           -- kill -9, expected (other signals: helpers.signal)
+--   local r = f:finish() -- stop, recover, check: { violations, crashes, ... }
+
+local proc = require "torture.proc"
+local check = require "torture.check"
+local workload = require "torture.workload"
+local helpers = require "spec.helpers"
+local mongotx = require "mongotx"
+
+local M = {}
+local Fleet = {}
+Fleet.__index = Fleet
+
+function M.new(uri, dbname, sizes)
+  local self = setmetatable({ uri = uri, dbname = dbname, sizes = sizes, live = {}, all = {},
+    stopfile = os.tmpname(), fixture = workload.fixture(sizes.accounts, sizes.tokens),
+    killed = 0 }, Fleet)
+  os.remove(self.stopfile)
+  local db = assert(mongotx.connect(uri, { database = dbname }))
+  check.load(db, self.fixture)
+  db:close()
+  return self
+end
+
+function Fleet:spawn()
+  local name = "w" .. (#self.all + 1)
+  local w = proc.spawn({ "mix", self.uri, self.dbname, name, self.sizes.accounts,
+                         self.sizes.tokens, self.stopfile })
+  w.name = name
+  self.all[#self.all + 1] = w
+  self.live[#self.live + 1] = w
+  return w
+end
+
+function Fleet:pick()
+  return self.live[math.random(#self.live)]
+end
+
+-- kill -9 w and forget it (its status file says 137 once reaped)
+function Fleet:kill(w)
+  helpers.signal(w.pid, "KILL")
+  w.killed = true
+  self.killed = self.killed + 1
+  for i, x in ipairs(self.live) do
+    if x == w then table.remove(self.live, i) break end
+  end
+end
+
+-- What every worker told its callers: id -> "done" or the error code.
+local function reports(workers)
+  local said, counts = {}, { begun = 0, done = 0, failed = 0 }
+  for _, w in ipairs(workers) do
+    for line in proc.output(w):gmatch("[^\n]+") do
+      local word, id, code = line:match("^(%a+) (%S+) ?(%S*)")
+      if word == "begin" then
+        counts.begun = counts.begun + 1
+      elseif word == "done" then
+        said[id] = "done"
+        counts.done = counts.done + 1
+      elseif word == "failed" then
+        said[id] = code
+        counts.failed = counts.failed + 1
+      end
+    end
+  end
+  return said, counts
+end
+
+-- Ends the fleet (stop file, then waits), runs one recovery pass in a
+-- fresh process, and checks the database.  recover_direction: see
+-- worker.lua recover.
+function Fleet:finish(recover_direction)
+  local f = assert(io.open(self.stopfile, "w"))
+  f:close()
+  local r = { cases = 0, violations = 0, crashes = 0, failures = {} }
+  for _, w in ipairs(self.all) do
+    helpers.signal(w.pid, "CONT")
+    local rc = proc.wait(w, 60)
+    local how = rc and proc.classify(rc) or "hung"
+    if not (how == "ok" or (how == "killed" and w.killed)) then
+      r.crashes = r.crashes + 1
+      r.failures[#r.failures + 1] = ("worker %s %s (status %s): %s"):format(w.name, how,
+        tostring(rc), proc.output(w):sub(-600))
+    end
+  end
+  os.remove(self.stopfile)
+  local said, counts = reports(self.all)
+  for _, w in ipairs(self.all) do proc.cleanup(w) end
+
+  local list = os.tmpname()
+  f = assert(io.open(list, "w"))
+  f:write(self.dbname, "\n")
+  f:close()
+  local rec = proc.spawn({ "recover", self.uri, list, recover_direction or "forward" })
+  local rc = proc.wait(rec, 300)
+  local out = proc.output(rec)
+  proc.cleanup(rec)
+  os.remove(list)
+  if rc ~= 0 or not out:find("^settled") then
+    r.crashes = r.crashes + 1
+    r.failures[#r.failures + 1] = "final recovery (status " .. tostring(rc) .. "): " .. out
+  end
+
+  local db = assert(mongotx.connect(self.uri, { database = self.dbname }))
+  local rep = check.database(db, self.fixture, { reported = said })
+  local taken = #assert(db:collection("transactions"):find_all({ epoch = { ["$gte"] = 2 } }))
+  db:close()
+  r.cases = rep.transactions
+  r.violations = #rep.violations
+  for _, v in ipairs(rep.violations) do r.failures[#r.failures + 1] = v end
+  r.counts, r.said, r.taken = rep.counts, counts, taken
+  r.notes = ("%d workers, %d killed; %d done, %d cancelled; %d reported done; %d taken over")
+    :format(#self.all, self.killed, rep.counts.done, rep.counts.cancelled, counts.done, taken)
+  return r
+end
+
+return M

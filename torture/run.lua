@@ -1,0 +1,113 @@
+-- The torture suite's driver (TESTING.md): runs the sections, prints a
+-- summary table `section | cases | violations | crashes | notes` and exits
+-- non-zero when any section found a violation, a crash or could not run.
+--
+--   lua5.4 torture/run.lua [--ci] [--only name,name...]
+--
+-- --ci is the bounded run of `make torture-ci`; the default is the full
+-- run of `make torture`.  Sections (each starts its own servers):
+--   crashpoints-memory, crashpoints-ferretdb   torture/crashpoints.lua
+--   kills        random kill -9 of workers      torture/kills.lua
+--   races        fixed two-manager interleavings torture/races.lua
+--   stalls       SIGSTOP past the lease          torture/stalls.lua
+--   server       server kill -9, durability, connection drop
+--                                                torture/server_faults.lua
+--   hostile      busted spec/30-hostile_spec.lua (a teammate's)
+--   fuzz         make fuzz-ci (a teammate's)
+-- The concurrent sections (kills, stalls) run on mongo-java-server only:
+-- FerretDB v1 does not isolate concurrent read-modify-writes of one
+-- document (FerretDB issue #3040).
+
+package.path = "./lua/?.lua;./lua/?/init.lua;./?.lua;" .. package.path
+local cpath = os.getenv("MONGOTX_CPATH")
+if cpath then package.cpath = cpath .. ";" .. package.cpath end
+
+local server = require "spec.support.server"
+local core = require "mongotx.core"
+
+local full, only = true, nil
+do
+  local i = 1
+  while arg[i] do
+    if arg[i] == "--ci" then full = false
+    elseif arg[i] == "--only" then
+      i = i + 1
+      only = {}
+      for name in (arg[i] or ""):gmatch("[^,]+") do only[name] = true end
+    else
+      io.stderr:write("usage: torture/run.lua [--ci] [--only section,...]\n")
+      os.exit(2)
+    end
+    i = i + 1
+  end
+end
+
+local function say(fmt, ...)
+  io.stdout:write(fmt:format(...), "\n")
+  io.stdout:flush()
+end
+
+-- Runs fn(ctx) with a fresh server of `kind` (nil: no server).
+local function with_server(kind, fn)
+  local ctx = { full = full, say = say, server = kind }
+  local s
+  if kind then
+    local err
+    s, err = server.start { kind = kind }
+    if not s then return { cases = 0, violations = 0, crashes = 0, failed = "no server: " .. err } end
+    ctx.uri, ctx.started = s.uri, s
+  end
+  local ok, res = pcall(fn, ctx)
+  if s then s:stop() end
+  if not ok then return { cases = 0, violations = 0, crashes = 0, failed = tostring(res) } end
+  return res
+end
+
+local sections = {
+  { name = "crashpoints-memory", run = function()
+      return with_server("memory", require("torture.crashpoints").run) end },
+  { name = "crashpoints-ferretdb", run = function()
+      return with_server("ferretdb", require("torture.crashpoints").run) end },
+  { name = "kills", run = function()
+      return with_server("memory", require("torture.kills").run) end },
+  { name = "races", run = function()
+      return with_server("memory", require("torture.races").run) end },
+  { name = "stalls", run = function()
+      return with_server("memory", require("torture.stalls").run) end },
+  { name = "server", run = function()
+      return with_server(nil, require("torture.server_faults").run) end },
+  { name = "hostile", run = function()
+      return with_server(nil, require("torture.external").hostile) end },
+  { name = "fuzz", run = function()
+      return with_server(nil, require("torture.external").fuzz) end },
+}
+
+-- the teammates' suites run as CI targets of their own: only here in full
+local FULL_ONLY = { hostile = true, fuzz = true }
+
+local rows, bad = {}, 0
+local t0 = core.monotonic_ms()
+for _, sec in ipairs(sections) do
+  if (only and only[sec.name]) or (not only and (full or not FULL_ONLY[sec.name])) then
+    say("== %s (%s)", sec.name, full and "full" or "ci")
+    local started = core.monotonic_ms()
+    local r = sec.run()
+    r.seconds = (core.monotonic_ms() - started) / 1000
+    for _, line in ipairs(r.failures or {}) do say("  FAIL %s", line) end
+    if r.failed then say("  FAILED: %s", r.failed) end
+    if r.failed or r.violations > 0 or r.crashes > 0 then bad = bad + 1 end
+    rows[#rows + 1] = { sec.name, r }
+  end
+end
+
+say("")
+say("== torture summary (%s, %.0f s)", full and "full" or "ci", (core.monotonic_ms() - t0) / 1000)
+say("%-22s | %6s | %10s | %7s | %6s | %s", "section", "cases", "violations", "crashes", "secs",
+  "notes")
+for _, row in ipairs(rows) do
+  local r = row[2]
+  say("%-22s | %6d | %10d | %7d | %6.0f | %s", row[1], r.cases, r.violations, r.crashes,
+    r.seconds, r.failed and ("FAILED: " .. r.failed:gsub("\n.*", "")) or (r.notes or ""))
+end
+say("%d of %d sections failed", bad, #rows)
+os.exit(bad == 0 and 0 or 1)

@@ -1,0 +1,149 @@
+-- The torture suite's child processes (each started by torture/proc.lua):
+--
+--   worker.lua run <uri> <db> <scenario> <kind> <prepare|run>
+--       one phase of a crash-matrix scenario (torture/scenarios.lua);
+--       MONGOTX_FAULT in the environment makes it crash at a point
+--   worker.lua recover <uri> <dbs-file> [forward|back]
+--       recovery in a fresh process: for each database named in the file,
+--       recover() until no transaction is left in flight (rolling stale
+--       pending ones back with "back")
+--   worker.lua mix <uri> <db> <name> <accounts> <tokens> <stop-file> [stall]
+--       random transactions (torture/workload.lua) until the stop file
+--       exists, recover() every 20 of them; with "stall", stops itself
+--       (SIGSTOP) once, at a random step event, and carries on when
+--       continued
+--   worker.lua stall <uri> <db> <event> <direction>
+--       one transaction that stops itself (SIGSTOP) after its <event>th
+--       step event, for the stall section to take over and continue
+--   worker.lua acked <uri> <db> <n>
+--       n single inserts, "ack <i>" after each acknowledged one
+--   worker.lua hold <uri> <db> <event> <ready-file> <go-file>
+--       one transaction that, after its <event>th step event, writes the
+--       ready file and waits for the go file, then times how long the rest
+--       of commit() takes to return (the server is stopped meanwhile)
+--
+-- Output is one line per fact, flushed at once (a crash loses nothing
+-- that was printed).
+
+package.path = "./lua/?.lua;./lua/?/init.lua;./?.lua;" .. package.path
+local cpath = os.getenv("MONGOTX_CPATH")
+if cpath then package.cpath = cpath .. ";" .. package.cpath end
+
+local mongotx = require "mongotx"
+local scenarios = require "torture.scenarios"
+local workload = require "torture.workload"
+local core = mongotx.core
+
+local function say(...)
+  io.stdout:write(table.concat({ ... }, " "), "\n")
+  io.stdout:flush()
+end
+
+local function outcome(res, err)
+  if res then return "done" end
+  return "failed " .. tostring(err and err.code) .. " " .. tostring(err):gsub("%s+", " ")
+end
+
+local function exists(path)
+  local f = io.open(path)
+  if f then f:close() end
+  return f ~= nil
+end
+
+-- Stops this process with SIGSTOP (its parent shell's $PPID is us); it
+-- goes on when the driver sends SIGCONT.
+local function stop_self()
+  os.execute("kill -STOP $PPID")
+end
+
+local mode, uri = arg[1], arg[2]
+
+local function connect(dbname)
+  return assert(mongotx.connect(uri, { database = dbname }))
+end
+
+if mode == "run" then
+  local dbname, name, kind, phase = arg[3], arg[4], arg[5], arg[6]
+  local s = assert(scenarios.find(name), "no scenario " .. tostring(name))
+  local opts = { application = "torture", lease = 1, stale_after = 1 }
+  if phase == "run" and s.manager then opts = s.manager end
+  local tm = assert(connect(dbname):manager(opts))
+  local ctx = { kind = kind, failing = s.failing }
+  say("result", outcome(s[phase](tm, ctx)))
+elseif mode == "recover" then
+  local f = assert(io.open(arg[3]))
+  for dbname in f:lines() do
+    local db = connect(dbname)
+    local direction = arg[4] or "forward"
+    local tm = assert(db:manager(scenarios.recovery_manager {
+      stale_pending = function() return direction end }))
+    local left = 0
+    for _, T in ipairs(assert(tm:find({ state = { ["$nin"] = { "done", "cancelled" } } }))) do
+      local after = scenarios.settle(tm, T._id, 15)
+      if after and after.state ~= "done" and after.state ~= "cancelled" then left = left + 1 end
+    end
+    say(left == 0 and "settled" or "unsettled", dbname, left)
+    db:close()
+  end
+  f:close()
+elseif mode == "mix" then
+  local dbname, name = arg[3], arg[4]
+  local sizes = { accounts = tonumber(arg[5]), tokens = tonumber(arg[6]) }
+  local stopfile, stall = arg[7], arg[8] == "stall"
+  math.randomseed(os.time() + tonumber(tostring({}):match("0x(%x+)") or "0", 16) % 1000003)
+  local stall_at = stall and math.random(1, 60) or nil
+  local events = 0
+  local tm = assert(connect(dbname):manager {
+    application = name, lease = 1, stale_after = 1,
+    on_event = stall and function()
+      events = events + 1
+      if events == stall_at then say("stopping", events) stop_self() say("continued") end
+    end or nil,
+  })
+  local done, n = {}, 0
+  while not exists(stopfile) do
+    n = n + 1
+    workload.step(tm, name .. "-" .. n, sizes, say, done)
+    if n % 20 == 0 then tm:recover() end
+  end
+elseif mode == "stall" then
+  local dbname, at, direction = arg[3], tonumber(arg[4]), arg[5]
+  local events = 0
+  local tm = assert(connect(dbname):manager {
+    application = "staller", lease = 1, stale_after = 1,
+    on_event = function(name)
+      events = events + 1
+      if events == at then say("stopping", events, name) stop_self() say("continued") end
+    end,
+  })
+  local T = assert(tm:begin(scenarios.ops("insert"), { id = scenarios.ID }))
+  say("result", outcome(tm:commit(T)), direction)
+  say("events", events)
+elseif mode == "acked" then
+  local coll = connect(arg[3]):collection("acked")
+  for i = 1, tonumber(arg[4]) do
+    local ok, err = coll:insert_one({ _id = i }, { write_concern = { w = 1, j = true } })
+    if not ok then say("error", i, tostring(err)) break end
+    say("ack", i)
+  end
+elseif mode == "hold" then
+  local dbname, at, ready, go = arg[3], tonumber(arg[4]), arg[5], arg[6]
+  local events, t0 = 0, nil
+  local tm = assert(connect(dbname):manager {
+    application = "holder", lease = 1, stale_after = 1,
+    on_event = function(name)
+      events = events + 1
+      if events == at then
+        local f = assert(io.open(ready, "w")); f:write(name, "\n"); f:close()
+        while not exists(go) do core.sleep(0.01) end
+        t0 = core.monotonic_ms()
+      end
+    end,
+  })
+  local T = assert(tm:begin(scenarios.ops("insert"), { id = scenarios.ID }))
+  local res, err = tm:commit(T)
+  say("result", outcome(res, err))
+  say("events", events)
+  if t0 then say("elapsed_ms", math.floor(core.monotonic_ms() - t0)) end
+end
+say("exit")
