@@ -83,14 +83,22 @@ static int
 walks(bson_iter_t *it)
 {
 	bson_iter_t child;
-	uint32_t code_len, scope_len, len = it->len;
-	const uint8_t *scope;
+	uint32_t code_len, scope_len, len = it->len, child_len;
+	const uint8_t *scope, *data;
 	bson_t b;
 
 	while (bson_iter_next(it)) {
-		if ((BSON_ITER_HOLDS_DOCUMENT(it) || BSON_ITER_HOLDS_ARRAY(it)) &&
-		    (!bson_iter_recurse(it, &child) || !walks(&child)))
-			return 0;
+		if (BSON_ITER_HOLDS_DOCUMENT(it) || BSON_ITER_HOLDS_ARRAY(it)) {
+			/* bson_init_static, unlike bson_iter_recurse, checks the
+			 * final NUL */
+			if (BSON_ITER_HOLDS_ARRAY(it))
+				bson_iter_array(it, &child_len, &data);
+			else
+				bson_iter_document(it, &child_len, &data);
+			if (!bson_init_static(&b, data, child_len) ||
+			    !bson_iter_init(&child, &b) || !walks(&child))
+				return 0;
+		}
 		if (BSON_ITER_HOLDS_CODEWSCOPE(it)) {
 			bson_iter_codewscope(it, &code_len, &scope_len, &scope);
 			if (!bson_init_static(&b, scope, scope_len))

@@ -30,8 +30,8 @@ int fz_call(lua_State *L, const char *name, int nargs, int nres);
 /* Nesting depth of a valid document, the top level counting as 1. */
 int fz_depth(const bson_t *b);
 
-/* 1 when bson_iter walks every document and array in b to its end and
- * bson_init_static accepts the scope of every code with scope.  What
+/* 1 when bson_init_static accepts every document, array and scope of a
+ * code with scope in b, and bson_iter walks each to its end.  What
  * bson_validate (libbson 1.23) passes may fail either: it does not look
  * inside a nested document or scope that lacks its final NUL.  The bridge
  * must refuse such BSON, not lose the rest of it. */

@@ -515,11 +515,15 @@ describe("bson bridge", function()
       assert.are.equal(good, core.encode(assert(core.decode(good))))
     end)
 
-    it("refuses a nested array cut short instead of losing its tail (found by fuzz/)", function()
+    it("refuses a nested array without its final NUL (found by fuzz/)", function()
       -- { a: [1.5, <"ab" where an element or the final NUL should be>] }:
       -- bson_validate passes it, decode used to return { a = { 1.5 } }
       local arr = "\17\0\0\0" .. "\1" .. "0\0" .. "\0\0\0\0\0\0\248\63" .. "ab"
       local ok, err = pcall(core.decode, "\25\0\0\0" .. "\4a\0" .. arr .. "\0")
+      assert.is_false(ok)
+      assert.matches("corrupt BSON", err)
+      -- { e: [] } whose array ends in "@": decoded as [], re-encoded with a NUL
+      ok, err = pcall(core.decode, "\13\0\0\0" .. "\4e\0" .. "\5\0\0\0@" .. "\0")
       assert.is_false(ok)
       assert.matches("corrupt BSON", err)
       local good = "\16\0\0\0" .. "\1" .. "0\0" .. "\0\0\0\0\0\0\248\63" .. "\0"
