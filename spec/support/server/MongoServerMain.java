@@ -28,9 +28,20 @@
 //    (the stock behaviour, for comparison).
 //  - Commands run concurrently (one thread per connection); a commit stores
 //    everything written so far, including other connections' writes.
+//
+// The _id index of the memory backend: mongo-java-server uses an index
+// only for a query whose keys are exactly the index's keys
+// (AbstractUniqueIndex.canHandle compares the key sets), so {_id: x,
+// pendingTransactions: {$ne: t}} scans the whole collection: every update
+// mongotx (or the tutorial's recipe) makes would cost O(collection size),
+// where MongoDB looks the _id up and then checks the rest.  IdLookupIndex
+// does what MongoDB does: it serves any query holding an _id condition the
+// index can answer alone, and the collection still matches every document
+// it returns against the whole query.
 
 import java.io.InputStream;
 import java.net.InetSocketAddress;
+import java.util.List;
 import java.util.concurrent.CountDownLatch;
 
 import org.h2.mvstore.MVStore;
@@ -38,11 +49,65 @@ import org.h2.mvstore.MVStore;
 import de.bwaldvogel.mongo.MongoBackend;
 import de.bwaldvogel.mongo.MongoServer;
 import de.bwaldvogel.mongo.backend.h2.H2Backend;
+import de.bwaldvogel.mongo.backend.CursorRegistry;
+import de.bwaldvogel.mongo.backend.Index;
+import de.bwaldvogel.mongo.backend.IndexKey;
 import de.bwaldvogel.mongo.backend.memory.MemoryBackend;
+import de.bwaldvogel.mongo.backend.memory.MemoryDatabase;
+import de.bwaldvogel.mongo.backend.memory.index.MemoryUniqueIndex;
 import de.bwaldvogel.mongo.bson.Document;
 import io.netty.channel.Channel;
 
 public final class MongoServerMain {
+
+    /** A unique single-key index that also serves queries with more keys. */
+    static final class IdLookupIndex extends MemoryUniqueIndex {
+        private final String key;
+
+        IdLookupIndex(String name, List<IndexKey> keys, boolean sparse) {
+            super(name, keys, sparse);
+            this.key = keys.size() == 1 ? keys.get(0).getKey() : null;
+        }
+
+        /** The query's condition on the key alone, or null. */
+        private Document keyPart(Document query) {
+            if (key == null || query.size() < 2 || !query.containsKey(key)) {
+                return null;
+            }
+            Document part = new Document(key, query.get(key));
+            return super.canHandle(part) ? part : null;
+        }
+
+        @Override
+        public synchronized boolean canHandle(Document query) {
+            return super.canHandle(query) || keyPart(query) != null;
+        }
+
+        @Override
+        public synchronized Iterable<Integer> getPositions(Document query) {
+            Document part = keyPart(query);
+            return super.getPositions(part != null ? part : query);
+        }
+    }
+
+    static final class IdLookupDatabase extends MemoryDatabase {
+        IdLookupDatabase(String name, CursorRegistry cursors) {
+            super(name, cursors);
+        }
+
+        @Override
+        protected Index<Integer> openOrCreateUniqueIndex(String collection, String name,
+                                                         List<IndexKey> keys, boolean sparse) {
+            return new IdLookupIndex(name, keys, sparse);
+        }
+    }
+
+    static final class IdLookupMemoryBackend extends MemoryBackend {
+        @Override
+        public MemoryDatabase openOrCreateDatabase(String name) {
+            return new IdLookupDatabase(name, getCursorRegistry());
+        }
+    }
 
     static final class DurableH2Backend extends H2Backend {
         private final MVStore store;
@@ -116,7 +181,7 @@ public final class MongoServerMain {
         switch (kind) {
             case "memory":
                 store = null;
-                backend = new MemoryBackend();
+                backend = new IdLookupMemoryBackend();
                 break;
             case "h2":
                 if (file == null) {
