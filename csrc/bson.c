@@ -886,6 +886,7 @@ push_container(lua_State *L, bson_iter_t *it, int array, int depth)
 	lua_Integer n = 0;
 	int t, meta;
 	enum hint hint;
+	uint32_t len = it->len; /* the walk's end clears it */
 
 	if (depth > MTX_MAX_DECODE_DEPTH)
 		luaL_error(L, "mongotx: document nested more than %d levels deep",
@@ -918,6 +919,12 @@ push_container(lua_State *L, bson_iter_t *it, int array, int depth)
 			set_hint(L, meta, hint);
 		}
 	}
+	/* bson_iter_next takes a 0 type byte before the final NUL for the end,
+	 * and bson_validate (libbson 1.23) looks no further than a regex that
+	 * is not UTF-8: unless the walk ended at the final NUL, the rest of the
+	 * document vanished without a word (found by fuzz/bson_roundtrip.c) */
+	if (bson_iter_offset(it) + 1 != len)
+		luaL_error(L, "mongotx: corrupt BSON");
 	lua_getfield(L, meta, "__types");
 	if (array && lua_isnil(L, -1)) {
 		/* no hints: share one metatable among all plain arrays */

@@ -105,8 +105,8 @@ walks(bson_iter_t *it)
 				return 0;
 		}
 	}
-	/* bson_iter_next also stops, with err_off 0, at a key without its NUL
-	 * or a type it does not know: only ending at the final NUL is the end */
+	/* bson_iter_next also stops, with err_off 0, at a 0 type byte before
+	 * the final NUL: only ending at the final NUL is the end */
 	return bson_iter_offset(it) + 1 == len;
 }
 

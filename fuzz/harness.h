@@ -33,8 +33,9 @@ int fz_depth(const bson_t *b);
 /* 1 when bson_init_static accepts every document, array and scope of a
  * code with scope in b, and bson_iter walks each to its end.  What
  * bson_validate (libbson 1.23) passes may fail either: it does not look
- * inside a nested document or scope that lacks its final NUL.  The bridge
- * must refuse such BSON, not lose the rest of it. */
+ * inside a nested document or scope that lacks its final NUL, nor past a
+ * regex that is not UTF-8 (where a 0 type byte then ends the walk early).
+ * The bridge must refuse such BSON, not lose the rest of it. */
 int fz_walks(const bson_t *b);
 
 /* NULL when the bridge can give b back byte for byte, else why not (see

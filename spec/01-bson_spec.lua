@@ -532,6 +532,24 @@ describe("bson bridge", function()
       assert.are.equal(1.5, doc.a[1])
     end)
 
+    it("refuses a document that ends early instead of losing its tail (found by fuzz/)", function()
+      -- { r: /x\255/i, <0 type byte>, b: 2 }: after a regex that is not
+      -- UTF-8 bson_validate looks no further, and bson_iter takes the 0 for
+      -- the end; decode used to return { r = Regex("x\255", "i") }
+      local body = "\11r\0x\255\0i\0" .. "\0" .. "\16b\0\2\0\0\0"
+      local ok, err = pcall(core.decode, "\21\0\0\0" .. body .. "\0")
+      assert.is_false(ok)
+      assert.matches("corrupt BSON", err)
+      -- the same nested: { o: { r: /x\255/i, <0>, b: 2 } }
+      ok, err = pcall(core.decode, "\29\0\0\0" .. "\3o\0" .. "\21\0\0\0" .. body .. "\0" .. "\0")
+      assert.is_false(ok)
+      assert.matches("corrupt BSON", err)
+      -- without the 0 it decodes whole
+      local doc = assert(core.decode("\20\0\0\0" .. body:sub(1, 8) .. body:sub(10) .. "\0"))
+      assert.are.equal(2, doc.b)
+      assert.are.equal("x\255", doc.r:value())
+    end)
+
     it("raises for a non-string argument", function()
       assert.has_error(function() core.decode({}) end)
       assert.has_error(function() core.decode() end)
