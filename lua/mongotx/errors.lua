@@ -10,6 +10,8 @@
 --   idempotency  an id was reused with different ops
 --   state        the transaction is not in a state that allows the call
 --   parked       recovery gave up on the transaction after too many attempts
+--   malformed    recovery found a transaction document it cannot read (left as it is)
+--   fenced       another owner took the transaction over while this one worked on it
 --   plus the C core's domains (server, stream, ...) for database failures
 
 local core = require "mongotx.core"

@@ -58,6 +58,11 @@ function _M.new(db, opts)
   if opts.finish ~= nil and opts.finish ~= "inline" and opts.finish ~= "deferred" then
     error("finish must be \"inline\" or \"deferred\"", 3)
   end
+  if opts.marker ~= nil and opts.marker == opts.version_field or
+      opts.marker == nil and opts.version_field == "pendingTransactions" or
+      opts.version_field == nil and opts.marker == "txVersion" then
+    error("marker and version_field must be different fields", 3)
+  end
   if opts.fencing ~= nil and not FENCING[opts.fencing] then
     error("fencing must be \"auto\", \"deadline\" or \"version\"", 3)
   end
@@ -125,17 +130,30 @@ function Manager:_step(name, id, ...)
   return res, err
 end
 
-function Manager:get(id)
-  local doc, err = self.tx:find_one({ _id = id })
-  if err then return nil, errors.wrap(err, "get", id) end
+-- The transaction with this id, or nil.  The id goes into a query, so it
+-- is checked like a caller's id: {$gt = ""} must not find another one.
+function Manager:_get(id, step, level)
+  local kind = type(id)
+  if id == nil or kind == "function" or kind == "thread" then
+    error(format("%s needs a transaction id, not a %s", step, kind), level + 1)
+  end
+  local ok, err = validate.check_id(id)
+  if not ok then return nil, errors.wrap(err, step, nil) end
+  local doc
+  doc, err = self.tx:find_one({ _id = id })
+  if err then return nil, errors.wrap(err, step, id) end
   return live(doc)
+end
+
+function Manager:get(id)
+  return self:_get(id, "get", 2)
 end
 
 function Manager:_load(t, step)
   if type(t) ~= "table" or t._id == nil then
     error("expected a transaction (a table with _id)", 3)
   end
-  local T, err = self:get(t._id)
+  local T, err = self:_get(t._id, step, 3)
   if err then return nil, err end
   if not T then
     return nil, errors.new("state", "no such transaction", { step = step, id = t._id })
@@ -527,7 +545,10 @@ function Manager:_transfer_spec(collection, from, to, amount, opts, level)
   if type(field) ~= "string" then error("field must be a string", level + 1) end
   local where
   if opts.min ~= nil then
-    ok, err = validate.amount(opts.min + 1) -- finite, a number
+    -- any finite floor (an overdraft limit may be negative), and a bound
+    -- min + amount that is still exact
+    ok, err = validate.bound(opts.min, "min")
+    if ok then ok, err = validate.bound(opts.min + amount, "min + amount") end
     if not ok then return nil, err end
     where = { [field] = { ["$gte"] = opts.min + amount } }
   end
@@ -612,6 +633,7 @@ end
 function Manager:rollback(t, reason)
   local T, err = self:_load(t, "rollback")
   if not T then return nil, err end
+  if reason ~= nil and type(reason) ~= "string" then error("reason must be a string", 2) end
   reason = reason or "rolled back"
   if T.state == "initial" then
     local res

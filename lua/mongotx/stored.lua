@@ -29,7 +29,7 @@ function _M.ops(ops)
 end
 
 -- Decodes the operator fields of T's ops in place; T as it was when they
--- are not binaries (a malformed document is left for well_formed()).
+-- are not binaries (a malformed document is left for validate.malformed).
 function _M.live(T)
   if type(T) ~= "table" or type(T.ops) ~= "table" then return T end
   for _, op in ipairs(T.ops) do

@@ -506,6 +506,16 @@ end
 -- field), so their inverse would not restore the balance.
 local MAX_AMOUNT = 2 ^ 53
 
+-- A number used as a bound in a guard (transfer's `min`): finite, of any
+-- sign, and within 2^53 where numbers stay exact.
+function _M.bound(x, what)
+  if type(x) ~= "number" then error(what .. " must be a number", 3) end
+  if not finite(x) or x > MAX_AMOUNT or x < -MAX_AMOUNT then
+    return invalid(format("%s must be a finite number within 2^53, not %.17g", what, x))
+  end
+  return true
+end
+
 function _M.amount(amount)
   if type(amount) ~= "number" then error("amount must be a number", 3) end
   if not finite(amount) then
