@@ -900,6 +900,11 @@ push_container(lua_State *L, bson_iter_t *it, int array, int depth)
 	lua_setfield(L, meta, "__mongotx");
 	while (bson_iter_next(it)) {
 		n++;
+		/* what encode refuses (see encode_field), and bson_validate too,
+		 * but not past a regex that is not UTF-8 (found by fuzz/) */
+		if (!array && !bson_utf8_validate(bson_iter_key(it),
+						  bson_iter_key_len(it), false))
+			luaL_error(L, "mongotx: corrupt BSON (a key that is not UTF-8)");
 		hint = push_element(L, it, depth);
 		if (array) {
 			lua_rawseti(L, t, (int)n);

@@ -80,7 +80,7 @@ fz_depth(const bson_t *b)
 }
 
 static int
-walks(bson_iter_t *it)
+walks(bson_iter_t *it, int array)
 {
 	bson_iter_t child;
 	uint32_t code_len, scope_len, len = it->len, child_len;
@@ -88,6 +88,9 @@ walks(bson_iter_t *it)
 	bson_t b;
 
 	while (bson_iter_next(it)) {
+		if (!array && !bson_utf8_validate(bson_iter_key(it),
+						  bson_iter_key_len(it), false))
+			return 0;
 		if (BSON_ITER_HOLDS_DOCUMENT(it) || BSON_ITER_HOLDS_ARRAY(it)) {
 			/* bson_init_static, unlike bson_iter_recurse, checks the
 			 * final NUL */
@@ -96,7 +99,8 @@ walks(bson_iter_t *it)
 			else
 				bson_iter_document(it, &child_len, &data);
 			if (!bson_init_static(&b, data, child_len) ||
-			    !bson_iter_init(&child, &b) || !walks(&child))
+			    !bson_iter_init(&child, &b) ||
+			    !walks(&child, BSON_ITER_HOLDS_ARRAY(it)))
 				return 0;
 		}
 		if (BSON_ITER_HOLDS_CODEWSCOPE(it)) {
@@ -115,7 +119,7 @@ fz_walks(const bson_t *b)
 {
 	bson_iter_t it;
 
-	return bson_iter_init(&it, b) && walks(&it);
+	return bson_iter_init(&it, b) && walks(&it, 0);
 }
 
 /* 1 when an element before the current one of `it` (walked from `first`,

@@ -548,6 +548,11 @@ describe("bson bridge", function()
       local doc = assert(core.decode("\20\0\0\0" .. body:sub(1, 8) .. body:sub(10) .. "\0"))
       assert.are.equal(2, doc.b)
       assert.are.equal("x\255", doc.r:value())
+      -- nor does it see a key that is not UTF-8 after such a regex, which
+      -- encode would then refuse
+      ok, err = pcall(core.decode, "\22\0\0\0" .. body:sub(1, 8) .. "\16m\255n\0\2\0\0\0" .. "\0")
+      assert.is_false(ok)
+      assert.matches("corrupt BSON", err)
     end)
 
     it("raises for a non-string argument", function()
