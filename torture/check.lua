@@ -109,7 +109,7 @@ local CANCEL_CODES = { cancelled = true, guard = true, missing = true, conflict 
 -- opts.reported: id -> "done" | error code, as the caller was told
 function M.database(db, fixture, opts)
   opts = opts or {}
-  local r = { violations = {}, states = {}, counts = { done = 0, cancelled = 0, other = 0 } }
+  local r = { violations = {}, states = {}, docs = {}, counts = { done = 0, cancelled = 0, other = 0 } }
   local function violation(fmt, ...) r.violations[#r.violations + 1] = fmt:format(...) end
 
   local tm = assert(db:manager { application = "checker" })
@@ -122,7 +122,7 @@ function M.database(db, fixture, opts)
   local done = {}
   for _, T in ipairs(txs) do
     local id = canon(T._id)
-    r.states[id] = T.state
+    r.states[id], r.docs[id] = T.state, T
     if TERMINAL[T.state] then
       r.counts[T.state] = r.counts[T.state] + 1
     else
@@ -154,7 +154,15 @@ function M.database(db, fixture, opts)
     for _, doc in ipairs(assert(db:collection(name):find_all({}))) do
       local marker = doc[M.MARKER]
       if marker ~= nil and (type(marker) ~= "table" or #marker > 0) then
-        violation("%s/%s still carries markers %s", name, tostring(doc._id), show(marker))
+        local whose = {}
+        for _, id in ipairs(type(marker) == "table" and marker or {}) do
+          local T = r.docs[canon(id)] or {}
+          whose[#whose + 1] = ("%s %s (epoch %s, application %s, reason %s)"):format(canon(id),
+            tostring(T.state or "absent"), tostring(T.epoch), tostring(T.application),
+            tostring(T.reason))
+        end
+        violation("%s/%s still carries markers of %s", name, tostring(doc._id),
+          table.concat(whose, ", "))
       end
       local d = visible(doc)
       if d then actual[canon(doc._id)] = d end
