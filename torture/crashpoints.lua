@@ -119,7 +119,7 @@ function M.run(ctx)
     result.cases = result.cases + 1
     local db = assert(mongotx.connect(ctx.uri, { database = c.db }))
     local rep = check.database(db, scenarios.fixture(c.kind, c.s.failing),
-      { allowed = { [scenarios.ID] = c.s.allowed } })
+      { allowed = { [scenarios.ID] = c.s.allowed, [scenarios.OTHER] = c.s.other } })
     db:close()
     local cell = rep.states[scenarios.ID] or "absent"
     if c.fault and c.how == "ok" then cell = cell .. "(no crash)" end

@@ -13,6 +13,8 @@
 --   failing       the kind's op cannot apply (the transaction must cancel)
 --   allowed       final states of transaction T after recovery (absent:
 --                 it was never created)
+--   other         final states allowed for transaction U (the batch
+--                 scenarios' second transaction, C -> D)
 --   prepare       run(tm, ctx) in a child before the crashing one, with
 --                 crash point prepare_fault when set
 --   run           run(tm, ctx) in the child that crashes at the point
@@ -28,7 +30,8 @@ M.AMOUNT = 100
 -- Documents before the transaction, by collection.
 function M.fixture(kind, failing)
   local f = {
-    accounts = { { _id = "A", balance = 1000 }, { _id = "B", balance = 1000 } },
+    accounts = { { _id = "A", balance = 1000 }, { _id = "B", balance = 1000 },
+                 { _id = "C", balance = 1000 }, { _id = "D", balance = 1000 } },
   }
   if kind == "update" then
     f.counters = { { _id = "hits", n = 0 } }
@@ -63,6 +66,14 @@ function M.ops(kind, failing)
   ops[3] = op
   return ops
 end
+
+-- The second transaction of the batch scenarios: 7 from C to D.
+M.OTHER = "U"
+local other_ops = {
+  { collection = "accounts", id = "C", update = { ["$inc"] = { balance = -7 } },
+    where = { balance = { ["$gte"] = 7 } } },
+  { collection = "accounts", id = "D", update = { ["$inc"] = { balance = 7 } } },
+}
 
 local function begin_commit(tm, ctx)
   local T = assert(tm:begin(M.ops(ctx.kind, ctx.failing), { id = M.ID }))
@@ -130,6 +141,45 @@ M.list = {
     prepare = begin_commit, prepare_fault = "apply:after:2",
     manager = M.recovery_manager { stale_pending = function() return "back" end },
     run = recover_once },
+  -- the fast path and the batches: created pending and owned, one round
+  -- trip per step for the whole batch
+  { name = "run", allowed = { done = true, absent = true },
+    run = function(tm, ctx)
+      return tm:run(M.ops(ctx.kind, ctx.failing), { id = M.ID })
+    end },
+  { name = "run-cancel", failing = true, allowed = { cancelled = true, absent = true },
+    run = function(tm, ctx)
+      return tm:run(M.ops(ctx.kind, ctx.failing), { id = M.ID })
+    end },
+  { name = "run-deferred", allowed = { done = true, absent = true },
+    manager = { application = "torture", lease = 1, stale_after = 1, finish = "deferred" },
+    run = function(tm, ctx)
+      local T, err = tm:run(M.ops(ctx.kind), { id = M.ID })
+      if not T then return nil, err end
+      return tm:finish()
+    end },
+  { name = "commit_many", allowed = { done = true, absent = true },
+    other = { done = true, absent = true },
+    run = function(tm, ctx)
+      local res, errs = tm:commit_many {
+        { ops = M.ops(ctx.kind), id = M.ID }, { ops = other_ops, id = M.OTHER } }
+      return res[1], errs[1] or errs[2] or nil
+    end },
+  { name = "commit_many-cancel", failing = true, allowed = { cancelled = true, absent = true },
+    other = { done = true, absent = true },
+    run = function(tm, ctx)
+      local res, errs = tm:commit_many {
+        { ops = M.ops(ctx.kind, true), id = M.ID }, { ops = other_ops, id = M.OTHER } }
+      return res[2], errs[2] or nil
+    end },
+  { name = "transfer_many", kinds = { "update" }, allowed = { done = true, absent = true },
+    other = { done = true, absent = true },
+    run = function(tm)
+      local res, errs = tm:transfer_many {
+        { collection = "accounts", from = "A", to = "B", amount = M.AMOUNT, id = M.ID, min = 0 },
+        { collection = "accounts", from = "C", to = "D", amount = 7, id = M.OTHER, min = 0 } }
+      return res[1] and res[2], errs[1] or errs[2] or nil
+    end },
 }
 
 function M.find(name)
