@@ -823,14 +823,18 @@ push_element(lua_State *L, const bson_iter_t *it, int depth)
 	case BSON_TYPE_CODEWSCOPE: {
 		uint32_t code_len, scope_len;
 		const uint8_t *scope;
+		size_t offset;
 		bson_t s;
 
 		/* bson_validate (libbson 1.23) skips a scope that
 		 * bson_init_static refuses (no final NUL), and bson_append_value
-		 * then leaves the field out: it vanished on re-encoding (found
-		 * by fuzz/bson_roundtrip.c) */
+		 * then leaves the field out: it vanished on re-encoding; nor does
+		 * it always look inside one, and a scope key that is not UTF-8
+		 * was then written back as BSON it refuses (found by
+		 * fuzz/bson_roundtrip.c) */
 		bson_iter_codewscope(it, &code_len, &scope_len, &scope);
-		if (!bson_init_static(&s, scope, scope_len))
+		if (!bson_init_static(&s, scope, scope_len) ||
+		    !bson_validate(&s, BSON_VALIDATE_NONE, &offset))
 			luaL_error(L, "mongotx: corrupt BSON");
 		push_value(L, bson_iter_value((bson_iter_t *)it));
 		return HINT_NONE;

@@ -85,6 +85,7 @@ walks(bson_iter_t *it, int array)
 	bson_iter_t child;
 	uint32_t code_len, scope_len, len = it->len, child_len;
 	const uint8_t *scope, *data;
+	size_t offset;
 	bson_t b;
 
 	while (bson_iter_next(it)) {
@@ -105,7 +106,8 @@ walks(bson_iter_t *it, int array)
 		}
 		if (BSON_ITER_HOLDS_CODEWSCOPE(it)) {
 			bson_iter_codewscope(it, &code_len, &scope_len, &scope);
-			if (!bson_init_static(&b, scope, scope_len))
+			if (!bson_init_static(&b, scope, scope_len) ||
+			    !bson_validate(&b, BSON_VALIDATE_NONE, &offset))
 				return 0;
 		}
 	}

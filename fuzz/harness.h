@@ -31,8 +31,9 @@ int fz_call(lua_State *L, const char *name, int nargs, int nres);
 int fz_depth(const bson_t *b);
 
 /* 1 when bson_init_static accepts every document, array and scope of a
- * code with scope in b, bson_iter walks each to its end, and every key of
- * a document is UTF-8 (encode refuses others).  What
+ * code with scope in b, bson_iter walks each to its end, bson_validate
+ * passes each scope, and every key of a document is UTF-8 (encode refuses
+ * others).  What
  * bson_validate (libbson 1.23) passes may fail either: it does not look
  * inside a nested document or scope that lacks its final NUL, nor past a
  * regex that is not UTF-8 (where a 0 type byte then ends the walk early).

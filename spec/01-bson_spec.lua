@@ -513,6 +513,14 @@ describe("bson bridge", function()
       -- the same with its NUL decodes and comes back byte for byte
       local good = bytes:sub(1, 32) .. "\0\0"
       assert.are.equal(good, core.encode(assert(core.decode(good))))
+      -- code "x +\0\255\255" makes bson_validate skip the scope, whose key
+      -- "\201" is not UTF-8: decode took it and encode wrote it back
+      local code = "\6\0\0\0x +\0\255\255"
+      ok, err = pcall(core.decode, "\34\0\0\0\15c\0\26\0\0\0" .. code .. "\12\0\0\0\16\201\0\0\0\0\0\0\0")
+      assert.is_false(ok)
+      assert.matches("corrupt BSON", err)
+      local doc = assert(core.decode("\34\0\0\0\15c\0\26\0\0\0" .. code .. "\12\0\0\0\16k\0\0\0\0\0\0\0"))
+      assert.are.equal("javascriptWithScope", core.type(doc.c))
     end)
 
     it("refuses a nested array without its final NUL (found by fuzz/)", function()
