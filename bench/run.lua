@@ -6,10 +6,14 @@
 --
 --   lua5.4 bench/run.lua [--runs N] [--scale F] [--only key,key...]
 --
---   --runs   runs per mode (default 5; 3 for the recovery and process modes)
+--   --runs   runs per mode (default 5; 3 for commit_many at batch 1000, the
+--            recovery and the process modes)
 --   --scale  multiplies every transfer count (default 1; e.g. 0.1 to try it)
 --   --only   run these modes only (keys as printed); README and plot are
---            left alone unless the run is full (no --only, scale 1)
+--            left alone unless the run is full (no --only, scale 1, no
+--            --accounts)
+--   --accounts  accounts of the single-process modes (default 10 000; at
+--            least twice the largest batch run)
 --
 -- Exits non-zero when a mode's check of the database failed.
 
@@ -25,13 +29,14 @@ local server = require "spec.support.server"
 local round = stats.round
 local BOUND = 2 / 7 -- writes of a raw transfer over the protocol's minimum
 
-local opts = { runs = nil, scale = 1, only = nil }
+local opts = { runs = nil, scale = 1, only = nil, accounts = nil }
 do
   local i = 1
   while arg[i] do
     local a, v = arg[i], arg[i + 1]
     if a == "--runs" then opts.runs = assert(tonumber(v), "--runs N")
     elseif a == "--scale" then opts.scale = assert(tonumber(v), "--scale F")
+    elseif a == "--accounts" then opts.accounts = assert(tonumber(v), "--accounts N")
     elseif a == "--only" then
       opts.only = {}
       for k in v:gmatch("[^,]+") do opts.only[k] = true end
@@ -51,10 +56,12 @@ local plan = {
   { key = "transfer_deferred", mode = modes.transfer_deferred, n = 1000 },
   { key = "begin_commit", mode = modes.begin_commit, n = 1000 },
 }
-for _, b in ipairs { { 1, 1000 }, { 10, 2000 }, { 100, 5000 }, { 1000, 10000 } } do
-  plan[#plan + 1] = { key = "commit_many" .. b[1], mode = modes.commit_many, batch = b[1], n = b[2] }
+-- (counts chosen so that `make bench` stays near 15 minutes on 2 cores)
+for _, b in ipairs { { 1, 1000, 5 }, { 10, 1000, 5 }, { 100, 3000, 5 }, { 1000, 5000, 3 } } do
+  plan[#plan + 1] = { key = "commit_many" .. b[1], mode = modes.commit_many, batch = b[1], n = b[2],
+                      runs = b[3] }
 end
-plan[#plan + 1] = { key = "transfer_many100", mode = modes.transfer_many, batch = 100, n = 5000 }
+plan[#plan + 1] = { key = "transfer_many100", mode = modes.transfer_many, batch = 100, n = 3000 }
 for _, accounts in ipairs { 10, 10000 } do
   for _, procs in ipairs { 1, 2, 4, 8 } do
     plan[#plan + 1] = { key = ("procs%d_%d"):format(procs, accounts), mode = concurrent,
@@ -63,7 +70,7 @@ for _, accounts in ipairs { 10, 10000 } do
 end
 plan[#plan + 1] = { key = "recovery", mode = modes.recovery, n = 10000, runs = 3 }
 
-local full = not opts.only and opts.scale == 1
+local full = not opts.only and opts.scale == 1 and not opts.accounts
 
 local function shell(cmd)
   local f = io.popen(cmd .. " 2>/dev/null")
@@ -91,7 +98,7 @@ for _, e in ipairs(plan) do
   if not opts.only or opts.only[e.key] then
     local n = math.max(math.floor(e.n * opts.scale + 0.5), e.batch or 1, e.procs or 1)
     local runs = opts.runs or e.runs or 5
-    local ctx = { uri = uri, n = n, accounts = e.accounts or 10000, batch = e.batch or 1,
+    local ctx = { uri = uri, n = n, accounts = e.accounts or opts.accounts or 10000, batch = e.batch or 1,
                   procs = e.procs }
     io.write(("bench: %-18s %6d transfers x %d runs ..."):format(e.key, n, runs))
     io.flush()
@@ -198,9 +205,11 @@ end
 local summary = table.concat({
   ("Measured %s in %s minutes: %s cores (%s), shared with three teammates running" ..
    " their tests, so the figures are noisy (load average %s before, %s after);" ..
-   " %s; server: mongo-java-server %s on loopback, write concern %s."):format(
+   " %s; server: mongo-java-server %s on loopback, write concern %s;" ..
+   " single-process modes on %d accounts."):format(
     machine.date, machine.minutes, machine.cpus, machine.model, machine.load_before,
-    machine.load_after, machine.lua, machine.server, "{ w = \"majority\", j = true } for every mode"),
+    machine.load_after, machine.lua, machine.server, "{ w = \"majority\", j = true } for every mode",
+    opts.accounts or 10000),
   "",
   table_md,
   "",
