@@ -97,6 +97,13 @@ local hand = {
     for _ = 2, 201 do d = document(element(0x03, "a", d)) end
     return d
   end)(),
+  -- what the fuzzer found (spec/01-bson_spec.lua has each): a scope without
+  -- its final NUL, one bson_validate skips, an array without its final NUL,
+  -- a 0 type byte after a regex that is not UTF-8
+  found_scope_no_nul = "\34\0\0\0\15c\0\26\0\0\0\6\0\0\0x + 1\0\12\0\0\0\16x\0\1\0\0\0+\0",
+  found_scope_bad_key = "\34\0\0\0\15c\0\26\0\0\0\6\0\0\0x +\0\255\255\12\0\0\0\16\201\0\0\0\0\0\0\0",
+  found_array_no_nul = document(element(0x04, "a", "\17\0\0\0\1" .. "0\0" .. string.pack("<d", 1.5) .. "ab")),
+  found_early_end = document(element(0x0B, "r", "x\255\0i\0"), "\0", element(0x10, "b", string.pack("<i4", 2))),
   -- invalid: decode must say so
   truncated = string.pack("<i4", 12) .. "\16a\0\1\0",
   bad_length = "\6\0\0\0\0\0",
@@ -200,5 +207,8 @@ local programs = {
     "STRING", "document", "SET", "STRING", "__types", "TABLE", "STRING", "a", "STRING", "int64", "SET",
     "SET", "SETMETA" },
   non_table = { "INT", 3, "STRING", "s", "NULL", "OTHER", 2 },
+  -- what the fuzzer found: doc("a", nil, "a", 1), a key that is not UTF-8
+  found_doc_nil_repeat = { "STRING", "a", "NIL", "STRING", "a", "INT", 1, "DOC", 2 },
+  found_key_not_utf8 = { "TABLE", "STRING", "\218", "TABLE", "SET" },
 }
 for name, code in pairs(programs) do write("lua_encode", name, asm(code)) end
