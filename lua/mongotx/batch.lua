@@ -2,8 +2,9 @@
 -- tm:transfer, tm:commit_many, tm:transfer_many) skip `initial` and the
 -- claim.  For a whole batch:
 --
---   1. create   one bulk write inserting every transaction `pending`,
---               owned by this manager (epoch 1);
+--   1. create   one bulk insert of every transaction `pending`, owned by
+--               this manager (epoch 1), lastModified by the server's
+--               clock as estimated (an insert cannot $currentDate);
 --   2. apply    one bulk write per collection for all their ops;
 --   3. commit   one update moving them all to `applied`, the commit point;
 --   4. finish   one bulk write per collection pulling the markers, and one
@@ -79,16 +80,22 @@ local function create(tm, entries)
   local docs = {}
   for i, e in ipairs(entries) do docs[i] = e.doc end
   local res, err = tm:_retry("create", nil, steps.create_many, tm.tx, docs, tm.wopts)
+  -- items say ok for a request a server never ran after an error
+  -- (FerretDB stops there): then inserted counts fewer than the oks
+  local oks = 0
+  for _, item in ipairs(res and res.items or {}) do
+    if item.ok then oks = oks + 1 end
+  end
+  local sure = res and res.inserted == oks
   for i, e in ipairs(entries) do
     local item = res and res.items[i]
     if not item then
       fail(e, err)
-    elseif item.upserted_id ~= nil then
+    elseif item.ok and sure then
       e.created = true
       tm:_event("create", { id = e.T._id })
-    elseif item.code == 11000 or item.ok then
-      -- exists, or a server that stopped the batch at an error (FerretDB):
-      -- settle it alone
+    elseif item.ok or item.code == 11000 then
+      -- exists, or not known: settle it alone
       e.slow = "create"
     else
       fail(e, errors.new("server", item.message or "create failed",
@@ -270,14 +277,19 @@ end
 function _M.run(tm, specs)
   local entries, results, errs = {}, {}, {}
   local now, err = server_clock(tm)
-  local deadline
-  if now and deadlines(tm) then deadline = core.Date(floor(now + tm.policy.lease * 1000)) end
+  local deadline, stamp
+  if now then
+    -- an insert cannot $currentDate: the server's clock as estimated
+    stamp = core.Date(floor(now))
+    if deadlines(tm) then deadline = core.Date(floor(now + tm.policy.lease * 1000)) end
+  end
   for i, spec in ipairs(specs) do
     local id = spec.id
     if id == nil then id = core.ObjectId() end
     local T = { _id = id, state = "pending", ops = spec.ops, epoch = 1, attempts = 1,
                 application = tm.application, instance = tm.instance,
-                lease = tm.policy.lease, deadline = deadline, meta = spec.meta }
+                lease = tm.policy.lease, deadline = deadline, meta = spec.meta,
+                lastModified = stamp }
     for k, v in pairs(spec.extra or {}) do T[k] = v end
     local doc = {}
     for k, v in pairs(T) do doc[k] = v end
