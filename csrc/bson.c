@@ -389,7 +389,9 @@ table_kind(lua_State *L, int idx)
 		return NULL;
 	}
 	lua_getfield(L, -1, "__mongotx");
-	kind = lua_tostring(L, -1); /* interned in the metatable: stays valid */
+	/* a string held by the metatable stays valid after the pop; a number
+	 * would be converted into a string only the stack slot holds */
+	kind = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
 	lua_pop(L, 1);
 	if (!kind) {
 		lua_pop(L, 1);
