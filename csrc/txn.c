@@ -390,6 +390,46 @@ check_added(lua_State *L, bool ok, int i, const bson_error_t *err)
 		luaL_error(L, "mongotx: batch item %d: %s", i, err->message);
 }
 
+/* A batch of ops of one collection, as apply_many and finish_many take
+ * it: (coll, items, fields [, opts]), items[i] = { tid, op, ... }. */
+typedef struct {
+	mongoc_bulk_operation_t *bulk;
+	bson_t *tid, *filter, *update; /* reused for every item */
+	fields f;
+	int n;
+} op_batch;
+
+static void
+op_batch_open(lua_State *L, op_batch *b)
+{
+	mongoc_collection_t *coll = arg_collection(L, 1);
+
+	lua_settop(L, 4); /* absent optional arguments keep their slots */
+	luaL_checktype(L, 2, LUA_TTABLE);
+	check_fields(L, 3, &b->f);
+	b->n = (int)mtx_rawlen(L, 2);
+	b->bulk = new_bulk(L, coll, batch_opts(L, 4, b->n));
+	b->tid = mtx_scratch(L);
+	b->filter = mtx_scratch(L);
+	b->update = mtx_scratch(L);
+}
+
+/* Pushes item i and its op; loads its tid and empties filter and update.
+ * Returns the op's stack index (the item is just below it). */
+static int
+op_batch_item(lua_State *L, op_batch *b, int i)
+{
+	int item = batch_item(L, 2, i);
+
+	item_tid(L, item, i, b->tid);
+	lua_getfield(L, item, "op");
+	if (!lua_istable(L, -1))
+		luaL_error(L, "mongotx: batch item %d has no op", i);
+	bson_reinit(b->filter);
+	bson_reinit(b->update);
+	return lua_gettop(L);
+}
+
 /* apply_many(coll, items, fields [, opts]) -> bulk result (see
  * coll:bulk_write) or nil, err.  items[i] = { tid, op, version, deadline }:
  * apply's writes for many ops of one collection in one unordered bulk
@@ -398,47 +438,30 @@ check_added(lua_State *L, bool ok, int i, const bson_error_t *err)
 static int
 l_apply_many(lua_State *L)
 {
-	mongoc_collection_t *coll = arg_collection(L, 1);
-	mongoc_bulk_operation_t *bulk;
-	bson_t *tid, *filter, *update;
+	op_batch b;
 	bson_error_t err;
-	fields f;
-	int i, n;
+	int i;
 
-	lua_settop(L, 4); /* absent optional arguments keep their slots */
-	luaL_checktype(L, 2, LUA_TTABLE);
-	check_fields(L, 3, &f);
-	n = (int)mtx_rawlen(L, 2);
-	bulk = new_bulk(L, coll, batch_opts(L, 4, n));
-	tid = mtx_scratch(L);
-	filter = mtx_scratch(L);
-	update = mtx_scratch(L);
-	for (i = 1; i <= n; i++) {
-		int top = lua_gettop(L), item = batch_item(L, 2, i), op;
+	op_batch_open(L, &b);
+	for (i = 1; i <= b.n; i++) {
+		int top = lua_gettop(L), op = op_batch_item(L, &b, i), kind = op_kind(L, op);
 		bool ok;
 
-		item_tid(L, item, i, tid);
-		lua_getfield(L, item, "op");
-		op = lua_gettop(L);
-		if (!lua_istable(L, op))
-			luaL_error(L, "mongotx: batch item %d has no op", i);
-		if (op_kind(L, op) == K_INSERT) {
+		if (kind == K_INSERT) {
 			ok = mongoc_bulk_operation_insert_with_opts(
-				bulk, build_insert(L, op, tid, &f), NULL, &err);
+				b.bulk, build_insert(L, op, b.tid, &b.f), NULL, &err);
 		} else {
-			lua_getfield(L, item, "version");
-			lua_getfield(L, item, "deadline");
-			bson_reinit(filter);
-			bson_reinit(update);
-			build_apply(L, op, op_kind(L, op), tid, op + 1,
-				    lua_isnil(L, op + 2) ? 0 : op + 2, &f, filter, update);
+			lua_getfield(L, op - 1, "version");
+			lua_getfield(L, op - 1, "deadline");
+			build_apply(L, op, kind, b.tid, op + 1, lua_isnil(L, op + 2) ? 0 : op + 2,
+				    &b.f, b.filter, b.update);
 			ok = mongoc_bulk_operation_update_one_with_opts(
-				bulk, filter, update, NULL, &err);
+				b.bulk, b.filter, b.update, NULL, &err);
 		}
 		check_added(L, ok, i, &err);
 		lua_settop(L, top);
 	}
-	return mtx_bulk_execute(L, bulk, "apply", n, 0);
+	return mtx_bulk_execute(L, b.bulk, "apply", b.n, 0);
 }
 
 /* The finish of op: filter {_id, marker: tid}; update $pull marker and
@@ -492,41 +515,25 @@ l_finish(lua_State *L)
 static int
 l_finish_many(lua_State *L)
 {
-	mongoc_collection_t *coll = arg_collection(L, 1);
-	mongoc_bulk_operation_t *bulk;
-	bson_t *tid, *filter, *update;
+	op_batch b;
 	bson_error_t err;
-	fields f;
-	int i, n;
+	int i;
 
-	lua_settop(L, 4); /* absent optional arguments keep their slots */
-	luaL_checktype(L, 2, LUA_TTABLE);
-	check_fields(L, 3, &f);
-	n = (int)mtx_rawlen(L, 2);
-	bulk = new_bulk(L, coll, batch_opts(L, 4, n));
-	tid = mtx_scratch(L);
-	filter = mtx_scratch(L);
-	update = mtx_scratch(L);
-	for (i = 1; i <= n; i++) {
-		int top = lua_gettop(L), item = batch_item(L, 2, i);
+	op_batch_open(L, &b);
+	for (i = 1; i <= b.n; i++) {
+		int top = lua_gettop(L), op = op_batch_item(L, &b, i);
 		bool ok;
 
-		item_tid(L, item, i, tid);
-		lua_getfield(L, item, "op");
-		if (!lua_istable(L, -1))
-			luaL_error(L, "mongotx: batch item %d has no op", i);
-		bson_reinit(filter);
-		bson_reinit(update);
-		if (build_finish(L, lua_gettop(L), tid, &f, filter, update))
-			ok = mongoc_bulk_operation_remove_one_with_opts(bulk, filter,
+		if (build_finish(L, op, b.tid, &b.f, b.filter, b.update))
+			ok = mongoc_bulk_operation_remove_one_with_opts(b.bulk, b.filter,
 									NULL, &err);
 		else
-			ok = mongoc_bulk_operation_update_one_with_opts(bulk, filter,
-									update, NULL, &err);
+			ok = mongoc_bulk_operation_update_one_with_opts(b.bulk, b.filter,
+									b.update, NULL, &err);
 		check_added(L, ok, i, &err);
 		lua_settop(L, top);
 	}
-	return mtx_bulk_execute(L, bulk, "finish", n, 0);
+	return mtx_bulk_execute(L, b.bulk, "finish", b.n, 0);
 }
 
 /* undo(coll, tid, op, fields [, opts]) -> { undone = bool }
