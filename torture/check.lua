@@ -17,6 +17,7 @@
 --   local r = check.database(db, fixture, { allowed = {...}, reported = {...} })
 --   r.violations (list of messages), r.states (id -> state), r.counts
 
+local mongotx = require "mongotx"
 local validate = require "mongotx.validate"
 
 -- Ids as map keys and in messages: strings as they are (every id the
@@ -113,7 +114,8 @@ function M.database(db, fixture, opts)
   local function violation(fmt, ...) r.violations[#r.violations + 1] = fmt:format(...) end
 
   local tm = assert(db:manager { application = "checker" })
-  local txs = assert(tm:find({}, { sort = { _id = 1 } }))
+  -- batches of 1000: mongo-java-server does not cut a reply at 48 MB
+  local txs = assert(tm:find({}, { sort = { _id = 1 }, batch_size = 1000 }))
   local model = { docs = {}, removed = {} } -- removed: who removed what
   for name, docs in pairs(fixture) do
     model.docs[name] = {}
@@ -151,7 +153,7 @@ function M.database(db, fixture, opts)
   for _, d in ipairs(fixture.accounts or {}) do sum_before = sum_before + d.balance end
   for name, expected in pairs(model.docs) do
     local actual = {}
-    for _, doc in ipairs(assert(db:collection(name):find_all({}))) do
+    for _, doc in ipairs(assert(db:collection(name):find_all({}, { batch_size = 1000 }))) do
       local marker = doc[M.MARKER]
       if marker ~= nil and (type(marker) ~= "table" or #marker > 0) then
         local whose = {}
@@ -198,6 +200,20 @@ function M.database(db, fixture, opts)
   end
   r.transactions = #txs
   return r
+end
+
+-- A handle on database `name` of the server at uri.  One client per
+-- server serves every database (a handle shares the client, with the
+-- handle type mongotx.connect returns): no connection per case, and no
+-- endSessions warning from FerretDB (which lacks it) at each close.
+local clients = {}
+function M.db(uri, name)
+  local base = clients[uri]
+  if not base then
+    base = assert(mongotx.connect(uri, { database = name }))
+    clients[uri] = base
+  end
+  return setmetatable({ client = base.client, name = name }, getmetatable(base))
 end
 
 -- Creates the fixture's documents in db (each collection emptied first).

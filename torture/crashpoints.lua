@@ -11,7 +11,6 @@
 local proc = require "torture.proc"
 local check = require "torture.check"
 local scenarios = require "torture.scenarios"
-local mongotx = require "mongotx"
 
 local M = {}
 
@@ -44,15 +43,13 @@ end
 function M.run(ctx)
   local result = { cases = 0, violations = 0, crashes = 0, injected = 0, missed = 0,
                    failures = {} }
-  local client = assert(mongotx.connect(ctx.uri, { database = "admin" })).client
+  local client = check.db(ctx.uri, "admin").client
   local cases, counter = {}, 0
   local function new_case(s, kind, fault)
     counter = counter + 1
     local c = { s = s, kind = kind, fault = fault,
                 db = ("cp%d_%s_%s"):format(counter, s.name:gsub("%W", ""), kind) }
-    local db = assert(mongotx.connect(ctx.uri, { database = c.db }))
-    check.load(db, scenarios.fixture(kind, s.failing))
-    db:close()
+    check.load(check.db(ctx.uri, c.db), scenarios.fixture(kind, s.failing))
     cases[#cases + 1] = c
     return c
   end
@@ -100,15 +97,9 @@ function M.run(ctx)
   end
 
   -- recovery in one fresh process for all the databases
-  local list = os.tmpname()
-  local f = assert(io.open(list, "w"))
-  for _, c in ipairs(cases) do f:write(c.db, "\n") end
-  f:close()
-  local r = proc.spawn({ "recover", ctx.uri, list })
-  local rc = proc.wait(r, 60 + 5 * #cases)
-  local said = proc.output(r)
-  proc.cleanup(r)
-  os.remove(list)
+  local names = {}
+  for i, c in ipairs(cases) do names[i] = c.db end
+  local rc, said = proc.recover(ctx.uri, names, "forward", 60 + 5 * #cases)
   if rc ~= 0 then
     result.crashes = result.crashes + 1
     result.failures[#result.failures + 1] = "recovery process " .. tostring(rc) .. ": " .. said
@@ -117,10 +108,8 @@ function M.run(ctx)
   local matrix = {}
   for _, c in ipairs(cases) do
     result.cases = result.cases + 1
-    local db = assert(mongotx.connect(ctx.uri, { database = c.db }))
-    local rep = check.database(db, scenarios.fixture(c.kind, c.s.failing),
+    local rep = check.database(check.db(ctx.uri, c.db), scenarios.fixture(c.kind, c.s.failing),
       { allowed = { [scenarios.ID] = c.s.allowed, [scenarios.OTHER] = c.s.other } })
-    db:close()
     local cell = rep.states[scenarios.ID] or "absent"
     if c.fault and c.how == "ok" then cell = cell .. "(no crash)" end
     if c.problem then
@@ -162,7 +151,6 @@ function M.run(ctx)
   end
   result.notes = ("%d injected crashes, %d points not reached"):format(result.injected,
     result.missed)
-  client:close()
   return result
 end
 

@@ -11,7 +11,6 @@ local proc = require "torture.proc"
 local check = require "torture.check"
 local workload = require "torture.workload"
 local helpers = require "spec.helpers"
-local mongotx = require "mongotx"
 
 local M = {}
 local Fleet = {}
@@ -22,9 +21,7 @@ function M.new(uri, dbname, sizes)
     stopfile = os.tmpname(), fixture = workload.fixture(sizes.accounts, sizes.tokens),
     killed = 0 }, Fleet)
   os.remove(self.stopfile)
-  local db = assert(mongotx.connect(uri, { database = dbname }))
-  check.load(db, self.fixture)
-  db:close()
+  check.load(check.db(uri, dbname), self.fixture)
   return self
 end
 
@@ -93,24 +90,15 @@ function Fleet:finish(recover_direction)
   local said, counts = reports(self.all)
   for _, w in ipairs(self.all) do proc.cleanup(w) end
 
-  local list = os.tmpname()
-  f = assert(io.open(list, "w"))
-  f:write(self.dbname, "\n")
-  f:close()
-  local rec = proc.spawn({ "recover", self.uri, list, recover_direction or "forward" })
-  local rc = proc.wait(rec, 300)
-  local out = proc.output(rec)
-  proc.cleanup(rec)
-  os.remove(list)
-  if rc ~= 0 or not out:find("^settled") then
+  local rc, out = proc.recover(self.uri, { self.dbname }, recover_direction, 300)
+  if rc ~= 0 or not out:find("settled") or out:find("unsettled") then
     r.crashes = r.crashes + 1
     r.failures[#r.failures + 1] = "final recovery (status " .. tostring(rc) .. "): " .. out
   end
 
-  local db = assert(mongotx.connect(self.uri, { database = self.dbname }))
+  local db = check.db(self.uri, self.dbname)
   local rep = check.database(db, self.fixture, { reported = said })
-  local taken = #assert(db:collection("transactions"):find_all({ epoch = { ["$gte"] = 2 } }))
-  db:close()
+  local taken = assert(db:collection("transactions"):count({ epoch = { ["$gte"] = 2 } }))
   r.cases = rep.transactions
   r.violations = #rep.violations
   for _, v in ipairs(rep.violations) do r.failures[#r.failures + 1] = v end

@@ -14,7 +14,7 @@ local M = {}
 local WORKERS = 8
 
 function M.run(ctx)
-  local seconds = ctx.full and 240 or 45
+  local seconds = ctx.full and 300 or 45
   local f = fleet.new(ctx.uri, "kills", { accounts = 5, tokens = 300 })
   for _ = 1, WORKERS do f:spawn() end
   local stop = core.monotonic_ms() + seconds * 1000

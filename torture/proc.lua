@@ -82,6 +82,21 @@ function M.cleanup(c)
   os.remove(c.rcfile)
 end
 
+-- Recovery in a fresh process (worker.lua recover) over the databases
+-- named; returns its exit status (nil when it hung) and its output.
+function M.recover(uri, dbnames, direction, seconds)
+  local list = os.tmpname()
+  local f = assert(io.open(list, "w"))
+  f:write(table.concat(dbnames, "\n"), "\n")
+  f:close()
+  local c = M.spawn({ "recover", uri, list, direction or "forward" })
+  local rc = M.wait(c, seconds or 120)
+  local out = M.output(c)
+  M.cleanup(c)
+  os.remove(list)
+  return rc, out
+end
+
 -- What an exit status means: "ok", "injected" (the fault hook), "killed"
 -- (SIGKILL, only ever sent by the suite), or "crash" (anything else: a Lua
 -- error, another signal).

@@ -5,7 +5,6 @@
 -- Each case's comment says what must not happen.
 
 local check = require "torture.check"
-local mongotx = require "mongotx"
 
 local M = {}
 
@@ -57,7 +56,7 @@ local cases = {
 function M.run(ctx)
   local r = { cases = 0, violations = 0, crashes = 0, failures = {} }
   for i, c in ipairs(cases) do
-    local db = assert(mongotx.connect(ctx.uri, { database = "race" .. i }))
+    local db = check.db(ctx.uri, "race" .. i)
     check.load(db, c.fixture)
     local tm1 = assert(db:manager { application = "one" })
     -- the second manager takes over at once when it recovers: the first
@@ -75,7 +74,6 @@ function M.run(ctx)
       for _, v in ipairs(rep.violations) do r.failures[#r.failures + 1] = c.name .. ": " .. v end
       ctx.say("  race %-14s %s", c.name, #rep.violations == 0 and "ok" or "VIOLATION")
     end
-    db:close()
   end
   return r
 end

@@ -50,9 +50,8 @@ local function durability(ctx, kind, how)
   for i in proc.output(w):gmatch("ack (%d+)") do acked = math.max(acked, tonumber(i)) end
   proc.cleanup(w)
   assert(s:restart())
-  local db = assert(mongotx.connect(s.uri, { database = "durable" }))
-  local n = assert(db:collection("acked"):count({ _id = { ["$lte"] = acked } }))
-  db:close()
+  local n = assert(check.db(s.uri, "durable"):collection("acked")
+    :count({ _id = { ["$lte"] = acked } }))
   s:stop()
   return acked, acked - n
 end
@@ -97,7 +96,7 @@ local function drop(ctx)
     -- case 0 never waits: it counts the step events of a transaction
     at = at + 1
     local dbname = "drop" .. at
-    local db = assert(mongotx.connect(s.uri, { database = dbname }))
+    local db = check.db(s.uri, dbname)
     local fixture = scenarios.fixture("insert")
     check.load(db, fixture)
     local ready, go = os.tmpname(), os.tmpname()
@@ -139,17 +138,12 @@ local function drop(ctx)
     -- the server may still run what it read before it stopped: let it,
     -- then recover in a fresh process
     core.sleep(0.3)
-    local list = os.tmpname()
-    local lf = assert(io.open(list, "w")); lf:write(dbname, "\n"); lf:close()
-    local rec = proc.spawn({ "recover", s.uri, list })
-    if proc.wait(rec, 120) ~= 0 then
+    local rrc, said = proc.recover(s.uri, { dbname })
+    if rrc ~= 0 then
       r.crashes = r.crashes + 1
-      r.failures[#r.failures + 1] = "drop recovery: " .. proc.output(rec)
+      r.failures[#r.failures + 1] = "drop recovery: " .. said
     end
-    proc.cleanup(rec)
-    os.remove(list)
     local rep = check.database(db, fixture)
-    db:close()
     r.violations = r.violations + #rep.violations
     for _, v in ipairs(rep.violations) do r.failures[#r.failures + 1] = dbname .. ": " .. v end
     ctx.say("  connection drop after event %2d: %s, %s ms (bound %d), final %s", at,

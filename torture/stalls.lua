@@ -37,7 +37,7 @@ end
 -- One stop after event `at`; returns the case's failures and what happened.
 local function one(ctx, at, direction, r)
   local dbname = ("st_%s_%d"):format(direction, at)
-  local db = assert(mongotx.connect(ctx.uri, { database = dbname }))
+  local db = check.db(ctx.uri, dbname)
   local fixture = scenarios.fixture("insert")
   check.load(db, fixture)
   local w = proc.spawn({ "stall", ctx.uri, dbname, at, direction })
@@ -51,16 +51,11 @@ local function one(ctx, at, direction, r)
   local taken
   if stopped then
     core.sleep(1.2) -- past the stalled owner's lease
-    local list = os.tmpname()
-    local f = assert(io.open(list, "w")); f:write(dbname, "\n"); f:close()
-    local rec = proc.spawn({ "recover", ctx.uri, list, direction })
-    local rc = proc.wait(rec, 60)
+    local rc, said = proc.recover(ctx.uri, { dbname }, direction, 60)
     if rc ~= 0 then
       r.crashes = r.crashes + 1
-      r.failures[#r.failures + 1] = dbname .. " recovery: " .. proc.output(rec)
+      r.failures[#r.failures + 1] = dbname .. " recovery: " .. said
     end
-    proc.cleanup(rec)
-    os.remove(list)
     taken = assert(db:manager { application = "checker" }):get(scenarios.ID)
     helpers.signal(w.pid, "CONT")
   end
@@ -73,7 +68,6 @@ local function one(ctx, at, direction, r)
   end
   local rep = check.database(db, fixture, { reported = { [scenarios.ID] = result_of(out) },
     allowed = { [scenarios.ID] = { done = true, cancelled = true } } })
-  db:close()
   r.cases = r.cases + 1
   r.violations = r.violations + #rep.violations
   for _, v in ipairs(rep.violations) do r.failures[#r.failures + 1] = dbname .. ": " .. v end
