@@ -17,10 +17,14 @@
 
 #include "mongotx.h"
 
-/* The names a step needs: marker and version fields (from the manager). */
+/* The names a step needs (from the manager): the marker and version
+ * fields, and the field a remove op sets on its document while it is
+ * open, so that no other transaction applies to a document on its way
+ * out (two removes of one document must not both succeed). */
 typedef struct {
 	const char *marker;
 	const char *version;
+	const char *removing;
 } fields;
 
 static void
@@ -29,9 +33,25 @@ check_fields(lua_State *L, int idx, fields *f)
 	luaL_checktype(L, idx, LUA_TTABLE);
 	lua_getfield(L, idx, "marker");
 	lua_getfield(L, idx, "version");
-	f->marker = luaL_checkstring(L, -2); /* kept alive by the table */
-	f->version = luaL_checkstring(L, -1);
-	lua_pop(L, 2);
+	lua_getfield(L, idx, "removing");
+	f->marker = luaL_checkstring(L, -3); /* kept alive by the table */
+	f->version = luaL_checkstring(L, -2);
+	f->removing = luaL_checkstring(L, -1);
+	lua_pop(L, 3);
+}
+
+/* Appends {op: {removing: value}} ($set of the tid, or $unset). */
+static void
+append_removing(bson_t *update, const char *op, const fields *f,
+		const bson_t *tid_holder)
+{
+	bson_t sub;
+	bson_iter_t it;
+
+	bson_append_document_begin(update, op, -1, &sub);
+	bson_iter_init_find(&it, tid_holder, "t");
+	bson_append_iter(&sub, f->removing, -1, &it);
+	bson_append_document_end(update, &sub);
 }
 
 /* {_id: op.id} */
@@ -193,7 +213,8 @@ write_opts(lua_State *L, int idx)
 	return opts;
 }
 
-/* Runs an update_one (update_many if `many`) at crash point `point` (fault.c); sets *matched, or
+/* Runs an update_one (update_many if `many`) at crash point `point`
+ * (fault.c); sets *matched (an upsert counts as one), or
  * pushes nil, err and returns 2 (0 on success). */
 static int
 run_update(lua_State *L, const char *point, mongoc_collection_t *coll,
@@ -213,6 +234,8 @@ run_update(lua_State *L, const char *point, mongoc_collection_t *coll,
 		return mtx_push_error(L, &err, reply);
 	*matched = bson_iter_init_find(&it, reply, "matchedCount")
 			   ? bson_iter_as_int64(&it) : 0;
+	if (bson_iter_init_find(&it, reply, "upsertedId"))
+		(*matched)++; /* fence's placeholder: written, so it counts */
 	return 0;
 }
 
@@ -294,6 +317,7 @@ build_apply(lua_State *L, int op, int kind, const bson_t *tid, int version,
 	lua_pop(L, 1);
 	append_conditions(L, op, deadline, filter);
 	append_marker_ne(filter, f, tid);
+	bson_append_null(filter, f->removing, -1); /* absent: nobody removes it */
 	if (!deadline) {
 		if (lua_isnil(L, version))
 			bson_append_null(filter, f->version, -1);
@@ -305,6 +329,8 @@ build_apply(lua_State *L, int op, int kind, const bson_t *tid, int version,
 		upd = mtx_check_document(L, -1);
 	}
 	merge_update(update, upd, f, "$push", tid);
+	if (kind == K_REMOVE)
+		append_removing(update, "$set", f, tid);
 	if (upd)
 		lua_pop(L, 2);
 }
@@ -567,6 +593,8 @@ l_undo(lua_State *L)
 	}
 	update = mtx_scratch(L);
 	merge_update(update, undo, &f, "$pull", tid);
+	if (kind == K_REMOVE)
+		append_removing(update, "$unset", &f, tid);
 	if ((rc = run_update(L, "undo", coll, filter, update, opts, 0, &n)))
 		return rc;
 	return push_bool_result(L, "undone", n);

@@ -136,6 +136,53 @@ describe("#server transactions run at once", function()
     end)
   end)
 
+  describe("ops that collide", function()
+    it("an insert whose _id is taken cancels, the document untouched", function()
+      local tm = assert(db:manager {})
+      local T, err = tm:run({
+        { collection = "accounts", id = "A1", update = { ["$inc"] = { balance = -5 } } },
+        { collection = "accounts", id = "A2", kind = "insert", doc = { balance = 5 } },
+      })
+      assert.is_nil(T)
+      assert.are.equal("conflict", err.code)
+      assert.are.same({ cancelled = 1 }, states(tm))
+      local b = balances()
+      assert.are.same({ 1000, 1000 }, { b.A1, b.A2 })
+    end)
+
+    it("a document another open transaction removes takes no other op", function()
+      local tm = assert(db:manager {})
+      local first = assert(tm:begin { { collection = "accounts", id = "A3", kind = "remove" } })
+      assert(tm:step("claim", first))
+      assert(tm:step("apply", first, 1))
+      local marked = assert(accounts:find_one({ _id = "A3" }))
+      assert.are.equal(first._id, marked.txRemoving)
+
+      for _, op in ipairs {
+        { collection = "accounts", id = "A3", kind = "remove" },
+        { collection = "accounts", id = "A3", update = { ["$inc"] = { balance = 1 } } },
+      } do
+        local T, err = tm:run({ op })
+        assert.is_nil(T)
+        assert.are.equal("removing", err.code)
+      end
+      assert(tm:commit(first))
+      assert.is_nil(accounts:find_one({ _id = "A3" }))
+      assert.are.same({ done = 1, cancelled = 2 }, states(tm))
+    end)
+
+    it("a remove rolled back clears its mark", function()
+      local tm = assert(db:manager {})
+      local t = assert(tm:begin { { collection = "accounts", id = "A3", kind = "remove" } })
+      assert(tm:step("claim", t))
+      assert(tm:step("apply", t, 1))
+      assert(tm:rollback(t))
+      local doc = assert(accounts:find_one({ _id = "A3" }))
+      assert.is_nil(doc.txRemoving)
+      assert(tm:transfer("accounts", "A3", "A4", 1))
+    end)
+  end)
+
   describe("batches", function()
     local function ring(n, amount)
       local list = {}

@@ -131,7 +131,8 @@ local function apply(tm, entries, deadline, versions)
     local res, err = tm:_retry("apply", nil, steps.apply_many, coll, items, tm.fields, tm.wopts)
     if not res then
       for _, item in ipairs(items) do fail(item.entry, err) end
-    elseif res.matched + res.inserted == #items then
+    elseif res.ok and res.matched + res.inserted == #items then
+      -- (res.ok too: mongo-java-server counts a failed insert as inserted)
       for _, item in ipairs(items) do item.entry.applied[item.i] = true end
     else
       local ids = {}

@@ -34,6 +34,10 @@ local STATES = { "initial", "pending", "applied", "done", "canceling", "cancelle
 local MAX_ROUNDS = 50
 local MAX_CONTENTION = 20
 
+-- Set on a document by the remove op of an open transaction (the id of
+-- that transaction): no other op applies to it meanwhile (csrc/txn.c).
+local REMOVING = "txRemoving"
+
 local manager_options = {
   collection = true, application = true, marker = true, version_field = true,
   write_concern = true, fencing = true,
@@ -80,9 +84,9 @@ function _M.new(db, opts)
     fencing = opts.fencing or "auto",
     finishing = {}, -- committed transactions the finisher has yet to finish
   }, Manager)
-  self.fields = { marker = self.marker, version = self.version_field }
+  self.fields = { marker = self.marker, version = self.version_field, removing = REMOVING }
   self.vctx = { collection = self.collection,
-                owned = { "_id", self.marker, self.version_field } }
+                owned = { "_id", self.marker, self.version_field, REMOVING } }
   self.wopts = { write_concern = opts.write_concern or { w = "majority", j = true } }
   self.tx = db.client:collection(db.name, self.collection)
   local ok, err = self.tx:create_index(core.doc("state", 1, "lastModified", 1))
@@ -271,6 +275,7 @@ local failure_text = {
   guard = "its where condition is false",
   conflict = "another document has its _id",
   contention = "the document kept changing",
+  removing = "another transaction is removing the document",
 }
 
 local function op_failure(T, i, reason)
@@ -296,6 +301,7 @@ function Manager:_apply_one(T, i, v)
     doc, err = coll:find_one({ _id = op.id })
     if err then return nil, errors.wrap(err, "apply", T._id) end
     if has_marker(doc, self.marker, T._id) then return true end
+    if doc and doc[REMOVING] ~= nil then return false, "removing" end
     if op.kind == "insert" then
       if doc then return false, "conflict" end
     else
@@ -389,7 +395,9 @@ function Manager:_unwind(T)
     for _ = 1, 3 do
       local res, err = self:_step("undo", T._id, coll, T._id, op, self.fields, self.wopts)
       if not res then return nil, err end
-      if res.undone or (T.epoch or 0) <= 1 then break end
+      -- an insert a former owner prepared would land after this undo
+      -- deleted the document: fence it too (a placeholder takes the _id)
+      if (T.epoch or 0) <= 1 or res.undone and op.kind ~= "insert" then break end
       res, err = self:_step("fence", T._id, coll, T._id, op, self.fields, self.wopts)
       if not res then return nil, err end
       if res.fenced then break end

@@ -25,7 +25,9 @@ function _M.may_recover(tx, age, me)
 end
 
 -- What to do when op i cannot apply. reason: "missing" (no document),
--- "guard" (its `where` is false), "conflict" (insert: _id taken).
+-- "guard" (its `where` is false), "conflict" (insert: _id taken),
+-- "removing" (another open transaction removes the document),
+-- "contention" (the document kept changing).
 -- Returns "cancel" (roll back, end cancelled), "retry" (try again after a
 -- backoff, up to `retries` times, then cancel) or "fail" (stop and leave
 -- the transaction pending for recovery).
