@@ -144,7 +144,7 @@ _M.textbook = {
 -- round trips inside call() only: what the caller waits for.
 local function single(tag, finish, call, prepare)
   return function(ctx)
-    local call_commands = 0
+    local call_commands, per_call = 0, {}
     local sample, why = with_bank(ctx, tag, function(db)
       local tm, err = manager(db, { application = "bench", finish = finish })
       if not tm then return nil, err end
@@ -159,7 +159,8 @@ local function single(tag, finish, call, prepare)
           local arg = prepare and prepare(tm, from[i], to[i]) or { from[i], to[i] }
           local c0 = client:counters().commands
           local res = call(tm, arg)
-          call_commands = call_commands + client:counters().commands - c0
+          local n = client:counters().commands - c0
+          call_commands, per_call[n] = call_commands + n, (per_call[n] or 0) + 1
           lat[i] = now() - t
           if res then
             ok = ok + 1
@@ -170,7 +171,15 @@ local function single(tag, finish, call, prepare)
         return ok
       end
     end, done_only)
-    if sample then sample.call_commands = call_commands end
+    if sample then
+      -- the most common count: the first call also reads the server's
+      -- clock, and every finish_batch-th deferred call runs the finisher
+      local typical, most = nil, 0
+      for n, calls in pairs(per_call) do
+        if calls > most then typical, most = n, calls end
+      end
+      sample.call_commands, sample.typical_call_commands = call_commands, typical
+    end
     return sample, why
   end
 end

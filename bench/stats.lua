@@ -58,6 +58,7 @@ function _M.figures(s)
     cpu_us = s.cpu_s * 1e6 / s.n,
     failed = s.failed or 0,
     call_commands = s.call_commands and s.call_commands / s.n,
+    typical_call_commands = s.typical_call_commands,
   }
 end
 
@@ -67,7 +68,7 @@ function _M.summarise(samples)
   for i, s in ipairs(samples) do per[i] = _M.figures(s) end
   local out = { runs = #samples, n = samples[1].n }
   for _, key in ipairs { "tps", "p50", "p99", "commands", "writes", "cpu_us", "failed",
-                         "call_commands" } do
+                         "call_commands", "typical_call_commands" } do
     local list = {}
     for i, f in ipairs(per) do list[i] = f[key] end -- nil when a mode has no such figure
     out[key] = _M.median(list)
