@@ -75,6 +75,9 @@ function M.run(ctx)
       ctx.say("  race %-14s %s", c.name, #rep.violations == 0 and "ok" or "VIOLATION")
     end
   end
+  local names = {}
+  for i, c in ipairs(cases) do names[i] = c.name end
+  r.notes = table.concat(names, ", ")
   return r
 end
 
