@@ -76,12 +76,15 @@ end
 
 -- URI timeouts of the connection-drop cases, and the bound they give one
 -- failing call: each try (the first and policy.retries more) waits at most
--- for server selection and a socket timeout, plus the backoffs between.
+-- for a socket timeout, then for server selection, whose rescan of a
+-- server that accepts connections but never answers its hello waits
+-- connectTimeoutMS (libmongoc's default of 10 s when the URI leaves it
+-- out: a call then took 21.6 s here), plus the backoffs between tries.
 local DROP = { select = 1500, socket = 1500, connect = 1000 }
 
 local function bound_ms()
   local policy = require "mongotx.policy"
-  local ms = (policy.retries + 1) * (DROP.select + DROP.socket)
+  local ms = (policy.retries + 1) * (DROP.select + DROP.connect + DROP.socket)
   for a = 1, policy.retries do ms = ms + policy.backoff(a) * 1000 end
   return ms + 1000 -- process scheduling on a busy machine
 end
