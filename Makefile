@@ -131,7 +131,7 @@ bench-valgrind: setup
 
 # The torture suite (TESTING.md): crash points, kill -9 of workers, stalls,
 # server faults, and the hostile-input spec and fuzz-ci as rows of one
-# summary table; fails on any violation.  torture takes 20-30 minutes,
+# summary table; fails on any violation.  torture takes about 16 minutes,
 # torture-ci (what CI runs) about 5.  TORTURE_ARGS: e.g. --only kills.
 TORTURE = $(SPEC_ENV) MONGOTX_TORTURE_BUILD=$(BUILD) $(LUA) torture/run.lua
 torture:
