@@ -9,45 +9,12 @@
 -- Run from the repository root; MONGOTX_CPATH says where mongotx/core.so
 -- is (the Makefile sets it; default ./build/lua54/?.so).
 
-local cpath = os.getenv("MONGOTX_CPATH") or "./build/lua54/?.so"
-package.cpath = cpath .. ";" .. package.cpath
-package.path = "./lua/?.lua;./lua/?/init.lua;" .. package.path
-
+package.path = "./examples/?.lua;" .. package.path
+local common = require "common" -- module paths, and the printer
+local show, heading = common.show, common.heading
 local core = require "mongotx.core"
 
-local uri = os.getenv("MONGOTX_TEST_URI") or "mongodb://127.0.0.1:27017"
-local DB = "mongotx_demo"
--- Passed where the options argument is optional: mongotx.core 0.1.0 reads
--- an omitted trailing options argument from the wrong stack slot (see the
--- README's known issues); an explicit empty table avoids it.
-local NO_OPTIONS = {}
-
--- A value as the mongo shell would print it, keys in stored order.
-local function show(v)
-  if v == core.null then return "null" end
-  local t = type(v)
-  if t == "string" then return string.format("%q", v) end
-  if t ~= "table" then return tostring(v) end
-  local mt = getmetatable(v)
-  local parts = {}
-  if (mt and mt.__mongotx == "array") or (not mt and #v > 0) then
-    for i = 1, #v do parts[i] = show(v[i]) end
-    return "[" .. table.concat(parts, ", ") .. "]"
-  end
-  local keys, seen = {}, {}
-  if v._id ~= nil then keys[1], seen._id = "_id", true end
-  for _, k in ipairs(mt or {}) do
-    if not seen[k] and v[k] ~= nil then keys[#keys + 1], seen[k] = k, true end
-  end
-  local rest = {}
-  for k in pairs(v) do
-    if not seen[k] then rest[#rest + 1] = tostring(k) end
-  end
-  table.sort(rest)
-  for _, k in ipairs(rest) do keys[#keys + 1] = k end
-  for i, k in ipairs(keys) do parts[i] = k .. ": " .. show(v[k]) end
-  return "{ " .. table.concat(parts, ", ") .. " }"
-end
+local uri, DB = common.URI, common.DATABASE
 
 local function check(ok, err, ...)
   if ok == nil and err ~= nil then
@@ -55,11 +22,6 @@ local function check(ok, err, ...)
     os.exit(1)
   end
   return ok, err, ...
-end
-
-local function heading(text)
-  print()
-  print("== " .. text)
 end
 
 local function print_accounts(accounts)
@@ -79,15 +41,15 @@ check(transactions:drop())
 check(accounts:insert_many({
   { _id = "A", balance = 1000, pendingTransactions = core.array() },
   { _id = "B", balance = 1000, pendingTransactions = core.array() },
-}, NO_OPTIONS))
+}))
 print_accounts(accounts)
 
 heading("insert_one: a transaction document in state initial")
 -- core.doc keeps the keys in this order (a plain table's order is Lua's).
 local txn = core.doc("_id", 1, "source", "A", "destination", "B", "value", 100,
                      "state", "initial", "lastModified", core.Date())
-check(transactions:insert_one(txn, NO_OPTIONS))
-print("  " .. show(check(transactions:find_one({ _id = 1 }, NO_OPTIONS))))
+check(transactions:insert_one(txn))
+print("  " .. show(check(transactions:find_one({ _id = 1 }))))
 
 heading("find: accounts with a balance of at least 1000 (a cursor)")
 local cursor = accounts:find({ balance = { ["$gte"] = 1000 } },
@@ -111,30 +73,28 @@ for _, step in ipairs { { txn.source, -txn.value }, { txn.destination, txn.value
   local id, delta = step[1], step[2]
   local r = check(accounts:update_one(
     { _id = id, pendingTransactions = { ["$ne"] = txn._id } },
-    { ["$inc"] = { balance = delta }, ["$push"] = { pendingTransactions = txn._id } },
-    NO_OPTIONS))
+    { ["$inc"] = { balance = delta }, ["$push"] = { pendingTransactions = txn._id } }))
   print(("  %s: matched %d, modified %d (balance %+d)"):format(id, r.matched, r.modified, delta))
 end
 -- Applying again matches nothing: the marker makes the step safe to repeat.
 local again = check(accounts:update_one(
   { _id = txn.source, pendingTransactions = { ["$ne"] = txn._id } },
-  { ["$inc"] = { balance = -txn.value }, ["$push"] = { pendingTransactions = txn._id } },
-  NO_OPTIONS))
+  { ["$inc"] = { balance = -txn.value }, ["$push"] = { pendingTransactions = txn._id } }))
 print(("  A again: matched %d (already applied, nothing changes)"):format(again.matched))
 print_accounts(accounts)
 
 heading("commit, remove the markers, done")
 check(transactions:update_one({ _id = txn._id, state = "pending" },
-  { ["$set"] = { state = "applied" }, ["$currentDate"] = { lastModified = true } }, NO_OPTIONS))
+  { ["$set"] = { state = "applied" }, ["$currentDate"] = { lastModified = true } }))
 for _, id in ipairs { txn.source, txn.destination } do
   check(accounts:update_one({ _id = id, pendingTransactions = txn._id },
-                            { ["$pull"] = { pendingTransactions = txn._id } }, NO_OPTIONS))
+                            { ["$pull"] = { pendingTransactions = txn._id } }))
 end
 check(transactions:update_one({ _id = txn._id, state = "applied" },
-  { ["$set"] = { state = "done" }, ["$currentDate"] = { lastModified = true } }, NO_OPTIONS))
+  { ["$set"] = { state = "done" }, ["$currentDate"] = { lastModified = true } }))
 
 heading("afterwards")
 print_accounts(accounts)
-print("  " .. show(check(transactions:find_one({ _id = txn._id }, NO_OPTIONS))))
+print("  " .. show(check(transactions:find_one({ _id = txn._id }))))
 
 client:close()

@@ -16,19 +16,15 @@ local common = require "common"
 local mongotx, show = common.mongotx, common.show
 
 local db = common.connect()
+common.fresh(db, "accounts")
 
 local accounts = db:collection("accounts")
-assert(accounts:drop())
-assert(db:collection("transactions"):drop())
 local tm = assert(db:manager{ application = "tutorial" })
 
-local function heading(text)
-  print()
-  print("== " .. text)
-end
+local heading = common.heading
 
 local function account(id)
-  return assert(accounts:find_one({ _id = id }, {}))
+  return assert(accounts:find_one({ _id = id }))
 end
 
 -- The transaction's state and lastModified, then both accounts.
@@ -52,7 +48,7 @@ heading("accounts A and B, as the tutorial creates them")
 assert(accounts:insert_many({
   { _id = "A", balance = 1000, pendingTransactions = mongotx.array() },
   { _id = "B", balance = 1000, pendingTransactions = mongotx.array() },
-}, {}))
+}))
 for _, name in ipairs { "A", "B" } do print("  " .. show(account(name))) end
 
 heading("begin: a transfer of 100 from A to B (transaction id 1), state initial")

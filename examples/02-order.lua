@@ -15,18 +15,14 @@ local common = require "common"
 local show = common.show
 
 local db = common.connect()
-
 local names = { "stock", "orders", "wallets" }
-for _, name in ipairs(names) do assert(db:collection(name):drop()) end
-assert(db:collection("transactions"):drop())
+common.fresh(db, table.unpack(names))
+
 local tm = assert(db:manager{ application = "shop" })
 local stock, orders, wallets = db:collection("stock"), db:collection("orders"),
                                db:collection("wallets")
 
-local function heading(text)
-  print()
-  print("== " .. text)
-end
+local heading = common.heading
 
 local function print_collections()
   for _, name in ipairs(names) do
@@ -55,8 +51,8 @@ local function order_ops(order_id, customer, n)
 end
 
 heading("before: 5 widgets in stock, alice has 200 in her wallet, no orders")
-assert(stock:insert_one({ _id = "widget", qty = 5 }, {}))
-assert(wallets:insert_one({ _id = "alice", balance = 200 }, {}))
+assert(stock:insert_one({ _id = "widget", qty = 5 }))
+assert(wallets:insert_one({ _id = "alice", balance = 200 }))
 print_collections()
 
 heading("order-1: alice buys 3 widgets for " .. 3 * PRICE)
@@ -65,9 +61,9 @@ local done, err = tm:commit(t)
 assert(done, err)
 print("  transaction " .. show(done._id) .. " ended " .. done.state)
 print_collections()
-assert(stock:find_one({ _id = "widget" }, {}).qty == 2)
-assert(wallets:find_one({ _id = "alice" }, {}).balance == 140)
-assert(orders:count({}, {}) == 1)
+assert(stock:find_one({ _id = "widget" }).qty == 2)
+assert(wallets:find_one({ _id = "alice" }).balance == 140)
+assert(orders:count({}) == 1)
 
 heading("order-2: alice wants 4 widgets, only 2 are left")
 t = assert(tm:begin(order_ops("order-2", "alice", 4), { meta = { kind = "order" } }))
@@ -81,11 +77,11 @@ assert(err.code == "guard" and err.op == 3)
 assert(T.state == "cancelled")
 heading("after order-2: the order it inserted is gone, alice got her 80 back")
 print_collections()
-assert(stock:find_one({ _id = "widget" }, {}).qty == 2)
-assert(wallets:find_one({ _id = "alice" }, {}).balance == 140)
-assert(orders:count({}, {}) == 1)
-assert(orders:find_one({ _id = "order-2" }, {}) == nil)
-assert(#wallets:find_one({ _id = "alice" }, {}).pendingTransactions == 0)
+assert(stock:find_one({ _id = "widget" }).qty == 2)
+assert(wallets:find_one({ _id = "alice" }).balance == 140)
+assert(orders:count({}) == 1)
+assert(orders:find_one({ _id = "order-2" }) == nil)
+assert(#wallets:find_one({ _id = "alice" }).pendingTransactions == 0)
 
 heading("tm:stats()")
 print("  " .. show(assert(tm:stats())))

@@ -15,20 +15,16 @@ local common = require "common"
 local mongotx, show = common.mongotx, common.show
 
 local db = common.connect()
+common.fresh(db, "accounts")
 
 local accounts = db:collection("accounts")
-assert(accounts:drop())
-assert(db:collection("transactions"):drop())
 local tm = assert(db:manager{ application = "bank" })
 
-local function heading(text)
-  print()
-  print("== " .. text)
-end
+local heading = common.heading
 
 local function balances()
-  local A = assert(accounts:find_one({ _id = "A" }, {}))
-  local B = assert(accounts:find_one({ _id = "B" }, {}))
+  local A = assert(accounts:find_one({ _id = "A" }))
+  local B = assert(accounts:find_one({ _id = "B" }))
   print(("  A: %d, B: %d"):format(A.balance, B.balance))
   return A.balance, B.balance
 end
@@ -37,7 +33,7 @@ heading("accounts A and B with 1000 each")
 assert(accounts:insert_many({
   { _id = "A", balance = 1000, pendingTransactions = mongotx.array() },
   { _id = "B", balance = 1000, pendingTransactions = mongotx.array() },
-}, {}))
+}))
 balances()
 
 heading("transfer 100 from A to B (id \"pay-42\")")

@@ -52,10 +52,7 @@ local policy = {
   max_attempts = 3,
 }
 
-local function heading(text)
-  print()
-  print("== " .. text)
-end
+local heading = common.heading
 
 local function print_report(report)
   print(("  examined %d, done %d, cancelled %d, skipped %d, parked %d, failed %d"):format(
@@ -83,9 +80,8 @@ if loop then
   end
 end
 
+common.fresh(db, "accounts")
 local accounts = db:collection("accounts")
-assert(accounts:drop())
-assert(db:collection("transactions"):drop())
 
 local function balances()
   local docs = assert(accounts:find_all({}, { sort = { _id = 1 } }))
@@ -99,7 +95,7 @@ heading("accounts A and B with 1000 each")
 assert(accounts:insert_many({
   { _id = "A", balance = 1000, pendingTransactions = mongotx.array() },
   { _id = "B", balance = 1000, pendingTransactions = mongotx.array() },
-}, {}))
+}))
 balances()
 
 -- The crashed owner: lease = 0, so others may take its transactions over
@@ -142,8 +138,8 @@ for _, T in ipairs(assert(tm:find({}, { sort = { _id = 1 } }))) do
 end
 balances()
 assert(tm:get("urgent").state == "done" and tm:get("routine").state == "cancelled")
-local A = assert(accounts:find_one({ _id = "A" }, {}))
-local B = assert(accounts:find_one({ _id = "B" }, {}))
+local A = assert(accounts:find_one({ _id = "A" }))
+local B = assert(accounts:find_one({ _id = "B" }))
 assert(A.balance == 900 and B.balance == 1100, "only the urgent transfer should remain")
 assert(#A.pendingTransactions == 0 and #B.pendingTransactions == 0)
 db:close()

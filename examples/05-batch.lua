@@ -15,10 +15,9 @@ local common = require "common"
 local show = common.show
 
 local db = common.connect()
+common.fresh(db, "accounts")
 
 local accounts = db:collection("accounts")
-assert(accounts:drop())
-assert(db:collection("transactions"):drop())
 assert(accounts:insert_many {
   { _id = "A", balance = 1000 }, { _id = "B", balance = 1000 }, { _id = "C", balance = 50 },
 })

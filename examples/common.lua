@@ -42,10 +42,26 @@ function _M.show(v)
   return "{ " .. table.concat(parts, ", ") .. " }"
 end
 
+-- A section heading of an example's output.
+function _M.heading(text)
+  print()
+  print("== " .. text)
+end
+
+_M.URI = os.getenv("MONGOTX_TEST_URI") or "mongodb://127.0.0.1:27017"
+_M.DATABASE = "mongotx_demo"
+
 -- The demo database, connected to MONGOTX_TEST_URI (or a local server).
 function _M.connect()
-  local uri = os.getenv("MONGOTX_TEST_URI") or "mongodb://127.0.0.1:27017"
-  return assert(mongotx.connect(uri, { database = "mongotx_demo" }))
+  return assert(mongotx.connect(_M.URI, { database = _M.DATABASE }))
+end
+
+-- Drops the named collections of db, and its transactions: an example
+-- starts from nothing.
+function _M.fresh(db, ...)
+  for _, name in ipairs { "transactions", ... } do
+    assert(db:collection(name):drop())
+  end
 end
 
 return _M
