@@ -490,6 +490,21 @@ l_apply_many(lua_State *L)
 	return mtx_bulk_execute(L, b.bulk, "apply", b.n, 0);
 }
 
+/* The arguments finish, undo and fence share: (coll, tid, op, fields
+ * [, opts]); returns the collection. */
+static mongoc_collection_t *
+op_step_args(lua_State *L, bson_t **tid, fields *f, bson_t **opts)
+{
+	mongoc_collection_t *coll = arg_collection(L, 1);
+
+	lua_settop(L, 5); /* absent optional arguments keep their slots */
+	*tid = check_tid(L, 2);
+	luaL_checktype(L, 3, LUA_TTABLE);
+	check_fields(L, 4, f);
+	*opts = write_opts(L, 5);
+	return coll;
+}
+
 /* The finish of op: filter {_id, marker: tid}; update $pull marker and
  * $inc version (unused for a remove, which deletes the document).
  * Returns whether the op is a remove. */
@@ -513,17 +528,13 @@ build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 static int
 l_finish(lua_State *L)
 {
-	mongoc_collection_t *coll = arg_collection(L, 1);
+	mongoc_collection_t *coll;
 	bson_t *tid, *filter, *update, *opts;
 	fields f;
 	int64_t n = 0;
 	int rc;
 
-	lua_settop(L, 5); /* absent optional arguments keep their slots */
-	tid = check_tid(L, 2);
-	luaL_checktype(L, 3, LUA_TTABLE);
-	check_fields(L, 4, &f);
-	opts = write_opts(L, 5);
+	coll = op_step_args(L, &tid, &f, &opts);
 	filter = mtx_scratch(L);
 	update = mtx_scratch(L);
 	if (build_finish(L, 3, tid, &f, filter, update))
@@ -568,18 +579,14 @@ l_finish_many(lua_State *L)
 static int
 l_undo(lua_State *L)
 {
-	mongoc_collection_t *coll = arg_collection(L, 1);
+	mongoc_collection_t *coll;
 	bson_t *tid, *filter, *undo = NULL, *update, *opts;
 	fields f;
 	int64_t n = 0;
 	int rc, kind;
 
-	lua_settop(L, 5); /* absent optional arguments keep their slots */
-	tid = check_tid(L, 2);
-	luaL_checktype(L, 3, LUA_TTABLE);
-	check_fields(L, 4, &f);
+	coll = op_step_args(L, &tid, &f, &opts);
 	kind = op_kind(L, 3);
-	opts = write_opts(L, 5);
 	filter = id_filter(L, 3);
 	append_marker_eq(filter, &f, tid);
 	if (kind == K_INSERT) {
@@ -608,17 +615,13 @@ l_undo(lua_State *L)
 static int
 l_fence(lua_State *L)
 {
-	mongoc_collection_t *coll = arg_collection(L, 1);
+	mongoc_collection_t *coll;
 	bson_t *tid, *filter, *update, *opts;
 	fields f;
 	int64_t n = 0;
 	int rc;
 
-	lua_settop(L, 5); /* absent optional arguments keep their slots */
-	tid = check_tid(L, 2);
-	luaL_checktype(L, 3, LUA_TTABLE);
-	check_fields(L, 4, &f);
-	opts = write_opts(L, 5);
+	coll = op_step_args(L, &tid, &f, &opts);
 	filter = id_filter(L, 3);
 	append_marker_ne(filter, &f, tid);
 	update = mtx_scratch(L);

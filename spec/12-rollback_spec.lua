@@ -24,14 +24,7 @@ describe("#server rollback", function()
     return { collection = "accounts", id = id, update = { ["$inc"] = { balance = n } } }
   end
 
-  local function balances()
-    local out = {}
-    for _, d in ipairs(helpers.dump(accounts)) do
-      out[d._id] = d.balance
-      assert.are.same({}, d.pendingTransactions, "markers left on " .. d._id)
-    end
-    return out
-  end
+  local function balances() return helpers.balances(accounts) end
 
   local function undo_results()
     local out = {}

@@ -47,14 +47,7 @@ describe("#server recovery", function()
     }))
   end
 
-  local function balances()
-    local out = {}
-    for _, d in ipairs(helpers.dump(accounts)) do
-      out[d._id] = d.balance
-      assert.are.same({}, d.pendingTransactions, "markers left on " .. d._id)
-    end
-    return out
-  end
+  local function balances() return helpers.balances(accounts) end
 
   local function state(t) return assert(tm:get(t._id)).state end
 

@@ -18,14 +18,7 @@ describe("#server transactions run at once", function()
     assert(accounts:insert_many(docs))
   end)
 
-  local function balances()
-    local out, sum = {}, 0
-    for _, d in ipairs(helpers.dump(accounts)) do
-      out[d._id], sum = d.balance, sum + d.balance
-      assert.are.same({}, d.pendingTransactions or {}, "markers left on " .. d._id)
-    end
-    return out, sum
-  end
+  local function balances() return helpers.balances(accounts) end
 
   local function states(tm)
     local s = assert(tm:stats())

@@ -13,6 +13,7 @@ if not package.cpath:find(cpath, 1, true) then
 end
 
 local core = require "mongotx.core"
+local luassert = require "luassert" -- busted's assert, which specs see as assert
 
 local helpers = { core = core }
 
@@ -68,6 +69,17 @@ end
 -- database holds.
 function helpers.dump(coll)
   return assert(coll:find_all({}, { sort = { _id = 1 } }))
+end
+
+-- The balances of an accounts collection by _id, and their sum, asserting
+-- that no document still carries a transaction's marker.
+function helpers.balances(coll)
+  local out, sum = {}, 0
+  for _, d in ipairs(helpers.dump(coll)) do
+    out[d._id], sum = d.balance, sum + d.balance
+    luassert.are.same({}, d.pendingTransactions or {}, "markers left on " .. d._id)
+  end
+  return out, sum
 end
 
 -- The whole database `name` as one string: a line per collection (in name

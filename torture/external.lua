@@ -18,11 +18,7 @@ local function capture(cmd)
   return out:gsub("rc=%d+%s*$", ""), rc
 end
 
-local function exists(path)
-  local f = io.open(path)
-  if f then f:close() end
-  return f ~= nil
-end
+local exists = server.exists
 
 function M.hostile()
   local spec = "spec/30-hostile_spec.lua"

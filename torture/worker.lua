@@ -44,11 +44,7 @@ local function outcome(res, err)
   return "failed " .. tostring(err and err.code) .. " " .. tostring(err):gsub("%s+", " ")
 end
 
-local function exists(path)
-  local f = io.open(path)
-  if f then f:close() end
-  return f ~= nil
-end
+local exists = require("spec.support.server").exists
 
 -- Stops this process with SIGSTOP (its parent shell's $PPID is us); it
 -- goes on when the driver sends SIGCONT.

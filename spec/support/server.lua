@@ -73,6 +73,7 @@ local function exists(path)
   if f then f:close() return true end
   return false
 end
+M.exists = exists
 
 local function tail(path, n)
   local s = readfile(path)
