@@ -152,6 +152,31 @@ function helpers.spawn_worker(...)
   return pid, out
 end
 
+-- Starts the Lua program `source` (a string, written to a temporary file)
+-- with args in the background, like spawn_worker, for a spec whose
+-- workers are its own; returns its pid, the file collecting its output
+-- and the program's file (remove both when done).
+function helpers.spawn_script(source, ...)
+  local script = os.tmpname()
+  local f = assert(io.open(script, "w"))
+  f:write(source)
+  f:close()
+  local out = os.tmpname()
+  local args = {}
+  for i, a in ipairs { ... } do args[i] = "'" .. tostring(a):gsub("'", "'\\''") .. "'" end
+  local p = assert(io.popen(string.format("%s %s %s > %s 2>&1 & echo $!",
+    helpers.lua(), script, table.concat(args, " "), out)))
+  local pid = tonumber(p:read("*l"))
+  p:close()
+  return pid, out, script
+end
+
+-- Is the process still running?
+function helpers.alive(pid)
+  return require("spec.support.server").execute(
+    string.format("kill -0 %d 2>/dev/null", pid)) == 0
+end
+
 function helpers.signal(pid, sig)
   os.execute(string.format("kill -%s %d 2>/dev/null", sig, pid))
 end
