@@ -9,7 +9,9 @@
 --      $set, insert, remove, assert) on the fixture and every field of
 --      every document must match (an op applied twice, half a transaction,
 --      a lost or a doubled write all show up as a difference);
---   4. the balances of `accounts` sum to what they summed to before;
+--   4. the balances of `accounts` sum to what they summed to before, and
+--      no account with a `floor` field ends below it (the floor observer,
+--      torture/observer.lua, watches them while a section runs);
 --   5. what callers were told holds: a transaction reported done is done,
 --      one reported cancelled (code cancelled/guard/missing/conflict) is
 --      cancelled; and optional per-id allowed final states.
@@ -104,7 +106,11 @@ local function visible(doc)
 end
 
 local TERMINAL = { done = true, cancelled = true }
-local CANCEL_CODES = { cancelled = true, guard = true, missing = true, conflict = true }
+-- codes of an op that could not apply, with which the default policy
+-- cancels: busy (another open transaction holds a guarded op's document),
+-- removing, contention
+local CANCEL_CODES = { cancelled = true, guard = true, missing = true, conflict = true,
+                       busy = true, removing = true, contention = true }
 
 -- opts.allowed:  id -> { done = true, cancelled = true, absent = true }
 -- opts.reported: id -> "done" | error code, as the caller was told
@@ -168,6 +174,11 @@ function M.database(db, fixture, opts)
       end
       local d = visible(doc)
       if d then actual[canon(doc._id)] = d end
+      if d and type(d.floor) == "number" and type(d.balance) == "number"
+          and d.balance < d.floor then
+        violation("%s/%s ends at balance %s, below its floor %s", name, tostring(doc._id),
+          tostring(d.balance), tostring(d.floor))
+      end
       if d and name == "accounts" then sum_after = sum_after + (d.balance or 0) end
     end
     for k, want in pairs(expected) do

@@ -1,8 +1,10 @@
 -- A fleet of `mix` workers (torture/worker.lua, torture/workload.lua) on
 -- one database, for the kill, stall and server-fault sections: start
 -- them, kill or stop some, end them, recover in a fresh process and check.
+-- The floor observer (torture/observer.lua) watches the database from
+-- before the first worker starts until after the final recovery.
 --
---   local f = fleet.new(uri, dbname, { accounts = 5, tokens = 300 })
+--   local f = fleet.new(uri, dbname, { accounts = 20, tokens = 300 })
 --   f:spawn()            -- one more worker; f.live lists the running ones
 --   f:kill(w)           -- kill -9, expected (other signals: helpers.signal)
 --   local r = f:finish() -- stop, recover, check: { violations, crashes, ... }
@@ -10,6 +12,7 @@
 local proc = require "torture.proc"
 local check = require "torture.check"
 local workload = require "torture.workload"
+local observer = require "torture.observer"
 local helpers = require "spec.helpers"
 
 local M = {}
@@ -22,6 +25,7 @@ function M.new(uri, dbname, sizes)
     killed = 0 }, Fleet)
   os.remove(self.stopfile)
   check.load(check.db(uri, dbname), self.fixture)
+  self.observer = observer.start(uri, dbname)
   return self
 end
 
@@ -51,7 +55,7 @@ end
 
 -- What every worker told its callers: id -> "done" or the error code.
 local function reports(workers)
-  local said, counts = {}, { begun = 0, done = 0, failed = 0 }
+  local said, counts = {}, { begun = 0, done = 0, failed = 0, codes = {} }
   for _, w in ipairs(workers) do
     for line in proc.output(w):gmatch("[^\n]+") do
       local word, id, code = line:match("^(%a+) (%S+) ?(%S*)")
@@ -63,6 +67,7 @@ local function reports(workers)
       elseif word == "failed" then
         said[id] = code
         counts.failed = counts.failed + 1
+        counts.codes[code] = (counts.codes[code] or 0) + 1
       end
     end
   end
@@ -96,15 +101,22 @@ function Fleet:finish(recover_direction)
     r.failures[#r.failures + 1] = "final recovery (status " .. tostring(rc) .. "): " .. out
   end
 
+  local o = self.observer:stop()
+  observer.add(r, o, "observer")
+
   local db = check.db(self.uri, self.dbname)
   local rep = check.database(db, self.fixture, { reported = said })
   local taken = assert(db:collection("transactions"):count({ epoch = { ["$gte"] = 2 } }))
   r.cases = rep.transactions
-  r.violations = #rep.violations
+  r.violations = r.violations + #rep.violations
   for _, v in ipairs(rep.violations) do r.failures[#r.failures + 1] = v end
-  r.counts, r.said, r.taken = rep.counts, counts, taken
-  r.notes = ("%d workers, %d killed; %d done, %d cancelled; %d reported done; %d taken over")
-    :format(#self.all, self.killed, rep.counts.done, rep.counts.cancelled, counts.done, taken)
+  r.counts, r.said, r.taken, r.observed = rep.counts, counts, taken, o
+  local codes = { "done " .. counts.done }
+  for code, k in pairs(counts.codes) do codes[#codes + 1] = code .. " " .. k end
+  table.sort(codes, function(a, b) return a:match("%d+$") + 0 > b:match("%d+$") + 0 end)
+  r.notes = ("%d workers, %d killed; %d done, %d cancelled (told: %s); %d taken over; %s")
+    :format(#self.all, self.killed, rep.counts.done, rep.counts.cancelled,
+      table.concat(codes, ", "), taken, observer.notes(o))
   return r
 end
 

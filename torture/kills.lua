@@ -1,29 +1,45 @@
--- Section 2, random kills: 8 workers run random transfers and
--- multi-collection transactions on a few hot accounts (torture/workload.lua)
--- while the driver kill -9s a random worker at a random moment and starts
--- a new one; at the end one recovery pass in a fresh process, then the
+-- Section 2, random kills: 6 workers run the random workload
+-- (torture/workload.lua: guarded transfers, batches, rollbacks,
+-- compensations on 20 accounts with a floor, 3 of them hot) while the
+-- driver, at random moments, kill -9s a random worker and starts a new one
+-- or (one time in four) stops one with SIGSTOP past its 1 s lease and
+-- continues it; at the end one recovery pass in a fresh process, then the
 -- invariants and the audit of torture/check.lua (each transaction a
--- caller was told is done is done, and its effect is there exactly once).
+-- caller was told is done is done, and its effect is there exactly once),
+-- and the floor observer's sightings (torture/observer.lua: a balance
+-- below its floor at any moment of the run).
 -- mongo-java-server only (see torture/run.lua).
 
 local fleet = require "torture.fleet"
+local helpers = require "spec.helpers"
 local core = require "mongotx.core"
 
 local M = {}
 
-local WORKERS = 8
+M.WORKERS = 6
+M.ACCOUNTS = 20
 
 function M.run(ctx)
-  local seconds = ctx.full and 300 or 45
-  local f = fleet.new(ctx.uri, "kills", { accounts = 5, tokens = 300 })
-  for _ = 1, WORKERS do f:spawn() end
+  local seconds = ctx.seconds or (ctx.full and 300 or 45)
+  local f = fleet.new(ctx.uri, "kills", { accounts = M.ACCOUNTS, tokens = 300 })
+  for _ = 1, ctx.workers or M.WORKERS do f:spawn() end
   local stop = core.monotonic_ms() + seconds * 1000
+  local stops = 0
   while core.monotonic_ms() < stop do
     core.sleep(0.1 + math.random() * 0.9)
-    f:kill(f:pick())
-    f:spawn()
+    local w = f:pick()
+    if math.random(4) == 1 then
+      helpers.signal(w.pid, "STOP")
+      core.sleep(1.1 + math.random() * 0.9)
+      helpers.signal(w.pid, "CONT")
+      stops = stops + 1
+    else
+      f:kill(w)
+      f:spawn()
+    end
   end
   local r = f:finish()
+  r.notes = ("%d s, %d stops; %s"):format(seconds, stops, r.notes)
   ctx.say("  kills: %s", r.notes)
   return r
 end

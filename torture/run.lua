@@ -2,10 +2,14 @@
 -- summary table `section | cases | violations | crashes | notes` and exits
 -- non-zero when any section found a violation, a crash or could not run.
 --
---   lua5.4 torture/run.lua [--ci] [--only name,name...]
+--   lua5.4 torture/run.lua [--ci] [--only name,name...] [--seconds n] [--workers n]
+--                          [--scenarios name,name...]
 --
 -- --ci is the bounded run of `make torture-ci`; the default is the full
--- run of `make torture`.  Sections (each starts its own servers):
+-- run of `make torture`.  --seconds and --workers replace the length and
+-- the number of workers of the random runs (kills, random stalls), for
+-- measurements such as TESTING.md's before/after figures; --scenarios
+-- runs only those scenarios of the crash matrix.  Sections (each starts its own servers):
 --   crashpoints-memory, crashpoints-ferretdb   torture/crashpoints.lua
 --   kills        random kill -9 of workers      torture/kills.lua
 --   races        fixed two-manager interleavings torture/races.lua
@@ -25,7 +29,7 @@ if cpath then package.cpath = cpath .. ";" .. package.cpath end
 local server = require "spec.support.server"
 local core = require "mongotx.core"
 
-local full, only = true, nil
+local full, only, seconds, workers, scenarios = true, nil, nil, nil, nil
 do
   local i = 1
   while arg[i] do
@@ -34,8 +38,17 @@ do
       i = i + 1
       only = {}
       for name in (arg[i] or ""):gmatch("[^,]+") do only[name] = true end
+    elseif arg[i] == "--scenarios" then
+      i = i + 1
+      scenarios = {}
+      for name in (arg[i] or ""):gmatch("[^,]+") do scenarios[name] = true end
+    elseif (arg[i] == "--seconds" or arg[i] == "--workers") and tonumber(arg[i + 1]) then
+      if arg[i] == "--seconds" then seconds = tonumber(arg[i + 1]) else
+        workers = math.floor(tonumber(arg[i + 1])) end
+      i = i + 1
     else
-      io.stderr:write("usage: torture/run.lua [--ci] [--only section,...]\n")
+      io.stderr:write("usage: torture/run.lua [--ci] [--only section,...] [--seconds n] "
+        .. "[--workers n] [--scenarios name,...]\n")
       os.exit(2)
     end
     i = i + 1
@@ -49,7 +62,8 @@ end
 
 -- Runs fn(ctx) with a fresh server of `kind` (nil: no server).
 local function with_server(kind, fn)
-  local ctx = { full = full, say = say, server = kind }
+  local ctx = { full = full, say = say, server = kind, seconds = seconds, workers = workers,
+                scenarios = scenarios }
   local s
   if kind then
     local err

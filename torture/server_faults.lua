@@ -9,17 +9,20 @@
 --   kill -9 mid-run: the random workload runs (3 workers on H2, 1 on
 --     FerretDB, which does not isolate concurrent writers) while the
 --     server is killed and restarted on its files; then one recovery pass
---     and the invariants: nothing lost, nothing doubled.
+--     and the invariants: nothing lost, nothing doubled; the floor
+--     observer (torture/observer.lua) polls throughout, reconnecting
+--     while the server is down.
 --   connection drop: a transaction waits after each of its step events in
 --     turn while the server is stopped (SIGSTOP); the rest of commit() must
 --     return nil, err within the bound its timeouts give; the server is
 --     continued, a recovery process settles the transaction, the
---     invariants hold.
+--     invariants hold (and the floor observer saw no balance below 0).
 
 local proc = require "torture.proc"
 local check = require "torture.check"
 local fleet = require "torture.fleet"
 local scenarios = require "torture.scenarios"
+local observer = require "torture.observer"
 local server = require "spec.support.server"
 local mongotx = require "mongotx"
 local core = mongotx.core
@@ -58,7 +61,7 @@ end
 
 local function midrun(ctx, kind, workers)
   local s = started(kind)
-  local f = fleet.new(s.uri, "midrun", { accounts = 5, tokens = 300 })
+  local f = fleet.new(s.uri, "midrun", { accounts = 20, tokens = 300 })
   for _ = 1, workers do f:spawn() end
   local kills = ctx.full and 5 or 2
   for _ = 1, kills do
@@ -105,6 +108,7 @@ local function drop(ctx)
     local ready, go = os.tmpname(), os.tmpname()
     os.remove(ready)
     os.remove(go)
+    local obs = observer.start(s.uri, dbname)
     local w = proc.spawn({ "hold", uri, dbname, at, ready, go })
     local paused = false
     for _ = 1, 1000 do
@@ -146,6 +150,7 @@ local function drop(ctx)
       r.crashes = r.crashes + 1
       r.failures[#r.failures + 1] = "drop recovery: " .. said
     end
+    observer.add(r, obs:stop(), dbname .. " observer")
     local rep = check.database(db, fixture)
     r.violations = r.violations + #rep.violations
     for _, v in ipairs(rep.violations) do r.failures[#r.failures + 1] = dbname .. ": " .. v end

@@ -5,15 +5,19 @@
 --   points: one transaction (A->B plus a ledger insert) stopped after each
 --           of its step events in turn, taken over rolling forward and
 --           rolling back by a recovery process, then continued;
---   random: 4 workers of the random workload, one stopped at a random
---           moment for 1.2-2.5 s again and again while the others keep
---           working and recovering (taking over what it holds).
+--   random: 4 workers of the random workload (20 floored accounts, all
+--           debits guarded), one stopped at a random moment for 1.2-2.5 s
+--           again and again while the others keep working and recovering
+--           (taking over what it holds).
+-- The floor observer (torture/observer.lua) watches every case's database
+-- from before its worker starts until after its recovery.
 -- mongo-java-server only (see torture/run.lua).
 
 local proc = require "torture.proc"
 local check = require "torture.check"
 local fleet = require "torture.fleet"
 local scenarios = require "torture.scenarios"
+local observer = require "torture.observer"
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
 local core = mongotx.core
@@ -40,6 +44,7 @@ local function one(ctx, at, direction, r)
   local db = check.db(ctx.uri, dbname)
   local fixture = scenarios.fixture("insert")
   check.load(db, fixture)
+  local obs = observer.start(ctx.uri, dbname)
   local w = proc.spawn({ "stall", ctx.uri, dbname, at, direction })
   local stopped = false
   for _ = 1, 1000 do
@@ -66,6 +71,9 @@ local function one(ctx, at, direction, r)
     r.crashes = r.crashes + 1
     r.failures[#r.failures + 1] = ("%s worker status %s: %s"):format(dbname, tostring(rc), out)
   end
+  local o = obs:stop()
+  observer.add(r, o, dbname .. " observer")
+  r.polls = (r.polls or 0) + o.polls
   local rep = check.database(db, fixture, { reported = { [scenarios.ID] = result_of(out) },
     allowed = { [scenarios.ID] = { done = true, cancelled = true } } })
   r.cases = r.cases + 1
@@ -89,9 +97,9 @@ function M.run(ctx)
     end
   end
 
-  local f = fleet.new(ctx.uri, "stalls", { accounts = 5, tokens = 300 })
-  for _ = 1, 4 do f:spawn() end
-  local stop = core.monotonic_ms() + (ctx.full and 180 or 40) * 1000
+  local f = fleet.new(ctx.uri, "stalls", { accounts = 20, tokens = 300 })
+  for _ = 1, ctx.workers or 4 do f:spawn() end
+  local stop = core.monotonic_ms() + (ctx.seconds or (ctx.full and 180 or 40)) * 1000
   local random_stops = 0
   while core.monotonic_ms() < stop do
     local w = f:pick()
@@ -106,8 +114,8 @@ function M.run(ctx)
   r.violations = r.violations + fr.violations
   r.crashes = r.crashes + fr.crashes
   for _, v in ipairs(fr.failures) do r.failures[#r.failures + 1] = "random: " .. v end
-  r.notes = ("%d events x 2 directions, %d stopped; random: %d stops, %s"):format(events,
-    stops, random_stops, fr.notes)
+  r.notes = ("%d events x 2 directions, %d stopped, observer %d polls; random: %d stops, %s")
+    :format(events, stops, r.polls or 0, random_stops, fr.notes)
   ctx.say("  %s", r.notes)
   return r
 end

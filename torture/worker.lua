@@ -9,7 +9,8 @@
 --       pending ones back with "back")
 --   worker.lua mix <uri> <db> <name> <accounts> <tokens> <stop-file> [stall]
 --       random transactions (torture/workload.lua) until the stop file
---       exists, recover() every 20 of them; with "stall", stops itself
+--       exists, recover() every 20 of them (manager options by
+--       workload.role(name)); with "stall", stops itself
 --       (SIGSTOP) once, at a random step event, and carries on when
 --       continued
 --   worker.lua stall <uri> <db> <event> <direction>
@@ -17,6 +18,11 @@
 --       step event, for the stall section to take over and continue
 --   worker.lua acked <uri> <db> <n>
 --       n single inserts, "ack <i>" after each acknowledged one
+--   worker.lua observe <uri> <db> <stop-file> <interval-ms>
+--       the floor observer (torture/observer.lua): reads the accounts
+--       that have a floor every <interval-ms> until the stop file exists
+--       (then once more), prints "ready" after its first poll, "below
+--       ..." for the first sightings and a "polls ..." summary line
 --   worker.lua hold <uri> <db> <event> <ready-file> <go-file>
 --       one transaction that, after its <event>th step event, writes the
 --       ready file and waits for the go file, then times how long the rest
@@ -89,19 +95,19 @@ elseif mode == "mix" then
   math.randomseed(os.time() + tonumber(tostring({}):match("0x(%x+)") or "0", 16) % 1000003)
   local stall_at = stall and math.random(1, 60) or nil
   local events = 0
-  local tm = assert(connect(dbname):manager {
-    application = name, lease = 1, stale_after = 1,
+  local tm = assert(connect(dbname):manager(workload.manager_options(name, {
     on_event = stall and function()
       events = events + 1
       if events == stall_at then say("stopping", events) stop_self() say("continued") end
     end or nil,
-  })
+  })))
   local done, n = {}, 0
   while not exists(stopfile) do
     n = n + 1
     workload.step(tm, name .. "-" .. n, sizes, say, done)
     if n % 20 == 0 then tm:recover() end
   end
+  workload.close(tm, name)
 elseif mode == "stall" then
   local dbname, at, direction = arg[3], tonumber(arg[4]), arg[5]
   local events = 0
@@ -122,6 +128,59 @@ elseif mode == "acked" then
     if not ok then say("error", i, tostring(err)) break end
     say("ack", i)
   end
+elseif mode == "observe" then
+  local dbname, stopfile, interval = arg[3], arg[4], tonumber(arg[5]) / 1000
+  local coll = connect(dbname):collection("accounts")
+  local filter = { floor = { ["$exists"] = true } }
+  local opts = { projection = { balance = 1, floor = 1, pendingTransactions = 1 } }
+  local polls, readings, sightings, errors, printed = 0, 0, 0, 0, 0
+  local lowest, below, gap = nil, {}, 0
+  local t0 = core.monotonic_ms()
+  local last = t0
+  local function poll()
+    local docs, err = coll:find_all(filter, opts)
+    if not docs then
+      errors = errors + 1
+      if errors <= 3 then say("error", tostring(err):gsub("%s+", " ")) end
+      core.sleep(0.05) -- a server killed and restarting (server faults)
+      return
+    end
+    local now = core.monotonic_ms()
+    gap, last = math.max(gap, now - last), now
+    polls = polls + 1
+    -- a document missing from one poll (a server may not show it to a
+    -- scan while it rewrites it) keeps its last status
+    for _, d in ipairs(docs) do
+      local id = tostring(d._id)
+      if type(d.balance) == "number" and type(d.floor) == "number" and d.balance < d.floor then
+        readings = readings + 1
+        lowest = math.min(lowest or d.balance, d.balance)
+        if not below[id] then
+          sightings = sightings + 1
+          if printed < 50 then
+            printed = printed + 1
+            local markers = {}
+            for i, m in ipairs(type(d.pendingTransactions) == "table" and d.pendingTransactions
+                or {}) do markers[i] = tostring(m) end
+            say(("below %.0f ms: %s/accounts/%s balance %s floor %s markers [%s]"):format(
+              now - t0, dbname, id, tostring(d.balance), tostring(d.floor),
+              table.concat(markers, ",")))
+          end
+        end
+        below[id] = true
+      else
+        below[id] = nil
+      end
+    end
+    if polls == 1 then say("ready") end
+  end
+  while not exists(stopfile) do
+    poll()
+    core.sleep(interval)
+  end
+  poll()
+  say(("polls %d readings %d sightings %d errors %d lowest %s gap %.0f"):format(polls, readings,
+    sightings, errors, tostring(lowest or "none"), gap))
 elseif mode == "hold" then
   local dbname, at, ready, go = arg[3], tonumber(arg[4]), arg[5], arg[6]
   local events, t0 = 0, nil
