@@ -39,7 +39,8 @@ local function phase(env, uri, dbname, s, kind, which)
   return rc and proc.classify(rc) or "hung", out
 end
 
--- ctx: { uri, server (kind), full (bool), say(fmt, ...) }
+-- ctx: { uri, server (kind), full (bool), say(fmt, ...), scenarios (nil:
+-- all, else a set of names) }
 function M.run(ctx)
   local result = { cases = 0, violations = 0, crashes = 0, injected = 0, missed = 0,
                    failures = {} }
@@ -49,7 +50,7 @@ function M.run(ctx)
     counter = counter + 1
     local c = { s = s, kind = kind, fault = fault,
                 db = ("cp%d_%s_%s"):format(counter, s.name:gsub("%W", ""), kind) }
-    check.load(check.db(ctx.uri, c.db), scenarios.fixture(kind, s.failing))
+    check.load(check.db(ctx.uri, c.db), scenarios.fixture(kind, s.failing, s.balances))
     cases[#cases + 1] = c
     return c
   end
@@ -70,7 +71,11 @@ function M.run(ctx)
     end
   end
 
+  local list = {}
   for _, s in ipairs(scenarios.list) do
+    if not ctx.scenarios or ctx.scenarios[s.name] then list[#list + 1] = s end
+  end
+  for _, s in ipairs(list) do
     for _, kind in ipairs(s.kinds or scenarios.KINDS) do
       local trace = os.tmpname()
       local clean = new_case(s, kind, nil)
@@ -96,19 +101,27 @@ function M.run(ctx)
     end
   end
 
-  -- recovery in one fresh process for all the databases
-  local names = {}
-  for i, c in ipairs(cases) do names[i] = c.db end
-  local rc, said = proc.recover(ctx.uri, names, "forward", 60 + 5 * #cases)
-  if rc ~= 0 then
-    result.crashes = result.crashes + 1
-    result.failures[#result.failures + 1] = "recovery process " .. tostring(rc) .. ": " .. said
+  -- recovery in one fresh process for all the databases of a direction
+  for _, direction in ipairs { "forward", "back" } do
+    local names = {}
+    for _, c in ipairs(cases) do
+      if (c.s.recover or "forward") == direction then names[#names + 1] = c.db end
+    end
+    if #names > 0 then
+      local rc, said = proc.recover(ctx.uri, names, direction, 60 + 5 * #names)
+      if rc ~= 0 then
+        result.crashes = result.crashes + 1
+        result.failures[#result.failures + 1] = ("recovery process (%s) %s: %s"):format(
+          direction, tostring(rc), said)
+      end
+    end
   end
 
   local matrix = {}
   for _, c in ipairs(cases) do
     result.cases = result.cases + 1
-    local rep = check.database(check.db(ctx.uri, c.db), scenarios.fixture(c.kind, c.s.failing),
+    local rep = check.database(check.db(ctx.uri, c.db),
+      scenarios.fixture(c.kind, c.s.failing, c.s.balances),
       { allowed = { [scenarios.ID] = c.s.allowed, [scenarios.OTHER] = c.s.other } })
     local cell = rep.states[scenarios.ID] or "absent"
     if c.fault and c.how == "ok" then cell = cell .. "(no crash)" end
@@ -136,7 +149,7 @@ function M.run(ctx)
     row[key][c.kind] = cell
   end
 
-  for _, s in ipairs(scenarios.list) do
+  for _, s in ipairs(list) do
     local row = matrix[s.name]
     local kinds = s.kinds or scenarios.KINDS
     ctx.say("")

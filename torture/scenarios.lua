@@ -19,6 +19,9 @@
 --                 crash point prepare_fault when set
 --   run           run(tm, ctx) in the child that crashes at the point
 --   manager       extra manager options for `run`
+--   balances      accounts' balances other than 1000 (M.fixture)
+--   recover       direction of the final recovery: "forward" (default)
+--                 or "back" (stale pending transactions rolled back)
 -- Add scenarios at the end (tm:commit_many, tm:transfer_many, ...).
 
 local M = {}
@@ -27,12 +30,14 @@ M.KINDS = { "update", "insert", "remove", "assert" }
 M.ID = "T" -- the transaction's id (each case has its own database)
 M.AMOUNT = 100
 
--- Documents before the transaction, by collection.
-function M.fixture(kind, failing)
-  local f = {
-    accounts = { { _id = "A", balance = 1000 }, { _id = "B", balance = 1000 },
-                 { _id = "C", balance = 1000 }, { _id = "D", balance = 1000 } },
-  }
+-- Documents before the transaction, by collection; `balances` replaces
+-- some accounts' 1000 (a scenario's `balances` field).  Every account has
+-- floor 0: check.lua fails a case that ends with a balance below it.
+function M.fixture(kind, failing, balances)
+  local f = { accounts = {} }
+  for i, id in ipairs { "A", "B", "C", "D" } do
+    f.accounts[i] = { _id = id, balance = balances and balances[id] or 1000, floor = 0 }
+  end
   if kind == "update" then
     f.counters = { { _id = "hits", n = 0 } }
   elseif kind == "insert" then
@@ -181,6 +186,86 @@ M.list = {
       return res[1] and res[2], errs[1] or errs[2] or nil
     end },
 }
+
+-- Guard isolation (issue 8): a guarded op applies only to a document no
+-- other open transaction holds.  The holder, transaction U, moves 100
+-- from C to A; `prepare` leaves it on A either committed but not
+-- finished (its marker still there: T's guarded debit of A finishes U's
+-- op on A first, a `finish` point inside T's run) or open (pending, its
+-- credit to A applied, its owner gone: T's debit is busy, retried, then
+-- T cancels).  With A at 50 and the final recovery rolling U back, a T
+-- that passed on U's credit would leave A at -50 (check.lua: below its
+-- floor), so T may only end cancelled.
+local HOLDER = {
+  { collection = "accounts", id = "C", update = { ["$inc"] = { balance = -M.AMOUNT } },
+    where = { balance = { ["$gte"] = M.AMOUNT } } },
+  { collection = "accounts", id = "A", update = { ["$inc"] = { balance = M.AMOUNT } } },
+}
+
+local function hold_applied(tm)
+  local U = assert(tm:begin(HOLDER, { id = M.OTHER }))
+  assert(tm:step("claim", U))
+  assert(tm:step("apply", U, 1))
+  assert(tm:step("apply", U, 2))
+  return tm:step("commit", U)
+end
+
+local function hold_open(tm)
+  local U = assert(tm:begin(HOLDER, { id = M.OTHER }))
+  assert(tm:step("claim", U))
+  return tm:step("apply", U, 2)
+end
+
+local function transfer_T(tm)
+  return tm:transfer("accounts", "A", "B", M.AMOUNT, { id = M.ID, min = 0 })
+end
+
+-- T from A to B and V from C to D (C is U's debit) in one batch.
+local function transfer_many_TV(tm)
+  local res, errs = tm:transfer_many {
+    { collection = "accounts", from = "A", to = "B", amount = M.AMOUNT, id = M.ID, min = 0 },
+    { collection = "accounts", from = "C", to = "D", amount = 7, id = "V", min = 0 } }
+  return res[1], errs[1] or nil
+end
+
+local DONE = { done = true, absent = true }
+local CANCELLED = { cancelled = true, absent = true }
+local BACK = { A = 50 }
+
+for _, s in ipairs {
+  { name = "held-applied", prepare = hold_applied, allowed = DONE, other = { done = true },
+    run = begin_commit },
+  { name = "held-applied-transfer", kinds = { "update" }, prepare = hold_applied,
+    allowed = DONE, other = { done = true }, run = transfer_T },
+  { name = "held-applied-many", kinds = { "update" }, prepare = hold_applied,
+    allowed = DONE, other = { done = true }, run = transfer_many_TV },
+  -- forward: U is rolled forward by the final recovery, so a T that
+  -- crashed pending may be too, once U is done
+  { name = "held-open", kinds = { "update" }, prepare = hold_open, allowed = ALL,
+    other = { done = true }, run = transfer_T },
+  { name = "held-open-back", prepare = hold_open, balances = BACK, recover = "back",
+    allowed = CANCELLED, other = { cancelled = true }, run = begin_commit },
+  { name = "held-open-back-transfer", kinds = { "update" }, prepare = hold_open,
+    balances = BACK, recover = "back", allowed = CANCELLED, other = { cancelled = true },
+    run = transfer_T },
+  { name = "held-open-back-many", kinds = { "update" }, prepare = hold_open,
+    balances = BACK, recover = "back", allowed = CANCELLED, other = { cancelled = true },
+    run = transfer_many_TV },
+  -- a guarded debit that cannot pay on the fast path and in a batch
+  -- (whatever order the engine applies a transaction's ops in)
+  { name = "transfer-cancel", kinds = { "update" }, allowed = CANCELLED,
+    run = function(tm)
+      return tm:transfer("accounts", "A", "B", 5000, { id = M.ID, min = 0 })
+    end },
+  { name = "transfer_many-cancel", kinds = { "update" }, allowed = CANCELLED,
+    other = { done = true, absent = true },
+    run = function(tm)
+      local res, errs = tm:transfer_many {
+        { collection = "accounts", from = "A", to = "B", amount = 5000, id = M.ID, min = 0 },
+        { collection = "accounts", from = "C", to = "D", amount = 7, id = M.OTHER, min = 0 } }
+      return res[2], errs[2] or nil
+    end },
+} do M.list[#M.list + 1] = s end
 
 function M.find(name)
   for _, s in ipairs(M.list) do
