@@ -970,6 +970,9 @@ describe("#server what hostile-input checks still allow", function()
 
   for _, c in ipairs(allowed_ids) do
     it("an op id and a transaction id that are " .. c[1], function()
+      local lacks_pull = type(c[2]) == "table"
+        and helpers.ferretdb_lacks("$pull of a document value: a marker that is a document stays")
+      if lacks_pull then return pending(lacks_pull) end
       local things = e.db:collection("things")
       local T = assert(e.tm:begin({ { collection = "things", id = c[2], doc = { item = c[1] } },
                                     inc("A", -1) }, { id = c[2] }))
