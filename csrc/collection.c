@@ -541,8 +541,9 @@ add_request(lua_State *L, mongoc_bulk_operation_t *bulk, int i)
 }
 
 /* Per-request results: { ok = true [, upserted_id] } or { ok = false,
- * code, message } for a failed request, { ok = false, executed = false }
- * for those an ordered bulk never reached. */
+ * server_code, message } for a failed request (server_code as in error
+ * tables: the server's number, 11000 for a duplicate key), { ok = false,
+ * executed = false } for those an ordered bulk never reached. */
 static void
 push_bulk_items(lua_State *L, const bson_t *reply, int n, int ordered)
 {
@@ -573,7 +574,7 @@ push_bulk_items(lua_State *L, const bson_t *reply, int n, int ordered)
 			bson_iter_recurse(&arr, &fields);
 			if (bson_iter_find(&fields, "code")) {
 				lua_pushinteger(L, (lua_Integer)bson_iter_as_int64(&fields));
-				lua_setfield(L, -2, "code");
+				lua_setfield(L, -2, "server_code");
 			}
 			bson_iter_recurse(&arr, &fields);
 			if (bson_iter_find(&fields, "errmsg") && BSON_ITER_HOLDS_UTF8(&fields)) {

@@ -1,6 +1,9 @@
 /* error.c: the error tables every runtime failure returns as nil, err.
- * Fields: domain (a name), code (the server's code for server errors),
- * message, transient (a retry may succeed), reply (the server's reply). */
+ * Fields: code (a name: libmongoc's error domain, "server", "stream", ...),
+ * server_code (the number libmongoc or the server gave, when not 0),
+ * message, transient (a retry may succeed), reply (the server's reply).
+ * The Lua layer's errors share the metatable, with codes of their own
+ * ("invalid", "guard", ...): every code is a string. */
 #include <string.h>
 
 #include "mongotx.h"
@@ -50,14 +53,16 @@ is_transient(const bson_error_t *err, const bson_t *reply)
 }
 
 static void
-new_error_table(lua_State *L, const char *domain, int code, const char *msg)
+new_error_table(lua_State *L, const char *code, int server_code, const char *msg)
 {
 	lua_pushnil(L);
 	lua_createtable(L, 0, 6);
-	lua_pushstring(L, domain);
-	lua_setfield(L, -2, "domain");
-	lua_pushinteger(L, code);
+	lua_pushstring(L, code);
 	lua_setfield(L, -2, "code");
+	if (server_code != 0) {
+		lua_pushinteger(L, server_code);
+		lua_setfield(L, -2, "server_code");
+	}
 	lua_pushstring(L, msg);
 	lua_setfield(L, -2, "message");
 	luaL_getmetatable(L, MTX_ERROR_MT);
@@ -78,13 +83,13 @@ mtx_push_error(lua_State *L, const bson_error_t *err, const bson_t *reply)
 }
 
 int
-mtx_push_error_msg(lua_State *L, const char *domain, int code, const char *msg)
+mtx_push_error_msg(lua_State *L, const char *code, int server_code, const char *msg)
 {
-	new_error_table(L, domain, code, msg);
+	new_error_table(L, code, server_code, msg);
 	return 2;
 }
 
-/* "mongotx: <step> of <id>: <message> (<domain> <code>)" */
+/* "mongotx: <step> of <id>: <message> (<code>[ <server_code>])" */
 static int
 error_tostring(lua_State *L)
 {
@@ -111,12 +116,13 @@ error_tostring(lua_State *L)
 	mtx_tolstring(L, -1, NULL);
 	lua_remove(L, -2);
 	luaL_addvalue(&b);
-	/* " (server 11000)" for the core's errors, " (guard)" for the engine's */
+	/* " (server 11000)" with a server_code, " (guard)" without */
 	lua_getfield(L, 1, "code");
-	lua_getfield(L, 1, "domain");
+	lua_getfield(L, 1, "server_code");
 	if (lua_isstring(L, -1))
-		lua_pushfstring(L, " (%s %s)", lua_tostring(L, -1),
-				lua_isstring(L, -2) ? lua_tostring(L, -2) : "?");
+		lua_pushfstring(L, " (%s %s)",
+				lua_isstring(L, -2) ? lua_tostring(L, -2) : "?",
+				lua_tostring(L, -1));
 	else
 		lua_pushfstring(L, " (%s)", lua_isstring(L, -2) ? lua_tostring(L, -2) : "?");
 	lua_remove(L, -2);

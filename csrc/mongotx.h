@@ -65,8 +65,8 @@ MTX_HIDDEN int mtx_open_bson(lua_State *L);
  * server's reply (may be NULL); returns 2 for `return mtx_push_error(...)`. */
 MTX_HIDDEN int mtx_push_error(lua_State *L, const bson_error_t *err,
 			      const bson_t *reply);
-MTX_HIDDEN int mtx_push_error_msg(lua_State *L, const char *domain,
-				  int code, const char *msg);
+MTX_HIDDEN int mtx_push_error_msg(lua_State *L, const char *code,
+				  int server_code, const char *msg);
 MTX_HIDDEN int mtx_open_error(lua_State *L);
 
 /* ---- options.c: Lua option tables ---- */

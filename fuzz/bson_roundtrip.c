@@ -88,10 +88,10 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		fz_require(fz_call(L, "decode", 1, 2) == LUA_OK &&
 			   lua_isnil(L, -2) && lua_istable(L, -1),
 			   "decode of invalid BSON did not return nil, err");
-		lua_getfield(L, -1, "domain");
+		lua_getfield(L, -1, "code");
 		fz_require(lua_isstring(L, -1) &&
 			   strcmp(lua_tostring(L, -1), "bson") == 0,
-			   "decode's error for invalid BSON is not domain bson");
+			   "decode's error for invalid BSON is not code bson");
 	}
 	lua_close(L);
 	return 0;

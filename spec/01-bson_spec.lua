@@ -497,7 +497,7 @@ describe("bson bridge", function()
         local doc, err = core.decode(bad)
         assert.is_nil(doc)
         assert.are.equal("table", type(err))
-        assert.are.equal("bson", err.domain)
+        assert.are.equal("bson", err.code)
         assert.matches("invalid BSON", tostring(err))
       end
     end)

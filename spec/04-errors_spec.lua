@@ -1,5 +1,8 @@
 -- Error tables (nil, err for runtime failures) and raised errors (bad
--- arguments).  Every failure leaves the database as it was.
+-- arguments).  Every failure leaves the database as it was.  Every error's
+-- `code` is a string: the C core's are libmongoc's domain names ("server",
+-- "stream", ...) with the number in `server_code`, the Lua layer's its own
+-- ("invalid", "guard", ...).
 local helpers = require "spec.helpers"
 local core = helpers.core
 
@@ -7,14 +10,15 @@ describe("errors", function()
 
   describe("core.error", function()
     it("gives a table the error metatable, with a readable tostring", function()
-      local t = { message = "boom", step = "prepare", id = 42, domain = "txn", code = 7 }
+      local t = { message = "boom", step = "prepare", id = 42, code = "server", server_code = 7 }
       local err = core.error(t)
       assert.are.equal(t, err)
-      assert.are.equal("mongotx: prepare of 42: boom (txn 7)", tostring(err))
-      -- without domain and code: only the message is promised
+      assert.are.equal("mongotx: prepare of 42: boom (server 7)", tostring(err))
+      -- without a server_code: the code alone
+      assert.are.equal("mongotx: step: m (guard)",
+                       tostring(core.error { step = "step", message = "m", code = "guard" }))
+      -- without code: only the message is promised
       assert.matches("^mongotx: boom", tostring(core.error { message = "boom" }))
-      assert.are.equal("mongotx: step: m (d 1)",
-                       tostring(core.error { step = "step", message = "m", domain = "d", code = 1 }))
     end)
 
     it("raises for a non-table", function()
@@ -41,12 +45,14 @@ describe("errors", function()
       assert.are.same({ { _id = 1, v = "original" } }, helpers.dump(coll))
     end
 
-    it("a duplicate key is nil, err with code 11000 and the database unchanged", function()
+    it("a duplicate key is nil, err with code server, server_code 11000 and the database unchanged",
+    function()
       local res, err = coll:insert_one({ _id = 1, v = "duplicate" })
       assert.is_nil(res)
       assert.are.equal("table", type(err))
-      assert.are.equal(11000, err.code)
-      assert.are.equal("server", err.domain)
+      assert.are.equal("server", err.code)
+      assert.are.equal(11000, err.server_code)
+      assert.is_nil(err.domain)
       assert.matches("duplicate key", err.message)
       assert.is_false(err.transient)
       assert.are.equal("table", type(err.reply))
@@ -64,15 +70,17 @@ describe("errors", function()
       assert(coll:insert_one({ _id = 2, v = "other" }))
       local res, err = coll:update_one({ _id = 2 }, { ["$set"] = { v = "original" } })
       assert.is_nil(res)
-      assert.are.equal(11000, err.code)
+      assert.are.equal("server", err.code)
+      assert.are.equal(11000, err.server_code)
       assert.are.same({ { _id = 1, v = "original" }, { _id = 2, v = "other" } }, helpers.dump(coll))
     end)
 
     it("a command the server refuses is nil, err with the reply", function()
       local reply, err = client:command(db, { noSuchCommand = 1 })
       assert.is_nil(reply)
-      assert.are.equal("server", err.domain)
-      assert.are.not_equal(0, err.code)
+      assert.are.equal("server", err.code)
+      assert.is_number(err.server_code)
+      assert.are.not_equal(0, err.server_code)
       assert.is_false(err.transient)
       assert.are.equal("table", type(err.reply))
       assert.matches("^mongotx: .+ %(server %d+%)$", tostring(err))
@@ -96,7 +104,8 @@ describe("errors", function()
       assert.is_nil(res)
       assert.are.equal("table", type(err))
       assert.is_true(err.transient)
-      assert.are.equal("server_selection", err.domain)
+      assert.are.equal("server_selection", err.code)
+      assert.is_nil(err.domain)
       assert.is_string(err.message)
       assert.matches("^mongotx: ", tostring(err))
     end

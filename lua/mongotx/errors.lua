@@ -1,6 +1,6 @@
 -- Error values of the Lua layer: tables with code, message, step and the
 -- transaction id, sharing the C core's metatable (so tostring works the
--- same for both). Codes:
+-- same for both).  Every code is a string. Codes:
 --   invalid      bad input, rejected before anything was written
 --   missing      an op's document does not exist
 --   guard        an op's `where` condition is false
@@ -9,10 +9,13 @@
 --   owned        another application holds the transaction and its lease
 --   idempotency  an id was reused with different ops
 --   state        the transaction is not in a state that allows the call
---   parked       recovery gave up on the transaction after too many attempts
 --   malformed    recovery found a transaction document it cannot read (left as it is)
 --   fenced       another owner took the transaction over while this one worked on it
---   plus the C core's domains (server, stream, ...) for database failures
+--   removing, contention, busy  op failures (see policy.on_op_failure)
+--   policy       (in a recover report) a policy function raised
+--   plus the C core's codes, libmongoc's domain names (server, stream,
+--   write_concern, ...), for database failures, with the server's number
+--   in server_code (csrc/error.c)
 
 local core = require "mongotx.core"
 
