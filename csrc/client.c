@@ -48,6 +48,26 @@ client_tostring(lua_State *L)
 	return 1;
 }
 
+/* Reads field `name` of the tls table at idx: a string (or nil), pushed. */
+static const char *
+tls_string(lua_State *L, int idx, const char *name, const char *option)
+{
+	lua_getfield(L, idx, name);
+	if (!lua_isnil(L, -1) && lua_type(L, -1) != LUA_TSTRING)
+		mtx_option_error(L, -1, option, "a string");
+	return lua_tostring(L, -1);
+}
+
+static int
+tls_bool(lua_State *L, int idx, const char *name, const char *option)
+{
+	lua_getfield(L, idx, name);
+	if (!lua_isnil(L, -1) && !lua_isboolean(L, -1))
+		mtx_option_error(L, -1, option, "a boolean");
+	return lua_toboolean(L, -1);
+}
+
+/* Checks the tls table at idx; with a client, hands it to libmongoc. */
 static void
 apply_tls(lua_State *L, int idx, mongoc_client_t *client)
 {
@@ -56,18 +76,16 @@ apply_tls(lua_State *L, int idx, mongoc_client_t *client)
 		"allow_invalid_hostname", NULL};
 	mongoc_ssl_opt_t tls = *mongoc_ssl_opt_get_default();
 
-	mtx_check_options(L, idx, names);
-	lua_getfield(L, idx, "ca_file");
-	tls.ca_file = lua_tostring(L, -1);
-	lua_getfield(L, idx, "pem_file");
-	tls.pem_file = lua_tostring(L, -1);
-	lua_getfield(L, idx, "pem_password");
-	tls.pem_pwd = lua_tostring(L, -1);
-	lua_getfield(L, idx, "allow_invalid_certificates");
-	tls.weak_cert_validation = lua_toboolean(L, -1);
-	lua_getfield(L, idx, "allow_invalid_hostname");
-	tls.allow_invalid_hostname = lua_toboolean(L, -1);
-	mongoc_client_set_ssl_opts(client, &tls); /* copies the strings */
+	mtx_check_suboptions(L, idx, "tls", names);
+	tls.ca_file = tls_string(L, idx, "ca_file", "tls.ca_file");
+	tls.pem_file = tls_string(L, idx, "pem_file", "tls.pem_file");
+	tls.pem_pwd = tls_string(L, idx, "pem_password", "tls.pem_password");
+	tls.weak_cert_validation = tls_bool(L, idx, "allow_invalid_certificates",
+					    "tls.allow_invalid_certificates");
+	tls.allow_invalid_hostname = tls_bool(L, idx, "allow_invalid_hostname",
+					      "tls.allow_invalid_hostname");
+	if (client)
+		mongoc_client_set_ssl_opts(client, &tls); /* copies the strings */
 	lua_pop(L, 5);
 }
 
@@ -146,9 +164,14 @@ l_connect(lua_State *L)
 	} else {
 		lua_settop(L, 6);
 	}
-	appname = luaL_optstring(L, 3, NULL);
+	/* every option is checked before anything is created */
+	if (!lua_isnil(L, 3) && lua_type(L, 3) != LUA_TSTRING)
+		mtx_option_error(L, 3, "appname", "a string");
+	appname = lua_tostring(L, 3);
 	if (!lua_isnil(L, 4))
-		luaL_checktype(L, 4, LUA_TTABLE);
+		apply_tls(L, 4, NULL);
+	mongoc_write_concern_destroy(mtx_check_write_concern(L, 5));
+	mongoc_read_prefs_destroy(mtx_check_read_prefs(L, 6));
 
 	c = (mtx_client *)mtx_newuserdata(L, sizeof *c);
 	c->client = NULL;

@@ -75,6 +75,14 @@ MTX_HIDDEN int mtx_open_error(lua_State *L);
  * NULL-terminated list).  nil is an empty option table. */
 MTX_HIDDEN void mtx_check_options(lua_State *L, int idx,
 				  const char *const names[]);
+/* The same for a table inside an option table, named `name` in errors
+ * ("unknown option 'write_concern.x'"); raises unless idx holds a table. */
+MTX_HIDDEN void mtx_check_suboptions(lua_State *L, int idx, const char *name,
+				     const char *const names[]);
+/* Raises "mongotx: option '<name>' must be <expected>, got <the value at
+ * idx>". */
+MTX_HIDDEN void mtx_option_error(lua_State *L, int idx, const char *name,
+				 const char *expected);
 MTX_HIDDEN mongoc_write_concern_t *mtx_check_write_concern(lua_State *L,
 							   int idx);
 MTX_HIDDEN mongoc_read_prefs_t *mtx_check_read_prefs(lua_State *L, int idx);

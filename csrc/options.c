@@ -1,29 +1,85 @@
-/* options.c: option tables passed from Lua.  Unknown keys and values of
- * the wrong type are programming errors and raise; nothing here allocates
- * before it has checked everything, so raising never leaks. */
+/* options.c: option tables passed from Lua.  Unknown keys, values of the
+ * wrong type and values the driver cannot take are programming errors and
+ * raise, with a message that names the option ("option 'tls' must be a
+ * table, got string"); nothing here allocates before it has checked
+ * everything, so raising never leaks. */
+#include <stdio.h>
 #include <string.h>
 
 #include "mongotx.h"
 
-void
-mtx_check_options(lua_State *L, int idx, const char *const names[])
+/* Keys of the table at idx (an absolute index) must be strings in names;
+ * `prefix` names the table they belong to ("write_concern."), or "". */
+static void
+check_keys(lua_State *L, int idx, const char *prefix, const char *const names[])
 {
 	int i;
 
-	if (lua_isnoneornil(L, idx))
-		return;
-	luaL_checktype(L, idx, LUA_TTABLE);
 	lua_pushnil(L);
 	while (lua_next(L, idx)) {
 		lua_pop(L, 1);
 		if (lua_type(L, -1) != LUA_TSTRING)
-			luaL_argerror(L, idx, "option names are strings");
+			luaL_error(L, "mongotx: option names%s%s are strings, got %s",
+				   *prefix ? " of " : "", prefix, luaL_typename(L, -1));
 		for (i = 0; names[i]; i++)
 			if (strcmp(lua_tostring(L, -1), names[i]) == 0)
 				break;
 		if (!names[i])
-			luaL_error(L, "mongotx: unknown option '%s'", lua_tostring(L, -1));
+			luaL_error(L, "mongotx: unknown option '%s%s'", prefix,
+				   lua_tostring(L, -1));
 	}
+}
+
+void
+mtx_check_options(lua_State *L, int idx, const char *const names[])
+{
+	if (lua_isnoneornil(L, idx))
+		return;
+	luaL_checktype(L, idx, LUA_TTABLE);
+	check_keys(L, mtx_absindex(L, idx), "", names);
+}
+
+void
+mtx_check_suboptions(lua_State *L, int idx, const char *name,
+		     const char *const names[])
+{
+	char prefix[64];
+
+	idx = mtx_absindex(L, idx);
+	if (!lua_istable(L, idx))
+		mtx_option_error(L, idx, name, "a table");
+	snprintf(prefix, sizeof prefix, "%s.", name);
+	check_keys(L, idx, prefix, names);
+}
+
+void
+mtx_option_error(lua_State *L, int idx, const char *name, const char *expected)
+{
+	idx = mtx_absindex(L, idx);
+	if (lua_type(L, idx) == LUA_TSTRING)
+		luaL_error(L, "mongotx: option '%s' must be %s, got \"%s\"", name,
+			   expected, lua_tostring(L, idx));
+	if (lua_type(L, idx) == LUA_TNUMBER) {
+		lua_pushvalue(L, idx); /* lua_tostring converts in place */
+		luaL_error(L, "mongotx: option '%s' must be %s, got %s", name,
+			   expected, lua_tostring(L, -1));
+	}
+	luaL_error(L, "mongotx: option '%s' must be %s, got %s", name, expected,
+		   luaL_typename(L, idx));
+}
+
+/* A whole number from 0 to max, or -1 (NaN fails every comparison). */
+static int64_t
+whole_number(lua_State *L, int idx, lua_Number max)
+{
+	lua_Number n;
+
+	if (lua_type(L, idx) != LUA_TNUMBER)
+		return -1;
+	n = lua_tonumber(L, idx);
+	if (!(n >= 0 && n <= max) || n != (lua_Number)(int64_t)n)
+		return -1;
+	return (int64_t)n;
 }
 
 /* Pushes field `name` of the option table at idx (nil when there is no
@@ -39,13 +95,6 @@ get_option(lua_State *L, int idx, const char *name)
 	return lua_type(L, -1);
 }
 
-static void
-option_type_error(lua_State *L, const char *name, const char *expected)
-{
-	luaL_error(L, "mongotx: option '%s' must be %s, got %s", name, expected,
-		   luaL_typename(L, -1));
-}
-
 void
 mtx_opt_bool(lua_State *L, int idx, const char *name, bson_t *opts,
 	     const char *bson_key)
@@ -53,7 +102,7 @@ mtx_opt_bool(lua_State *L, int idx, const char *name, bson_t *opts,
 	int t = get_option(L, idx, name);
 
 	if (t != LUA_TNIL && t != LUA_TBOOLEAN)
-		option_type_error(L, name, "a boolean");
+		mtx_option_error(L, -1, name, "a boolean");
 	if (t == LUA_TBOOLEAN)
 		BSON_APPEND_BOOL(opts, bson_key, lua_toboolean(L, -1));
 	lua_pop(L, 1);
@@ -64,15 +113,15 @@ mtx_opt_int(lua_State *L, int idx, const char *name, bson_t *opts,
 	    const char *bson_key)
 {
 	int t = get_option(L, idx, name);
-	lua_Number n;
+	int64_t n;
 
 	if (t != LUA_TNIL && t != LUA_TNUMBER)
-		option_type_error(L, name, "a number");
+		mtx_option_error(L, -1, name, "a number");
 	if (t == LUA_TNUMBER) {
-		n = lua_tonumber(L, -1);
-		if (n != (lua_Number)(int64_t)n || n < 0)
-			option_type_error(L, name, "a non-negative integer");
-		BSON_APPEND_INT64(opts, bson_key, (int64_t)n);
+		n = whole_number(L, -1, 9007199254740992.0); /* 2^53 */
+		if (n < 0)
+			mtx_option_error(L, -1, name, "a whole number >= 0");
+		BSON_APPEND_INT64(opts, bson_key, n);
 	}
 	lua_pop(L, 1);
 }
@@ -85,7 +134,7 @@ mtx_opt_doc(lua_State *L, int idx, const char *name, bson_t *opts,
 	bson_t *doc;
 
 	if (t != LUA_TNIL && t != LUA_TTABLE)
-		option_type_error(L, name, "a table");
+		mtx_option_error(L, -1, name, "a table");
 	if (t == LUA_TTABLE) {
 		doc = strcmp(name, "sort") == 0 ? mtx_check_ordered(L, -1)
 						: mtx_check_document(L, -1);
@@ -110,28 +159,32 @@ check_wc_table(lua_State *L, int idx, int *w, const char **wtag, int *j,
 	*wtimeout = -1;
 	if (lua_isnil(L, idx))
 		return 0;
-	if (!lua_istable(L, idx))
-		option_type_error(L, "write_concern", "a table");
-	mtx_check_options(L, idx, names);
+	mtx_check_suboptions(L, idx, "write_concern", names);
 	lua_getfield(L, idx, "w");
-	if (lua_type(L, -1) == LUA_TNUMBER)
-		*w = (int)lua_tointeger(L, -1);
-	else if (lua_type(L, -1) == LUA_TSTRING)
+	if (lua_type(L, -1) == LUA_TNUMBER) {
+		*w = (int)whole_number(L, -1, 2147483647.0);
+		if (*w < 0)
+			mtx_option_error(L, -1, "write_concern.w",
+					 "a whole number >= 0 or a tag such as \"majority\"");
+	} else if (lua_type(L, -1) == LUA_TSTRING && mtx_rawlen(L, -1) > 0)
 		*wtag = lua_tostring(L, -1); /* kept alive by the table */
 	else if (!lua_isnil(L, -1))
-		option_type_error(L, "write_concern.w", "a number or a string");
+		mtx_option_error(L, -1, "write_concern.w",
+				 "a whole number >= 0 or a tag such as \"majority\"");
 	lua_pop(L, 1);
 	lua_getfield(L, idx, "j");
 	if (lua_isboolean(L, -1))
 		*j = lua_toboolean(L, -1);
 	else if (!lua_isnil(L, -1))
-		option_type_error(L, "write_concern.j", "a boolean");
+		mtx_option_error(L, -1, "write_concern.j", "a boolean");
+	if (*j == 1 && *w == 0)
+		luaL_error(L, "mongotx: option 'write_concern.j' cannot be true with w = 0");
 	lua_pop(L, 1);
 	lua_getfield(L, idx, "wtimeout");
-	if (lua_type(L, -1) == LUA_TNUMBER)
-		*wtimeout = (int64_t)lua_tonumber(L, -1);
-	else if (!lua_isnil(L, -1))
-		option_type_error(L, "write_concern.wtimeout", "a number");
+	if (!lua_isnil(L, -1) &&
+	    (*wtimeout = whole_number(L, -1, 2147483647.0)) < 0)
+		mtx_option_error(L, -1, "write_concern.wtimeout",
+				 "a whole number of milliseconds >= 0");
 	lua_pop(L, 1);
 	return 1;
 }
@@ -185,9 +238,16 @@ mtx_check_read_prefs(lua_State *L, int idx)
 		MONGOC_READ_SECONDARY, MONGOC_READ_PRIMARY_PREFERRED,
 		MONGOC_READ_SECONDARY_PREFERRED, MONGOC_READ_NEAREST};
 
+	int i;
+
 	if (lua_isnoneornil(L, idx))
 		return NULL;
-	return mongoc_read_prefs_new(values[luaL_checkoption(L, idx, NULL, modes)]);
+	for (i = 0; lua_type(L, idx) == LUA_TSTRING && modes[i]; i++)
+		if (strcmp(lua_tostring(L, idx), modes[i]) == 0)
+			return mongoc_read_prefs_new(values[i]);
+	mtx_option_error(L, idx, "read_preference", "\"primary\", \"secondary\", "
+			 "\"primaryPreferred\", \"secondaryPreferred\" or \"nearest\"");
+	return NULL;
 }
 
 /* Creates the read preference named by opts.read_preference, owned by a
@@ -202,7 +262,7 @@ mtx_opt_read_prefs(lua_State *L, int idx)
 		return NULL;
 	}
 	if (lua_type(L, -1) != LUA_TSTRING)
-		option_type_error(L, "read_preference", "a string");
+		mtx_option_error(L, -1, "read_preference", "a string");
 	slot = mtx_guard(L, (void (*)(void *))mongoc_read_prefs_destroy);
 	*slot = mtx_check_read_prefs(L, -2);
 	return (mongoc_read_prefs_t *)*slot;
