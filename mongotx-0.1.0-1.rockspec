@@ -60,7 +60,10 @@ build = {
     ["mongotx.policy"] = "lua/mongotx/policy.lua",
     ["mongotx.manager"] = "lua/mongotx/manager.lua",
     ["mongotx.validate"] = "lua/mongotx/validate.lua",
+    ["mongotx.options"] = "lua/mongotx/options.lua",
     ["mongotx.errors"] = "lua/mongotx/errors.lua",
+    ["mongotx.batch"] = "lua/mongotx/batch.lua",
+    ["mongotx.stored"] = "lua/mongotx/stored.lua",
   },
 }
 

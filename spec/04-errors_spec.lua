@@ -5,6 +5,7 @@
 -- ("invalid", "guard", ...).
 local helpers = require "spec.helpers"
 local core = helpers.core
+local mongotx = require "mongotx"
 
 describe("errors", function()
 
@@ -259,6 +260,163 @@ describe("errors", function()
       pcall(coll.find_all, coll, {}, { bogus = 1 })
       assert.are.equal(1, coll:count({ _id = 1 }))
       assert.are.equal(1, #assert(coll:find_all({ _id = 1 })))
+    end)
+  end)
+
+  describe("#server errors of the engine", function()
+    local db, tm, accounts
+
+    before_each(function()
+      db = assert(mongotx.connect(helpers.uri(), { database = helpers.db_name() }))
+      tm = assert(db:manager { application = "app-1" })
+      accounts = db:collection("accounts")
+      assert(accounts:insert_many { { _id = "A", balance = 100 }, { _id = "B", balance = 100 } })
+    end)
+    after_each(function() db:close() end)
+
+    local ops = { { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -1 } } },
+                  { collection = "accounts", id = "B", update = { ["$inc"] = { balance = 1 } } } }
+
+    local function nested(depth)
+      local t = {}
+      for _ = 1, depth do t = { t } end
+      return t
+    end
+
+    local function itself()
+      local t = { a = 1 }
+      t.self = t
+      return t
+    end
+
+    -- fn() returns nil and an invalid error finding msg, and writes nothing.
+    local function invalid(fn, msg, step)
+      local before = helpers.db_dump(db.client, db.name)
+      local res, err = fn()
+      assert.is_nil(res)
+      assert.is_table(err, "expected an error table, got " .. tostring(err))
+      assert.are.equal("invalid", err.code, tostring(err))
+      assert.truthy(err.message:find(msg, 1, true), err.message)
+      assert.are.equal(step, err.step)
+      assert.matches(" %(invalid%)$", tostring(err))
+      helpers.assert_dump_unchanged(before, db.client, db.name)
+    end
+
+    it("a meta that cannot be stored is nil, invalid for begin, run and transfer", function()
+      local big = { s = ("x"):rep(16 * 1024 * 1024) }
+      for _, call in ipairs {
+        { "begin", function(meta) return tm:begin(ops, { meta = meta }) end },
+        { "run", function(meta) return tm:run(ops, { meta = meta }) end },
+        { "transfer", function(meta) return tm:transfer("accounts", "A", "B", 1, { meta = meta }) end },
+      } do
+        local step, fn = call[1], call[2]
+        invalid(function() return fn(itself()) end, "meta cannot be stored: ", step)
+        invalid(function() return fn(itself()) end, "contains itself at meta.self", step)
+        invalid(function() return fn(nested(101)) end, "meta cannot be stored: ", step)
+        invalid(function() return fn({ f = print }) end, "meta cannot be stored: ", step)
+        invalid(function() return fn(big) end, "meta cannot be stored: ", step)
+      end
+      assert.are.equal(0, db:collection("transactions"):count({}))
+    end)
+
+    it("meta and ops over 16 MiB together are nil, invalid", function()
+      local meta = { s = ("x"):rep(16 * 1024 * 1024 - 32 * 1024) }
+      invalid(function() return tm:begin(ops, { meta = meta }) end,
+        "a transaction is one document of at most 16 MiB", "begin")
+    end)
+
+    it("a meta that fits is stored", function()
+      local T = assert(tm:run(ops, { meta = { user = "alice", nested = nested(50) } }))
+      assert.are.equal("alice", assert(tm:get(T._id)).meta.user)
+    end)
+
+    it("commit_many and transfer_many: a bad meta is that item's error, the others run", function()
+      local results, errs = tm:commit_many {
+        { ops = ops, meta = itself() },
+        { ops = ops, id = "k2" },
+      }
+      assert.is_false(results[1])
+      assert.are.equal("invalid", errs[1].code)
+      assert.are.equal("commit_many", errs[1].step)
+      assert.truthy(errs[1].message:find("meta cannot be stored", 1, true))
+      assert.are.equal("done", results[2].state)
+      results, errs = tm:transfer_many {
+        { collection = "accounts", from = "A", to = "B", amount = 1, id = "k3" },
+        { collection = "accounts", from = "A", to = "B", amount = 1, meta = nested(101) },
+      }
+      assert.are.equal("done", results[1].state)
+      assert.is_false(results[2])
+      assert.are.equal("invalid", errs[2].code)
+      local ids = {}
+      for _, T in ipairs(assert(tm:find({}))) do ids[#ids + 1] = T._id end
+      table.sort(ids)
+      assert.are.same({ "k2", "k3" }, ids)
+      assert.are.same({ A = 98, B = 102 }, (helpers.balances(accounts)))
+    end)
+
+    it("a rollback reason over 16 MiB is nil, invalid; the transaction is left as it was", function()
+      local t = assert(tm:begin(ops, { id = "r1" }))
+      invalid(function() return tm:rollback(t, ("x"):rep(16 * 1024 * 1024 + 1)) end,
+        "reason takes 16777217 bytes", "rollback")
+      local T = assert(tm:get("r1"))
+      assert.are.equal("initial", T.state)
+      assert.is_nil(T.reason)
+      assert.is_true(assert(tm:rollback(t, ("y"):rep(1024))))
+      assert.are.equal(("y"):rep(1024), assert(tm:get("r1")).reason)
+    end)
+
+    it("every error's code is a string, numbers only in server_code", function()
+      local errs = {}
+      local _, e = tm:begin({})
+      errs[#errs + 1] = e
+      _, e = tm:transfer("accounts", "A", "B", 1000, { min = 0 })
+      errs[#errs + 1] = e
+      _, e = db:collection("accounts"):insert_one({ _id = "A" })
+      errs[#errs + 1] = e
+      _, e = core.decode("abc")
+      errs[#errs + 1] = e
+      _, e = tm:recover { limit = 0 }
+      errs[#errs + 1] = e
+      _, e = db:manager { lease = 0 / 0 }
+      errs[#errs + 1] = e
+      assert.are.equal(6, #errs)
+      for _, err in ipairs(errs) do
+        assert.is_string(err.code, tostring(err))
+        assert.is_nil(err.domain)
+        assert.is_true(err.server_code == nil or math.type == nil or
+          math.type(err.server_code) == "integer")
+      end
+      assert.are.same({ "invalid", "guard", "server", "bson", "invalid", "invalid" },
+        { errs[1].code, errs[2].code, errs[3].code, errs[4].code, errs[5].code, errs[6].code })
+      assert.are.equal(11000, errs[3].server_code)
+    end)
+  end)
+
+  describe("#server option errors name the option", function()
+    it("connect(uri, { tls = 'yes' }) raises naming tls, not an argument number", function()
+      for _, connect in ipairs { mongotx.connect, core.connect } do
+        local ok, raised = pcall(connect, helpers.uri(), { tls = "yes" })
+        assert.is_false(ok)
+        assert.truthy(raised:find("tls", 1, true), raised)
+        assert.is_nil(raised:find("#", 1, true), raised)
+      end
+    end)
+
+    it("db:manager and recover return nil, invalid for a bad value and write nothing", function()
+      local db = assert(mongotx.connect(helpers.uri(), { database = helpers.db_name() }))
+      local tm, err = db:manager { marker = "txRemoving" }
+      assert.is_nil(tm)
+      assert.are.equal("invalid", err.code)
+      assert.are.equal("manager", err.step)
+      assert.truthy(err.message:find("option marker of manager", 1, true))
+      assert.are.equal("", helpers.db_dump(db.client, db.name))
+      tm = assert(db:manager {})
+      local res
+      res, err = tm:recover { limit = 0 }
+      assert.is_nil(res)
+      assert.are.equal("invalid", err.code)
+      assert.are.equal(0, db:collection("transactions"):count({}))
+      db:close()
     end)
   end)
 end)

@@ -11,7 +11,7 @@
 
 local core = require "mongotx.core"
 local manager = require "mongotx.manager"
-local validate = require "mongotx.validate"
+local options = require "mongotx.options"
 
 local _M = { _VERSION = core._VERSION, core = core }
 
@@ -28,11 +28,14 @@ local connect_options = { database = true, appname = true, write_concern = true,
                           read_preference = true, tls = true }
 
 -- connect(uri [, { database, appname, write_concern, read_preference, tls }]):
--- a database handle, or nil, err.  The database is opts.database, else the
+-- a database handle, or nil, err (an `invalid` one for an option's bad
+-- value, see mongotx.options).  The database is opts.database, else the
 -- one in the URI's path, else "test".
 function _M.connect(uri, opts)
   if type(uri) ~= "string" then error("uri must be a string", 2) end
-  opts = validate.options(opts, connect_options, "connect", 2)
+  local why
+  opts, why = options.check(opts, connect_options, "connect", 2)
+  if not opts then return nil, why end
   local name = opts.database or uri:match("^mongodb[^:]*://[^/]*/([^?]+)") or "test"
   local core_opts = {}
   for k, v in pairs(opts) do

@@ -11,6 +11,7 @@
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
+local options = require "mongotx.options"
 local default_policy = require "mongotx.policy"
 local stored = require "mongotx.stored"
 local batch = require "mongotx.batch"
@@ -43,32 +44,19 @@ local manager_options = {
   write_concern = true, fencing = true,
 }
 
--- How a creator fences its own applies (see batch.lua): "auto" uses the
--- server's clock where the server can evaluate $$NOW in a filter.
-local FENCING = { auto = true, deadline = true, version = true }
 for k in pairs(default_policy) do manager_options[k] = true end
 
+-- Options are checked by mongotx.options (types raise; values, fencing's
+-- and finish's modes and a marker that clashes give nil, err).  fencing:
+-- how a creator fences its own applies (see batch.lua); "auto" uses the
+-- server's clock where the server can evaluate $$NOW in a filter.
 function _M.new(db, opts)
-  opts = validate.options(opts, manager_options, "manager", 3)
+  local why
+  opts, why = validate.options(opts, manager_options, "manager", 3)
+  if not opts then return nil, why end
   local policy = setmetatable({}, { __index = default_policy })
   for k in pairs(default_policy) do
-    if opts[k] ~= nil then
-      if type(opts[k]) ~= type(default_policy[k]) then
-        error(format("policy %s must be a %s", k, type(default_policy[k])), 3)
-      end
-      policy[k] = opts[k]
-    end
-  end
-  if opts.finish ~= nil and opts.finish ~= "inline" and opts.finish ~= "deferred" then
-    error("finish must be \"inline\" or \"deferred\"", 3)
-  end
-  if opts.marker ~= nil and opts.marker == opts.version_field or
-      opts.marker == nil and opts.version_field == "pendingTransactions" or
-      opts.version_field == nil and opts.marker == "txVersion" then
-    error("marker and version_field must be different fields", 3)
-  end
-  if opts.fencing ~= nil and not FENCING[opts.fencing] then
-    error("fencing must be \"auto\", \"deadline\" or \"version\"", 3)
+    if opts[k] ~= nil then policy[k] = opts[k] end
   end
   local self = setmetatable({
     db = db,
@@ -470,9 +458,17 @@ local begin_options = { id = true, meta = true }
 -- Checks what begin and run take: a batch spec { ops, id, meta, extra }
 -- (batch.lua), or nil, err.  Wrong argument types raise at `level`.
 function Manager:_spec(ops, opts, extra, what, level)
-  opts = validate.options(opts, begin_options, what, level + 1)
-  local norm, err = validate.ops(ops, self.vctx)
+  local err
+  opts, err = validate.options(opts, begin_options, what, level + 1)
+  if not opts then return nil, err end
+  local norm
+  norm, err = validate.ops(ops, self.vctx)
   if not norm then return nil, err end
+  if opts.meta ~= nil then
+    local ok
+    ok, err = options.meta(opts.meta, norm, what)
+    if not ok then return nil, err end
+  end
   if opts.id ~= nil then
     local ok
     ok, err = validate.check_id(opts.id)
@@ -569,8 +565,10 @@ function Manager:_transfer_spec(collection, from, to, amount, opts, level)
 end
 
 function Manager:transfer(collection, from, to, amount, opts)
-  opts = validate.options(opts, transfer_options, "transfer", 2)
-  local spec, err = self:_transfer_spec(collection, from, to, amount, opts, 2)
+  local spec, err
+  opts, err = validate.options(opts, transfer_options, "transfer", 2)
+  if not opts then return nil, err end
+  spec, err = self:_transfer_spec(collection, from, to, amount, opts, 2)
   if not spec then return nil, err end
   local results, errs = self:_run_batch({ spec }, { false })
   if results[1] then return results[1] end
@@ -608,7 +606,8 @@ local many_options = { ops = true, id = true, meta = true }
 function Manager:commit_many(list)
   return self:_run_batch(batch_specs(list, "commit_many", function(item, i)
     if item.ops == nil then return self:_spec(item, nil, nil, "commit_many", 4) end
-    validate.options(item, many_options, "commit_many item " .. i, 5)
+    local ok, err = validate.options(item, many_options, "commit_many item " .. i, 5)
+    if not ok then return nil, err end
     return self:_spec(item.ops, { id = item.id, meta = item.meta }, nil, "commit_many", 4)
   end))
 end
@@ -620,7 +619,8 @@ for k in pairs(transfer_options) do transfer_many_options[k] = true end
 -- [, field =, min =, id =, meta =] }; returns results, errs as commit_many.
 function Manager:transfer_many(list)
   return self:_run_batch(batch_specs(list, "transfer_many", function(item, i)
-    validate.options(item, transfer_many_options, "transfer_many item " .. i, 5)
+    local ok, err = validate.options(item, transfer_many_options, "transfer_many item " .. i, 5)
+    if not ok then return nil, err end
     return self:_transfer_spec(item.collection, item.from, item.to, item.amount, item, 4)
   end))
 end
@@ -642,6 +642,11 @@ function Manager:rollback(t, reason)
   local T, err = self:_load(t, "rollback")
   if not T then return nil, err end
   if reason ~= nil and type(reason) ~= "string" then error("reason must be a string", 2) end
+  if reason ~= nil and #reason > options.MAX_REASON then
+    return nil, errors.new("invalid", format("reason takes %d bytes, more than the %d that " ..
+      "fit in the transaction document", #reason, options.MAX_REASON),
+      { step = "rollback", id = T._id })
+  end
   reason = reason or "rolled back"
   if T.state == "initial" then
     local res
@@ -803,8 +808,10 @@ end
 -- policies.  Returns a report: { examined, done, cancelled, skipped,
 -- parked, failed, malformed, errors = { {id, error}, ... } }.
 function Manager:recover(opts)
-  opts = validate.options(opts, { limit = true }, "recover", 2)
-  local now, err = self:server_now()
+  local now, err
+  opts, err = validate.options(opts, { limit = true }, "recover", 2)
+  if not opts then return nil, err end
+  now, err = self:server_now()
   if not now then return nil, err end
   local me = self:_me()
   local report = { examined = 0, done = 0, cancelled = 0, skipped = 0, parked = 0,
@@ -838,8 +845,10 @@ end
 -- Deletes finished transactions older than the retention period (or
 -- opts.older_than seconds); returns how many.
 function Manager:prune(opts)
-  opts = validate.options(opts, { older_than = true }, "prune", 2)
-  local now, err = self:server_now()
+  local now, err
+  opts, err = validate.options(opts, { older_than = true }, "prune", 2)
+  if not opts then return nil, err end
+  now, err = self:server_now()
   if not now then return nil, err end
   local age = opts.older_than or self.policy.retention
   local res

@@ -3,8 +3,8 @@
 -- bad content returns nil and an `invalid` error saying which op and why.
 -- Caller data never becomes a query operator: ids and inserted documents
 -- may not hold `$` keys (nor dotted keys, which servers read as paths),
--- and the fields mongotx owns are off limits.  Options are configuration
--- written in code, so a wrong type or an impossible value there raises.
+-- and the fields mongotx owns are off limits.  Options are checked in
+-- mongotx.options (validate.options forwards there).
 
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
@@ -369,65 +369,9 @@ function _M.ops(ops, ctx)
   return out
 end
 
-local function name_ok(s, bad)
-  return s ~= "" and not s:find(bad) and not s:find("%z")
-end
-
--- Options mean the same wherever they are taken, so each name has one
--- check: nil when the value is fine, else what it must be.  Options the C
--- core takes (write_concern, read_preference, tls) are checked there.
-local option_checks = {
-  database = function(v)
-    if type(v) ~= "string" or not name_ok(v, "[/\\. \"%$%*<>:|%?]") then
-      return "a database name (no /\\. \"$*<>:|?)"
-    end
-  end,
-  appname = function(v) if type(v) ~= "string" then return "a string" end end,
-  collection = function(v)
-    if type(v) ~= "string" or not name_ok(v, "%$") or v:sub(1, 7) == "system." then
-      return "a collection name (not empty, no $, not system.*)"
-    end
-  end,
-  application = function(v)
-    if type(v) ~= "string" or v == "" then return "a non-empty string" end
-  end,
-  marker = function(v)
-    if type(v) ~= "string" or not name_ok(v, "^%$") or v:find(".", 1, true) or v == "_id" then
-      return "a top-level field name (no $ first, no dots, not _id)"
-    end
-  end,
-  field = function(v) if type(v) ~= "string" then return "a string" end end,
-  write_concern = function(v) if type(v) ~= "table" then return "a table" end end,
-  meta = function(v) if type(v) ~= "table" then return "a table" end end,
-  min = function(v) if type(v) ~= "number" then return "a number" end end,
-  limit = function(v)
-    if type(v) ~= "number" or not is_integer(v) or v < 1 then return "a positive integer" end
-  end,
-  older_than = function(v)
-    if type(v) ~= "number" or not finite(v) or v < 0 then
-      return "a finite number of seconds, not negative"
-    end
-  end,
-}
-option_checks.version_field = option_checks.marker
-
--- Raises unless every key of opts is listed in names and its value is
--- what option_checks says.
-function _M.options(opts, names, what, level)
-  if opts == nil then return {} end
-  if type(opts) ~= "table" then error(what .. " must be a table", level + 1) end
-  for k, v in pairs(opts) do
-    if not names[k] then
-      error(format("unknown option %s for %s", tostring(k), what), level + 1)
-    end
-    local must = option_checks[k] and option_checks[k](v)
-    if must then
-      error(format("option %s of %s must be %s, not %s", k, what, must,
-        type(v) == "string" and format("%q", v) or tostring(v)), level + 1)
-    end
-  end
-  return opts
-end
+-- The options of the public calls live in mongotx.options; this name
+-- stays for the callers that use it: opts, or nil and an `invalid` error.
+_M.options = require("mongotx.options").check
 
 -- Stored transactions ------------------------------------------------------
 

@@ -1,0 +1,222 @@
+-- The options of every public call (connect, db:manager, begin, run,
+-- transfer, the batches, recover, prune), checked in one place before
+-- anything is written.
+--
+-- A wrong type or an unknown name is a programming error and raises
+-- ("option lease of manager must be a number, not string").  A value of
+-- the right type that cannot work (NaN, infinite, out of range, a field
+-- name that clashes with one mongotx writes, an unknown mode) is bad
+-- input like a bad op: check returns nil and an `invalid` error naming the
+-- option and what it must be.  Options the C core takes (write_concern,
+-- read_preference, tls) are checked here as well, so that connect and
+-- db:manager answer the same way; the core checks them again, raising.
+
+local core = require "mongotx.core"
+local errors = require "mongotx.errors"
+local default_policy = require "mongotx.policy"
+
+local type, pairs, tostring, floor, pcall = type, pairs, tostring, math.floor, pcall
+local format = string.format
+
+local _M = {}
+
+-- The largest number of seconds a duration may have: 10 years, so that
+-- the engine's arithmetic in milliseconds (Dates) stays exact.
+local MAX_SECONDS = 10 * 365 * 24 * 3600
+_M.MAX_SECONDS = MAX_SECONDS
+
+-- Fields mongotx writes on the documents of a transaction besides the
+-- marker and the version field (csrc/txn.c), with the defaults of those
+-- two (manager.lua): a marker or version field may be none of them.
+local DEFAULT_MARKER, DEFAULT_VERSION = "pendingTransactions", "txVersion"
+local RESERVED = { _id = true, txRemoving = true, txPlaceholder = true }
+
+local INT32_MAX = 2147483647
+
+-- Each check takes the value and returns nothing when it is fine, else
+-- "type" or "value" and what the value must be, and for a field of a table
+-- option its name and value ("write_concern.w", -1); or "unknown", nil and
+-- the name of a key the option does not take.
+
+local function typed(t, must, ok)
+  return function(v)
+    if type(v) ~= t then return "type", "a " .. t end
+    if ok and not ok(v) then return "value", must end
+  end
+end
+
+-- Comparisons written so that NaN (false for every comparison) fails.
+local function whole(lo, hi)
+  return function(v) return v >= lo and v <= hi and floor(v) == v end
+end
+
+local function seconds(v) return v >= 0 and v <= MAX_SECONDS end
+
+local function one_of(set)
+  return function(v) return set[v] == true end
+end
+
+local function name_ok(s, bad)
+  return s ~= "" and not s:find(bad) and not s:find("%z")
+end
+
+local function field_ok(s)
+  return name_ok(s, "^%$") and not s:find(".", 1, true) and not RESERVED[s]
+end
+
+local write_concern_keys = { w = true, j = true, wtimeout = true }
+
+local function write_concern(v)
+  if type(v) ~= "table" then return "type", "a table" end
+  for k in pairs(v) do
+    if not write_concern_keys[k] then return "unknown", nil, "write_concern." .. tostring(k) end
+  end
+  local w, j, wtimeout = v.w, v.j, v.wtimeout
+  if w ~= nil and type(w) ~= "number" and type(w) ~= "string" then
+    return "type", "a number or a string", "write_concern.w", w
+  end
+  if j ~= nil and type(j) ~= "boolean" then return "type", "a boolean", "write_concern.j", j end
+  if wtimeout ~= nil and type(wtimeout) ~= "number" then
+    return "type", "a number", "write_concern.wtimeout", wtimeout
+  end
+  if type(w) == "number" and not whole(0, INT32_MAX)(w) or w == "" then
+    return "value", 'a whole number >= 0 or a tag such as "majority"', "write_concern.w", w
+  end
+  if j == true and w == 0 then
+    return "value", "false or absent with w = 0", "write_concern.j", j
+  end
+  if wtimeout ~= nil and not whole(0, INT32_MAX)(wtimeout) then
+    return "value", "a whole number of milliseconds >= 0", "write_concern.wtimeout", wtimeout
+  end
+end
+
+local tls_keys = { ca_file = "string", pem_file = "string", pem_password = "string",
+                   allow_invalid_certificates = "boolean", allow_invalid_hostname = "boolean" }
+
+local function tls(v)
+  if type(v) ~= "table" then return "type", "a table" end
+  for k, x in pairs(v) do
+    if not tls_keys[k] then return "unknown", nil, "tls." .. tostring(k) end
+    if type(x) ~= tls_keys[k] then return "type", "a " .. tls_keys[k], "tls." .. k, x end
+  end
+end
+
+local checks = {
+  -- connect
+  database = typed("string", "a database name (not empty, none of /\\. \"$*<>:|?)",
+    function(v) return name_ok(v, "[/\\. \"%$%*<>:|%?]") end),
+  appname = typed("string", "at most 128 bytes", function(v) return #v <= 128 end),
+  write_concern = write_concern,
+  read_preference = typed("string", '"primary", "secondary", "primaryPreferred", ' ..
+    '"secondaryPreferred" or "nearest"', one_of { primary = true, secondary = true,
+      primaryPreferred = true, secondaryPreferred = true, nearest = true }),
+  tls = tls,
+  -- db:manager (and transfer_many's collection)
+  collection = typed("string", "a collection name (not empty, no $, not system.*)",
+    function(v) return name_ok(v, "%$") and v:sub(1, 7) ~= "system." end),
+  application = typed("string", "a non-empty string", function(v) return v ~= "" end),
+  marker = typed("string", "a top-level field name (not empty, no $ first, no dots, " ..
+    "not _id, txRemoving or txPlaceholder)", field_ok),
+  fencing = typed("string", '"auto", "deadline" or "version"',
+    one_of { auto = true, deadline = true, version = true }),
+  -- policies (mongotx.policy)
+  stale_after = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
+  retries = typed("number", "a whole number from 0 to 1000", whole(0, 1000)),
+  max_attempts = typed("number", "a whole number from 1 to 1000000", whole(1, 1e6)),
+  finish = typed("string", '"inline" or "deferred"', one_of { inline = true, deferred = true }),
+  finish_batch = typed("number", "a whole number from 1 to 100000", whole(1, 100000)),
+  -- begin, run, transfer, the batches
+  meta = typed("table"),
+  field = typed("string"),
+  min = typed("number"),
+  -- recover, prune
+  limit = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
+  older_than = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
+}
+checks.version_field = checks.marker
+checks.lease, checks.retention = checks.stale_after, checks.stale_after
+-- Any other policy (the functions) only needs the type of its default.
+for k, v in pairs(default_policy) do
+  if not checks[k] then checks[k] = typed(type(v)) end
+end
+
+local function shown(v)
+  if type(v) == "string" then return format("%q", v) end
+  if type(v) == "number" and v == floor(v) and v > -2 ^ 63 and v < 2 ^ 63 then
+    return format("%d", v)
+  end
+  if type(v) == "table" then return "a table" end
+  return tostring(v)
+end
+
+-- marker and version_field of a manager: two different fields.
+local function clash(opts)
+  local marker = opts.marker or DEFAULT_MARKER
+  local version = opts.version_field or DEFAULT_VERSION
+  if marker == version then
+    return format("options marker and version_field must be different fields, " ..
+      "not both %q", marker)
+  end
+end
+
+-- check(opts, names, what, level): opts (a table, or nil for none) may
+-- hold the keys of `names`; `what` names the call in messages ("manager",
+-- "transfer_many item 3"); raises at `level` for unknown names and wrong
+-- types.  Returns opts ({} for nil), or nil and an `invalid` error for the
+-- first bad value.
+function _M.check(opts, names, what, level)
+  if opts == nil then return {} end
+  if type(opts) ~= "table" then
+    error(format("options of %s must be a table, not %s", what, type(opts)), level + 1)
+  end
+  local bad
+  for k, v in pairs(opts) do
+    if not names[k] then
+      error(format("unknown option %s for %s", tostring(k), what), level + 1)
+    end
+    local check = checks[k]
+    if check then
+      local kind, must, name, x = check(v)
+      if name == nil then name, x = k, v end
+      if kind == "unknown" then
+        error(format("unknown option %s for %s", name, what), level + 1)
+      elseif kind == "type" then
+        error(format("option %s of %s must be %s, not %s", name, what, must, type(x)), level + 1)
+      elseif kind == "value" and not bad then
+        bad = format("option %s of %s must be %s, not %s", name, what, must, shown(x))
+      end
+    end
+  end
+  if not bad and (names.marker or names.version_field) then bad = clash(opts) end
+  if bad then
+    return nil, errors.new("invalid", bad, { step = what:match("^[%w_]+") })
+  end
+  return opts
+end
+
+-- What a transaction's ops and meta may take of its 16 MiB document,
+-- leaving the rest to its state, owner, ids and the like (the same room
+-- validate.ops leaves for the ops alone).  A rollback's reason gets as
+-- much.
+local MAX_CONTENT = 16 * 1024 * 1024 - 64 * 1024
+_M.MAX_REASON = MAX_CONTENT
+
+-- The content of `meta` (already a table) next to the normalised ops: it
+-- must encode (no table containing itself, at most 100 levels, only
+-- values BSON has) and fit in the transaction with them.  Returns true, or
+-- nil and an `invalid` error; `what` is the call (the error's step).
+function _M.meta(meta, ops, what)
+  local ok, bytes = pcall(core.encode, { ops = ops, meta = meta })
+  if not ok then
+    return nil, errors.new("invalid", "meta cannot be stored: " ..
+      tostring(bytes):gsub("^mongotx: ", ""), { step = what })
+  end
+  -- as in validate.ops: update, undo and where are stored wrapped in binaries
+  if #bytes + 15 * #ops > MAX_CONTENT then
+    return nil, errors.new("invalid", format("the ops and meta take %d bytes: a " ..
+      "transaction is one document of at most 16 MiB", #bytes), { step = what })
+  end
+  return true
+end
+
+return _M
