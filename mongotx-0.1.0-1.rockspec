@@ -39,7 +39,8 @@ build = {
     ["mongotx.core"] = {
       sources = {
         "csrc/bson.c", "csrc/client.c", "csrc/collection.c", "csrc/core.c",
-        "csrc/cursor.c", "csrc/error.c", "csrc/fault.c", "csrc/options.c", "csrc/scratch.c",
+        "csrc/cursor.c", "csrc/error.c", "csrc/fault.c", "csrc/ids.c", "csrc/options.c",
+        "csrc/scratch.c",
         "csrc/txn.c",
       },
       libraries = { "mongoc-1.0", "bson-1.0" },

@@ -154,6 +154,10 @@ MTX_HIDDEN void mtx_cursor_attach(mtx_cursor *c, mongoc_cursor_t *cur);
 MTX_HIDDEN void mtx_cursor_release(mtx_cursor *c);
 MTX_HIDDEN int mtx_open_cursor(lua_State *L);
 
+/* ---- ids.c: what may be an id, and its canonical key ---- */
+
+MTX_HIDDEN int mtx_open_ids(lua_State *L);
+
 /* ---- txn.c: the two-phase-commit steps ---- */
 
 MTX_HIDDEN int mtx_open_txn(lua_State *L);

@@ -3,7 +3,8 @@
 -- (lua/mongotx/batch.lua).
 
 local core = require "mongotx.core"
-local canon = require("mongotx.validate").canon
+local validate = require "mongotx.validate"
+local id_key, is_floor = validate.id_key, validate.is_floor
 
 local ipairs, pairs, type = ipairs, pairs, type
 
@@ -14,7 +15,7 @@ local _M = {}
 -- them as BSON inside a Binary, and loading turns them back into tables.
 local OPERATOR_FIELDS = { "update", "undo", "where" }
 
--- The ops as they are stored.
+-- The ops as they are stored (`floor` is derived again on loading).
 function _M.ops(ops)
   local out = {}
   for i, op in ipairs(ops) do
@@ -23,34 +24,52 @@ function _M.ops(ops)
     for _, f in ipairs(OPERATOR_FIELDS) do
       if op[f] ~= nil then s[f] = core.Binary(core.encode(op[f])) end
     end
+    s.floor = nil
     out[i] = s
   end
   return out
 end
 
--- Decodes the operator fields of T's ops in place; T as it was when they
--- are not binaries (a malformed document is left for validate.malformed).
+-- Decodes the operator fields of T's ops in place, and marks the floor
+-- guards; T as it was when they are not binaries (a malformed document is
+-- left for validate.malformed).
 function _M.live(T)
   if type(T) ~= "table" or type(T.ops) ~= "table" then return T end
   for _, op in ipairs(T.ops) do
-    for _, f in ipairs(OPERATOR_FIELDS) do
-      if type(op) == "table" and core.type(op[f]) == "binData" then
-        op[f] = core.decode((op[f]:value()))
+    if type(op) == "table" then
+      for _, f in ipairs(OPERATOR_FIELDS) do
+        if core.type(op[f]) == "binData" then
+          op[f] = core.decode((op[f]:value()))
+        end
       end
+      op.floor = is_floor(op.where) or nil
     end
   end
   return T
 end
 
--- Does doc carry transaction id's marker in its `marker` array?
+-- Does doc carry transaction id's marker in its `marker` array?  Ids
+-- compare as the server compares them (1 and 1.0 are one id).
 function _M.has_marker(doc, marker, id)
   local list = doc and doc[marker]
   if type(list) ~= "table" then return false end
-  local k = canon(id)
+  local k = id_key(id)
   for _, x in ipairs(list) do
-    if canon(x) == k then return true end
+    if id_key(x) == k then return true end
   end
   return false
+end
+
+-- The markers on doc of transactions other than id: the transactions
+-- that hold the document (an empty list when none does).
+function _M.holders(doc, marker, id)
+  local list, out = doc and doc[marker], {}
+  if type(list) ~= "table" then return out end
+  local k = id_key(id)
+  for _, x in ipairs(list) do
+    if id_key(x) ~= k then out[#out + 1] = x end
+  end
+  return out
 end
 
 return _M

@@ -21,15 +21,13 @@ local function is_integer(n)
 end
 
 -- A string that is the same for equal BSON values whatever the order of
--- the table's keys: used to compare ids and ops across processes.  With
--- `numeric`, an integral float reads as the integer (1.0 as 1), as the
--- server compares numbers when it matches an _id.
-local function canon(v, numeric)
+-- the table's keys: used to compare op lists across processes (is a
+-- repeated begin the same transaction?).  Ids are compared by
+-- check_id's key instead, in the server's terms.
+local function canon(v)
   local t = type(v)
   if t == "number" then
-    if is_integer(v) or (numeric and v == math.floor(v) and v > -2 ^ 63 and v < 2 ^ 63) then
-      return format("i%d", v)
-    end
+    if is_integer(v) then return format("i%d", v) end
     return format("n%.17g", v)
   elseif t == "string" then
     return format("s%d:%s", #v, v)
@@ -39,13 +37,13 @@ local function canon(v, numeric)
     local kind = core.type(v)
     local parts = {}
     if kind == "array" then
-      for i = 1, #v do parts[i] = canon(v[i], numeric) end
+      for i = 1, #v do parts[i] = canon(v[i]) end
       return "[" .. concat(parts, ",") .. "]"
     end
     local keys = {}
     for k in pairs(v) do keys[#keys + 1] = k end
     sort(keys)
-    for i, k in ipairs(keys) do parts[i] = canon(k) .. "=" .. canon(v[k], numeric) end
+    for i, k in ipairs(keys) do parts[i] = canon(k) .. "=" .. canon(v[k]) end
     return "{" .. concat(parts, ",") .. "}"
   end
   return (core.type(v) or t) .. ":" .. tostring(v)
@@ -57,10 +55,18 @@ local function invalid(message, i)
   return nil, errors.new("invalid", message, { step = "begin" })
 end
 
+-- Checks read raw contents (next, rawget, rawlen), as the encoder does:
+-- a metatable's __pairs, __index or __len cannot show them anything else
+-- than what would be sent.  Values that go into filters or documents are
+-- then snapshotted through the encoder (snapshot below) and the checks
+-- run on the copy, which is what is sent.
+local next, rawget, rawlen = next, rawget, rawlen or function(t) return #t end
+local raw_metatable = debug.getmetatable
+
 -- The first key starting with `$` anywhere in v, or nil.
 local function operator_key(v, depth)
   if type(v) ~= "table" or depth > 100 then return nil end
-  for k, x in pairs(v) do
+  for k, x in next, v do
     if type(k) == "string" and k:sub(1, 1) == "$" then return k end
     local found = operator_key(x, depth + 1)
     if found then return found end
@@ -68,18 +74,18 @@ local function operator_key(v, depth)
 end
 
 -- A plain table (not from core.doc or decoding) with several keys anywhere
--- in v: its keys would encode in whatever order pairs() gives.  Returns
+-- in v: its keys would encode in whatever order next() gives.  Returns
 -- its keys, or nil.
 local function unordered_table(v, depth)
   if type(v) ~= "table" or depth > 100 then return nil end
-  local mt = getmetatable(v)
+  local mt = raw_metatable(v)
   local keys = {}
-  for k, x in pairs(v) do
+  for k, x in next, v do
     if type(k) == "string" then keys[#keys + 1] = k end
     local found = unordered_table(x, depth + 1)
     if found then return found end
   end
-  if #keys > 1 and not (mt and mt.__mongotx) then
+  if #keys > 1 and not (type(mt) == "table" and rawget(mt, "__mongotx")) then
     sort(keys)
     return concat(keys, ", ")
   end
@@ -88,24 +94,24 @@ end
 -- The first key holding a dot anywhere in v, or nil.
 local function dotted_key(v, depth)
   if type(v) ~= "table" or depth > 100 then return nil end
-  for k, x in pairs(v) do
+  for k, x in next, v do
     if type(k) == "string" and k:find(".", 1, true) then return k end
     local found = dotted_key(x, depth + 1)
     if found then return found end
   end
 end
 
--- The first operator anywhere in v that runs JavaScript on the server, or
--- nil: a `where` is a filter, never code.
-local code_operators = { ["$where"] = true, ["$function"] = true, ["$accumulator"] = true }
-local function code_operator(v, depth)
-  if type(v) ~= "table" or depth > 100 then return nil end
-  for k, x in pairs(v) do
-    if code_operators[k] then return k end
-    local found = code_operator(x, depth + 1)
-    if found then return found end
-  end
+-- v as it would be sent: encoded and decoded again, so that later checks
+-- and every write see the same plain tables; nil and why when v cannot be
+-- encoded (a function, a table holding itself, over 16 MiB, ...).
+local encode, decode = core.encode, core.decode
+local function snapshot(v)
+  if type(v) ~= "table" then return v end
+  local ok, bytes = pcall(encode, { v = v })
+  if not ok then return nil, tostring(bytes):gsub("^mongotx: ", "") end
+  return decode(bytes).v
 end
+_M.snapshot = snapshot
 
 local function finite(x)
   return x == x and x ~= huge and x ~= -huge
@@ -186,6 +192,41 @@ local function check_update(u, owned, what, i)
   return true
 end
 
+-- When an update op takes effect (csrc/txn.c, "Guards"): "at_finish"
+-- for a credit (only $inc of positive numbers, no guard), which may not be
+-- seen before its transaction commits; "lowers" for a debit (only $inc of
+-- negative numbers), which a floor guard may read before it commits;
+-- nil for anything else.
+local function update_effect(update, where)
+  local inc, sign = update["$inc"], nil
+  if next(update, next(update)) ~= nil or type(inc) ~= "table" then return nil end
+  for _, amount in pairs(inc) do
+    if type(amount) ~= "number" or amount == 0 then return nil end
+    local s = amount > 0 and 1 or -1
+    if sign and s ~= sign then return nil end
+    sign = s
+  end
+  if sign == 1 then return where == nil and "at_finish" or nil end
+  return "lowers"
+end
+_M.update_effect = update_effect
+
+-- Is where a floor (only $gte / $gt of numbers on fields)?  A floor may
+-- read values that uncommitted debits have lowered.
+function _M.is_floor(where)
+  if type(where) ~= "table" or next(where) == nil then return false end
+  for field, cond in pairs(where) do
+    if type(field) ~= "string" or field:sub(1, 1) == "$" or type(cond) ~= "table"
+        or next(cond) == nil then
+      return false
+    end
+    for opname, bound in pairs(cond) do
+      if (opname ~= "$gte" and opname ~= "$gt") or type(bound) ~= "number" then return false end
+    end
+  end
+  return true
+end
+
 -- The automatic undo of an update made only of $inc: the same $inc negated.
 local function inverse_inc(u)
   for opname in pairs(u) do
@@ -203,6 +244,12 @@ local op_keys = { collection = true, id = true, kind = true, update = true,
                   doc = true, undo = true, where = true }
 local kinds = { update = true, insert = true, remove = true, assert = true }
 
+-- Checks an id (a transaction's, or an op's document) for use in a
+-- filter: it must match exactly one value there (core.id_key says which
+-- types may, ids.c).  Returns the id as it will be sent and its key
+-- (equal for ids the server takes for one _id: 1, 1.0, Int64(1)), or nil,
+-- err.
+local id_key = core.id_key
 local function check_id(id, i)
   local t = type(id)
   if id == nil then return invalid("needs an id", i) end
@@ -226,9 +273,21 @@ local function check_id(id, i)
   if dotted then
     return invalid(format("id holds the key %q: keys of an id may not hold dots", dotted), i)
   end
-  return true
+  local ok, key, sent = pcall(id_key, id)
+  if not ok then
+    return invalid("id cannot be encoded: " .. tostring(key):gsub("^mongotx: ", ""), i)
+  end
+  if not key then return invalid(sent, i) end
+  return sent, key
 end
 _M.check_id = check_id
+
+-- The key of an id read back from the database (a marker, a stored op's
+-- id), or nil when it is no valid id: equal to check_id's for the same
+-- _id.
+function _M.id_key(id)
+  return (id_key(id))
+end
 
 local function check_collection(name, txcoll, i)
   if type(name) ~= "string" or name == "" then
@@ -243,63 +302,125 @@ local function check_collection(name, txcoll, i)
   return true
 end
 
-local function check_where(where, owned, i)
-  if where == nil then return true end
-  if type(where) ~= "table" then return invalid("where must be a table", i) end
-  for k in pairs(where) do
-    if type(k) ~= "string" then return invalid("where keys are strings", i) end
-    if k == "$where" then return invalid("where may not use $where", i) end
-    if k == "" or k:sub(1, 1) == "." or k:sub(-1) == "." or k:find("..", 1, true) then
-      return invalid(format("where has a bad field name %q", k), i)
+-- The query operators a `where` may use.  Anything else is refused at
+-- begin: an unknown operator would fail every apply until the
+-- transaction is parked, and $where, $expr, $function, $text, $jsonSchema
+-- or geo operators are code, or more than a guard on one document needs.
+local query_operators = {
+  ["$eq"] = true, ["$ne"] = true, ["$gt"] = true, ["$gte"] = true, ["$lt"] = true,
+  ["$lte"] = true, ["$in"] = true, ["$nin"] = true, ["$exists"] = true, ["$type"] = true,
+  ["$mod"] = true, ["$regex"] = true, ["$options"] = true, ["$all"] = true,
+  ["$elemMatch"] = true, ["$size"] = true, ["$not"] = true, ["$bitsAllSet"] = true,
+  ["$bitsAnySet"] = true, ["$bitsAllClear"] = true, ["$bitsAnyClear"] = true,
+}
+local logical_operators = { ["$and"] = true, ["$or"] = true, ["$nor"] = true }
+
+-- The first `$` key anywhere in v that is not a query operator, or nil.
+local function unknown_operator(v, depth)
+  if type(v) ~= "table" or depth > 100 then return nil end
+  for k, x in pairs(v) do
+    if type(k) == "string" and k:sub(1, 1) == "$" and not query_operators[k]
+        and not logical_operators[k] then
+      return k
     end
-    if k == "_id" then return invalid("where may not constrain _id", i) end
-    for _, field in ipairs(owned) do
-      if touches(k, field) then
-        return invalid("where may not constrain " .. field, i)
+    local found = unknown_operator(x, depth + 1)
+    if found then return found end
+  end
+end
+
+-- A filter document of a where (the top level, or a branch of $and, $or,
+-- $nor): its field names may not reach _id or the fields mongotx owns.
+local function check_filter(where, owned, i, depth)
+  if core.type(where) ~= "object" then return invalid("where must be a document", i) end
+  for k, x in pairs(where) do
+    if type(k) ~= "string" then return invalid("where keys are strings", i) end
+    if logical_operators[k] then
+      if core.type(x) ~= "array" or #x == 0 then
+        return invalid(format("where: %s needs a list of conditions", k), i)
+      end
+      if depth > 100 then return invalid("where nests too deep", i) end
+      for _, branch in ipairs(x) do
+        local ok, err = check_filter(branch, owned, i, depth + 1)
+        if not ok then return nil, err end
+      end
+    elseif k:sub(1, 1) == "$" then
+      return invalid(format("where may not use %s", k), i)
+    else
+      if k == "" or k:sub(1, 1) == "." or k:sub(-1) == "." or k:find("..", 1, true) then
+        return invalid(format("where has a bad field name %q", k), i)
+      end
+      if k == "_id" or k:sub(1, 4) == "_id." then
+        return invalid("where may not constrain _id", i)
+      end
+      for _, field in ipairs(owned) do
+        if touches(k, field) then
+          return invalid("where may not constrain " .. field, i)
+        end
       end
     end
   end
-  local code = code_operator(where, 0)
-  if code then return invalid(format("where may not use %s (server-side code)", code), i) end
   return true
 end
 
--- Checks one op and returns its normal form (kind set, undo filled in).
+-- where: a snapshot (plain tables as sent).
+local function check_where(where, owned, i)
+  if where == nil then return true end
+  if type(where) ~= "table" then return invalid("where must be a table", i) end
+  local bad = unknown_operator(where, 0)
+  if bad then
+    return invalid(format("where may not use %s (not a query operator mongotx " ..
+      "accepts for a guard)", bad), i)
+  end
+  return check_filter(where, owned, i, 0)
+end
+
+-- Checks one op and returns its normal form (kind set, undo filled in)
+-- and its document's key.  op is the caller's table, read raw; every
+-- value kept is a snapshot.
 local function normalise_op(op, i, ctx)
   if type(op) ~= "table" then return invalid("must be a table", i) end
-  for k in pairs(op) do
+  for k in next, op do
     if not op_keys[k] then return invalid("unknown key " .. tostring(k), i) end
   end
-  local ok, err = check_collection(op.collection, ctx.collection, i)
+  local collection = rawget(op, "collection")
+  local ok, err = check_collection(collection, ctx.collection, i)
   if not ok then return nil, err end
-  ok, err = check_id(op.id, i)
-  if not ok then return nil, err end
-  local kind = op.kind or (op.doc ~= nil and "insert")
-               or (op.update ~= nil and "update") or nil
+  local id, key = check_id(rawget(op, "id"), i)
+  if id == nil then return nil, key end
+  local fields = {}
+  for _, f in ipairs { "update", "undo", "doc", "where" } do
+    local v, why = snapshot(rawget(op, f))
+    if v == nil and rawget(op, f) ~= nil then
+      return invalid(format("%s cannot be stored: %s", f, why), i)
+    end
+    fields[f] = v
+  end
+  local kind = rawget(op, "kind") or (fields.doc ~= nil and "insert")
+               or (fields.update ~= nil and "update") or nil
   if not kinds[kind] then
     return invalid("kind must be update, insert, remove or assert", i)
   end
-  ok, err = check_where(op.where, ctx.owned, i)
+  ok, err = check_where(fields.where, ctx.owned, i)
   if not ok then return nil, err end
-  local out = { collection = op.collection, id = op.id, kind = kind,
-                where = op.where }
+  local out = { collection = collection, id = id, kind = kind, where = fields.where }
   if kind == "update" then
-    ok, err = check_update(op.update, ctx.owned, "update", i)
+    ok, err = check_update(fields.update, ctx.owned, "update", i)
     if not ok then return nil, err end
-    local undo = op.undo or inverse_inc(op.update)
+    local undo = fields.undo or inverse_inc(fields.update)
     if undo == nil then
       return invalid("an update other than $inc needs an explicit undo", i)
     end
     ok, err = check_update(undo, ctx.owned, "undo", i)
     if not ok then return nil, err end
-    out.update, out.undo = op.update, undo
-  elseif op.update ~= nil or op.undo ~= nil then
+    out.update, out.undo = fields.update, undo
+    out.effect = update_effect(fields.update, fields.where)
+  elseif fields.update ~= nil or fields.undo ~= nil then
     return invalid("only an update op takes update and undo", i)
   end
   if kind == "insert" then
-    if type(op.doc) ~= "table" then return invalid("insert needs a doc", i) end
+    if type(fields.doc) ~= "table" then return invalid("insert needs a doc", i) end
     local doc = {}
-    for k, v in pairs(op.doc) do
+    for k, v in pairs(fields.doc) do
       if type(k) ~= "string" then return invalid("doc keys are strings", i) end
       if k:sub(1, 1) == "$" then
         return invalid(format("doc may not hold the key %q", k), i)
@@ -309,7 +430,7 @@ local function normalise_op(op, i, ctx)
       end
       doc[k] = v
     end
-    if doc._id ~= nil and canon(doc._id) ~= canon(op.id) then
+    if doc._id ~= nil and _M.id_key(doc._id) ~= key then
       return invalid("doc._id differs from the op's id", i)
     end
     local op_key = operator_key(doc, 0)
@@ -320,12 +441,13 @@ local function normalise_op(op, i, ctx)
     end
     local bad = non_finite(doc, 0)
     if bad then return invalid("doc holds " .. tostring(bad), i) end
-    doc._id = op.id
+    doc._id = id
     out.doc = doc
-  elseif op.doc ~= nil then
+  elseif fields.doc ~= nil then
     return invalid("only an insert op takes a doc", i)
   end
-  return out
+  out.floor = _M.is_floor(out.where) or nil
+  return out, key
 end
 
 -- What a transaction's ops may take of its 16 MiB document, leaving the
@@ -334,32 +456,33 @@ local MAX_OPS_BYTES = 16 * 1024 * 1024 - 64 * 1024
 
 -- ops: the caller's op list; ctx: { collection = transactions collection
 -- name, owned = { "_id", marker, version } }.  Returns the normalised
--- list, or nil, err.
+-- list, or nil, err.  The list and its ops are read raw.
 function _M.ops(ops, ctx)
   if type(ops) ~= "table" then error("ops must be a table", 3) end
-  if #ops == 0 then return invalid("a transaction needs at least one op") end
-  for k in pairs(ops) do
-    if type(k) ~= "number" or k < 1 or k > #ops or not is_integer(k) then
+  local n = rawlen(ops)
+  if n == 0 then return invalid("a transaction needs at least one op") end
+  for k in next, ops do
+    if type(k) ~= "number" or k < 1 or k > n or not is_integer(k) then
       return invalid("ops must be a list")
     end
   end
   local out, seen = {}, {}
-  for i, op in ipairs(ops) do
-    local norm, err = normalise_op(op, i, ctx)
-    if not norm then return nil, err end
-    local key = norm.collection .. "\0" .. canon(norm.id, true)
+  for i = 1, n do
+    local norm, key = normalise_op(rawget(ops, i), i, ctx)
+    if not norm then return nil, key end
+    key = norm.collection .. "\0" .. key
     if seen[key] then
       return invalid(format("document %s of %s is also op %d: one op per " ..
-        "document", tostring(norm.id), norm.collection, seen[key]), i)
+        "document (the server reads these ids as one)", tostring(norm.id),
+        norm.collection, seen[key]), i)
     end
     seen[key] = i
     out[i] = norm
   end
-  -- Too big for one document (or not encodable at all: a table holding
-  -- itself, nesting beyond 100 levels) is bad content, found here rather
-  -- than as a raise from the insert.  The stored form wraps update, undo
-  -- and where in binaries (5 more bytes each), and the transaction's own
-  -- fields need room too.
+  -- Too big for one document is bad content, found here rather than as a
+  -- raise from the insert.  The stored form wraps update, undo and where
+  -- in binaries (5 more bytes each), and the transaction's own fields
+  -- need room too.
   local ok, bytes = pcall(core.encode, { ops = out })
   if not ok then return invalid("the ops cannot be stored: " .. tostring(bytes)) end
   if #bytes + 15 * #out > MAX_OPS_BYTES then
@@ -394,8 +517,8 @@ local function malformed_op(op, ctx)
   if core.type(op) ~= "object" then return "not a document" end
   local _, err = check_collection(op.collection, ctx.collection)
   if err then return err.message end
-  _, err = check_id(op.id)
-  if err then return err.message end
+  local id, bad = check_id(op.id)
+  if id == nil then return bad.message end
   if type(op.kind) ~= "string" or not kinds[op.kind] then
     return "unknown kind " .. tostring(op.kind)
   end
@@ -415,6 +538,9 @@ local function malformed_op(op, ctx)
   end
   if op.kind == "insert" and core.type(op.doc) ~= "object" then
     return "insert without a doc"
+  end
+  if op.effect ~= nil and op.effect ~= "at_finish" and op.effect ~= "lowers" then
+    return "unknown effect " .. tostring(op.effect)
   end
   _, err = check_where(parts.where, ctx.owned)
   if err then return err.message end
