@@ -4,28 +4,54 @@
  * deciding what to do next is the Lua layer's job.
  *
  * Fencing: every write mongotx makes to a document also increments its
- * version field, and an apply is conditioned either on the version the
- * owner read before it claimed the transaction or on a deadline by the
- * server's clock.  A new owner touches (and so versions) every document
- * of the transaction before the transaction leaves `pending`, so a
- * stalled former owner that wakes up can never match its apply again,
- * even after the markers were pulled; and no one may claim a transaction
- * before its deadline passed (lua/mongotx/manager.lua), so an apply that
- * was fenced by the deadline cannot run after a takeover either. */
+ * version field, and an apply is conditioned on the version the owner
+ * read before it claimed the transaction (when it read one) and on the
+ * owner's deadline by the server's clock (where the server evaluates
+ * $$NOW).  A new owner touches (and so versions) every document of the
+ * transaction before the transaction leaves `pending`, so a stalled
+ * former owner that wakes up can never match its apply again, even after
+ * the markers were pulled; and no one may claim a transaction before its
+ * deadline passed (lua/mongotx/manager.lua), so an apply fenced by the
+ * deadline cannot run after a takeover either, nor after a recovery by a
+ * writer that knows nothing of versions but waits for the transaction to
+ * be stale (README, "Other writers"). */
 #include <string.h>
 #include <time.h>
 
 #include "mongotx.h"
 
 /* The names a step needs (from the manager): the marker and version
- * fields, and the field a remove op sets on its document while it is
- * open, so that no other transaction applies to a document on its way
- * out (two removes of one document must not both succeed). */
+ * fields; the field a remove op sets on its document while it is open,
+ * so that no other transaction applies to a document on its way out (two
+ * removes of one document must not both succeed); and the array of the
+ * open transactions whose effect on the document may have raised a value
+ * (see "Guards" below). */
 typedef struct {
 	const char *marker;
 	const char *version;
 	const char *removing;
+	const char *held;
 } fields;
+
+/* Guards.  A guard (an op's where) must never pass on an effect that may
+ * still be undone: a credit of a transaction that ends cancelled would
+ * let a debit through that the undo then takes below its floor.  So:
+ *
+ * - a credit (an update that only raises numbers with $inc, unguarded;
+ *   op.effect "at_finish") takes effect when its transaction finishes,
+ *   after the commit: its apply only reserves the document (marker and
+ *   version), its undo only releases it;
+ * - a debit (an update that only lowers numbers with $inc; op.effect
+ *   "lowers") takes effect at once: undoing it can only raise the value;
+ * - any other effect (op.effect absent: $set, an insert, ...) takes
+ *   effect at once and also records the transaction in the `held` array
+ *   until it finishes or is undone.
+ *
+ * A floor guard (op.floor: only $gte/$gt of numbers) then applies only
+ * where `held` is empty, since what is uncommitted there can only have
+ * lowered values; any other guard only where no transaction holds the
+ * document at all (its marker array is empty). */
+enum { E_RAISES, E_AT_FINISH, E_LOWERS };
 
 static void
 check_fields(lua_State *L, int idx, fields *f)
@@ -34,10 +60,12 @@ check_fields(lua_State *L, int idx, fields *f)
 	lua_getfield(L, idx, "marker");
 	lua_getfield(L, idx, "version");
 	lua_getfield(L, idx, "removing");
-	f->marker = luaL_checkstring(L, -3); /* kept alive by the table */
-	f->version = luaL_checkstring(L, -2);
-	f->removing = luaL_checkstring(L, -1);
-	lua_pop(L, 3);
+	lua_getfield(L, idx, "held");
+	f->marker = luaL_checkstring(L, -4); /* kept alive by the table */
+	f->version = luaL_checkstring(L, -3);
+	f->removing = luaL_checkstring(L, -2);
+	f->held = luaL_checkstring(L, -1);
+	lua_pop(L, 4);
 }
 
 /* Appends {op: {removing: value}} ($set of the tid, or $unset). */
@@ -68,8 +96,9 @@ id_filter(lua_State *L, int op)
 
 /* Appends op.where's conditions to filter: flattened, or with a deadline
  * (stack index, 0 for none) $and: [where, {$expr: {$lt: ["$$NOW",
- * deadline]}}], so that neither can shadow a key of the other. */
-static void
+ * deadline]}}], so that neither can shadow a key of the other.  Returns
+ * whether the op has a where (a guard). */
+static int
 append_conditions(lua_State *L, int op, int deadline, bson_t *filter)
 {
 	bson_t *where = NULL, and, elem, expr, lt;
@@ -84,7 +113,7 @@ append_conditions(lua_State *L, int op, int deadline, bson_t *filter)
 			while (bson_iter_next(&it))
 				bson_append_iter(filter, NULL, 0, &it);
 		lua_settop(L, top);
-		return;
+		return where != NULL;
 	}
 	bson_append_array_begin(filter, "$and", 4, &and);
 	if (where)
@@ -99,6 +128,7 @@ append_conditions(lua_State *L, int op, int deadline, bson_t *filter)
 	bson_append_document_end(&and, &elem);
 	bson_append_array_end(filter, &and);
 	lua_settop(L, top);
+	return where != NULL;
 }
 
 static void
@@ -111,6 +141,22 @@ append_marker_ne(bson_t *filter, const fields *f, const bson_t *tid_holder)
 	bson_append_document_begin(filter, f->marker, -1, &ne);
 	bson_append_iter(&ne, "$ne", 3, &it);
 	bson_append_document_end(filter, &ne);
+}
+
+/* {"<array>.0": {$exists: false}}: the array (the marker, or `held`) is
+ * empty or absent, so no open transaction's effect there can help the
+ * guard (see "Guards").  The Lua layer finishes a holder that has
+ * committed and waits for one that has not (manager.lua, _apply_one). */
+static void
+append_unheld(lua_State *L, bson_t *filter, const char *array)
+{
+	bson_t cond;
+
+	lua_pushfstring(L, "%s.0", array);
+	bson_append_document_begin(filter, lua_tostring(L, -1), -1, &cond);
+	BSON_APPEND_BOOL(&cond, "$exists", false);
+	bson_append_document_end(filter, &cond);
+	lua_pop(L, 1);
 }
 
 static void
@@ -147,11 +193,11 @@ item_tid(lua_State *L, int item, int i, bson_t *holder)
 }
 
 /* Copies the operators of update (may be NULL) into out, adding the
- * marker change (`$push` or `$pull` of the transaction id, or none) and
- * `$inc` of the version field. */
+ * marker change (`$push` or `$pull` of the transaction id, or none; and
+ * the same of `held` when `held`) and `$inc` of the version field. */
 static void
 merge_update(bson_t *out, const bson_t *update, const fields *f,
-	     const char *marker_op, const bson_t *tid_holder)
+	     const char *marker_op, const bson_t *tid_holder, int held)
 {
 	bson_iter_t it, inner, tid;
 	bson_t sub;
@@ -178,6 +224,8 @@ merge_update(bson_t *out, const bson_t *update, const fields *f,
 			}
 			if (is_marker) {
 				bson_append_iter(&sub, f->marker, -1, &tid);
+				if (held)
+					bson_append_iter(&sub, f->held, -1, &tid);
 				saw_marker = 1;
 			}
 			bson_append_document_end(out, &sub);
@@ -191,6 +239,8 @@ merge_update(bson_t *out, const bson_t *update, const fields *f,
 	if (marker_op && !saw_marker) {
 		bson_append_document_begin(out, marker_op, -1, &sub);
 		bson_append_iter(&sub, f->marker, -1, &tid);
+		if (held)
+			bson_append_iter(&sub, f->held, -1, &tid);
 		bson_append_document_end(out, &sub);
 	}
 }
@@ -273,6 +323,37 @@ op_kind(lua_State *L, int op)
 	return k;
 }
 
+/* op.effect (see "Guards"); absent means the op may raise values. */
+static int
+op_effect(lua_State *L, int op)
+{
+	static const char *const effects[] = {"raises", "at_finish", "lowers", NULL};
+	int e;
+
+	lua_getfield(L, op, "effect");
+	e = luaL_checkoption(L, -1, "raises", effects);
+	lua_pop(L, 1);
+	return e;
+}
+
+static int
+op_floor(lua_State *L, int op)
+{
+	int floor;
+
+	lua_getfield(L, op, "floor");
+	floor = lua_toboolean(L, -1);
+	lua_pop(L, 1);
+	return floor;
+}
+
+/* Does the op's apply (or its undo) record the transaction in `held`? */
+static int
+op_holds(lua_State *L, int op, int kind)
+{
+	return (kind == K_UPDATE || kind == K_INSERT) && op_effect(L, op) == E_RAISES;
+}
+
 static int
 push_bool_result(lua_State *L, const char *field, int64_t n)
 {
@@ -282,8 +363,8 @@ push_bool_result(lua_State *L, const char *field, int64_t n)
 	return 1;
 }
 
-/* The insert of op.doc carrying the marker [tid] and version 1 (a
- * scratch document left on the stack). */
+/* The insert of op.doc carrying the marker [tid] (and `held` [tid]) and
+ * version 1 (a scratch document left on the stack). */
 static bson_t *
 build_insert(lua_State *L, int op, const bson_t *tid, const fields *f)
 {
@@ -296,16 +377,22 @@ build_insert(lua_State *L, int op, const bson_t *tid, const fields *f)
 	bson_append_array_begin(doc, f->marker, -1, &marker);
 	bson_append_iter(&marker, "0", 1, &it);
 	bson_append_array_end(doc, &marker);
+	if (op_holds(L, op, K_INSERT)) {
+		bson_append_array_begin(doc, f->held, -1, &marker);
+		bson_append_iter(&marker, "0", 1, &it);
+		bson_append_array_end(doc, &marker);
+	}
 	BSON_APPEND_INT32(doc, f->version, 1);
 	return doc;
 }
 
 /* The apply of an update/remove/assert op: filter {_id, where...,
- * marker: {$ne: tid}} fenced either by the version the owner read
- * (stack index `version`; nil means the document had none) or, when
- * `deadline` (a stack index, 0 for none) is given, by the server's clock
- * being before it; update: op.update (update kind only) + $push marker +
- * $inc version. */
+ * marker: {$ne: tid}} fenced by the version the owner read (stack index
+ * `version`; nil means the document had none, false that the owner read
+ * none) and, when `deadline` (a stack index, 0 for none) is given, by the
+ * server's clock being before it; update: op.update (update kind only) + $push marker +
+ * $inc version (a credit's update waits for its finish; see
+ * "Guards", like the condition a guarded op adds). */
 static void
 build_apply(lua_State *L, int op, int kind, const bson_t *tid, int version,
 	    int deadline, const fields *f, bson_t *filter, bson_t *update)
@@ -315,27 +402,26 @@ build_apply(lua_State *L, int op, int kind, const bson_t *tid, int version,
 	lua_getfield(L, op, "id");
 	mtx_append_value(L, -1, filter, "_id");
 	lua_pop(L, 1);
-	append_conditions(L, op, deadline, filter);
+	if (append_conditions(L, op, deadline, filter))
+		append_unheld(L, filter, op_floor(L, op) ? f->held : f->marker);
 	append_marker_ne(filter, f, tid);
 	bson_append_null(filter, f->removing, -1); /* absent: nobody removes it */
-	if (!deadline) {
-		if (lua_isnil(L, version))
-			bson_append_null(filter, f->version, -1);
-		else
-			mtx_append_value(L, version, filter, f->version);
-	}
-	if (kind == K_UPDATE) {
+	if (lua_isnil(L, version))
+		bson_append_null(filter, f->version, -1);
+	else if (!lua_isboolean(L, version))
+		mtx_append_value(L, version, filter, f->version);
+	if (kind == K_UPDATE && op_effect(L, op) != E_AT_FINISH) {
 		lua_getfield(L, op, "update");
 		upd = mtx_check_document(L, -1);
 	}
-	merge_update(update, upd, f, "$push", tid);
+	merge_update(update, upd, f, "$push", tid, op_holds(L, op, kind));
 	if (kind == K_REMOVE)
 		append_removing(update, "$set", f, tid);
 	if (upd)
 		lua_pop(L, 2);
 }
 
-/* apply(coll, tid, op, version, fields [, opts [, deadline]])
+/* apply(coll, tid, op, version|false, fields [, opts [, deadline]])
  *   -> { applied = bool }
  * update/remove/assert: update_one of build_apply's filter and update.
  * insert: insert_one of op.doc with the marker set; a duplicate key is
@@ -505,20 +591,29 @@ op_step_args(lua_State *L, bson_t **tid, fields *f, bson_t **opts)
 	return coll;
 }
 
-/* The finish of op: filter {_id, marker: tid}; update $pull marker and
- * $inc version (unused for a remove, which deletes the document).
- * Returns whether the op is a remove. */
+/* The finish of op: filter {_id, marker: tid}; update $pull marker (and
+ * `held`), $inc version and, for a credit, its update (unused for a
+ * remove, which deletes the document).  Returns whether the op is a
+ * remove. */
 static int
 build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	     bson_t *filter, bson_t *update)
 {
+	int kind = op_kind(L, op), top = lua_gettop(L);
+	bson_t *upd = NULL;
+
 	lua_getfield(L, op, "id");
 	mtx_append_value(L, -1, filter, "_id");
 	lua_pop(L, 1);
 	append_marker_eq(filter, f, tid);
-	if (op_kind(L, op) == K_REMOVE)
+	if (kind == K_REMOVE)
 		return 1;
-	merge_update(update, NULL, f, "$pull", tid);
+	if (kind == K_UPDATE && op_effect(L, op) == E_AT_FINISH) {
+		lua_getfield(L, op, "update");
+		upd = mtx_check_document(L, -1);
+	}
+	merge_update(update, upd, f, "$pull", tid, op_holds(L, op, kind));
+	lua_settop(L, top);
 	return 0;
 }
 
@@ -575,7 +670,8 @@ l_finish_many(lua_State *L)
 
 /* undo(coll, tid, op, fields [, opts]) -> { undone = bool }
  * Only where the marker shows the op was applied: insert deletes the
- * document, update applies op.undo, all others just pull the marker. */
+ * document, update applies op.undo (a credit, which had not taken effect
+ * yet, has none), all others just pull the marker. */
 static int
 l_undo(lua_State *L)
 {
@@ -594,12 +690,12 @@ l_undo(lua_State *L)
 			return rc;
 		return push_bool_result(L, "undone", n);
 	}
-	if (kind == K_UPDATE) {
+	if (kind == K_UPDATE && op_effect(L, 3) != E_AT_FINISH) {
 		lua_getfield(L, 3, "undo");
 		undo = mtx_check_document(L, -1);
 	}
 	update = mtx_scratch(L);
-	merge_update(update, undo, &f, "$pull", tid);
+	merge_update(update, undo, &f, "$pull", tid, op_holds(L, 3, kind));
 	if (kind == K_REMOVE)
 		append_removing(update, "$unset", &f, tid);
 	if ((rc = run_update(L, "undo", coll, filter, update, opts, 0, &n)))
@@ -611,7 +707,7 @@ l_undo(lua_State *L)
  * A new owner's write to a document the transaction has not applied yet:
  * $inc version where the marker is absent, so that an apply a former owner
  * prepared can no longer match.  For an insert, a placeholder document
- * {_id, version} takes the id (deleted again by unfence). */
+ * {_id, version, txPlaceholder} takes the id. */
 static int
 l_fence(lua_State *L)
 {
@@ -632,10 +728,10 @@ l_fence(lua_State *L)
 		bson_append_document_begin(update, "$setOnInsert", -1, &set);
 		BSON_APPEND_BOOL(&set, "txPlaceholder", true);
 		bson_append_document_end(update, &set);
-		merge_update(update, NULL, &f, NULL, tid);
+		merge_update(update, NULL, &f, NULL, tid, 0);
 		BSON_APPEND_BOOL(opts, "upsert", true);
 	} else {
-		merge_update(update, NULL, &f, NULL, tid);
+		merge_update(update, NULL, &f, NULL, tid, 0);
 	}
 	if ((rc = run_update(L, "fence", coll, filter, update, opts, 0, &n)))
 		return rc;
@@ -650,6 +746,8 @@ transition_point(const char *to)
 		return "commit";
 	if (strcmp(to, "canceling") == 0)
 		return "cancel";
+	if (strcmp(to, "pending") == 0)
+		return "renew"; /* pending -> pending: an owner's new deadline */
 	return to; /* done, cancelled */
 }
 

@@ -29,45 +29,14 @@
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local stored = require "mongotx.stored"
-local canon = require("mongotx.validate").canon
+local validate = require "mongotx.validate"
+local canon, id_key = validate.canon, validate.id_key
 
 local steps = core.steps
 local ipairs, pairs = ipairs, pairs
 local floor = math.floor
 
 local _M = {}
-
--- The server's clock, estimated from an isMaster a minute old at most:
--- only the length of the creator's window depends on it, not safety
--- (applies and claims both compare the deadline with the server's clock).
-local CLOCK_REFRESH_MS = 60000
-
-local function server_clock(tm)
-  local before = core.monotonic_ms()
-  if not tm.clock_offset or before - tm.clock_at > CLOCK_REFRESH_MS then
-    local now, err = tm:server_now()
-    if not now then return nil, err end
-    local after = core.monotonic_ms()
-    tm.clock_offset, tm.clock_at = now - (before + after) / 2, after
-    before = after
-  end
-  return before + tm.clock_offset
-end
-
--- Does the server evaluate $$NOW in a query?  Asked once per manager; an
--- _id lookup keeps the probe cheap on a large collection.
-local function deadlines(tm)
-  if tm.use_deadline == nil then
-    if tm.fencing == "auto" then
-      local n = tm.tx:count({ _id = "mongotx:probe",
-                              ["$expr"] = { ["$lt"] = { "$$NOW", core.Date(0) } } })
-      tm.use_deadline = n ~= nil
-    else
-      tm.use_deadline = tm.fencing == "deadline"
-    end
-  end
-  return tm.use_deadline
-end
 
 -- Entries: { T = <the transaction, ops as tables>, doc = <as stored>,
 -- err = <why it failed>, slow = <needs the one-at-a-time steps> }.
@@ -94,12 +63,12 @@ local function create(tm, entries)
     elseif item.ok and sure then
       e.created = true
       tm:_event("create", { id = e.T._id })
-    elseif item.ok or item.code == 11000 then
+    elseif item.ok or item.server_code == 11000 then
       -- exists, or not known: settle it alone
       e.slow = "create"
     else
       fail(e, errors.new("server", item.message or "create failed",
-        { step = "create", id = e.T._id, server_code = item.code }))
+        { step = "create", id = e.T._id, server_code = item.server_code }))
     end
   end
 end
@@ -121,8 +90,10 @@ local function apply(tm, entries, deadline, versions)
           items = {}
           by_coll[op.collection], order[#order + 1] = items, op.collection
         end
+        local version = false -- none read: fenced by the deadline alone
+        if v then version = v.version end
         items[#items + 1] = { tid = e.T._id, op = op, deadline = deadline,
-                              version = v and v.version, entry = e, i = i }
+                              version = version, entry = e, i = i }
       end
     end
   end
@@ -141,11 +112,11 @@ local function apply(tm, entries, deadline, versions)
       docs, err = coll:find_all({ _id = { ["$in"] = ids } }, { projection = { [tm.marker] = 1 } })
       if not docs then err = errors.wrap(err, "apply") end
       local by_id = {}
-      for _, doc in ipairs(docs or {}) do by_id[canon(doc._id)] = doc end
+      for _, doc in ipairs(docs or {}) do by_id[id_key(doc._id)] = doc end
       for _, item in ipairs(items) do
         if not docs then
           fail(item.entry, err)
-        elseif stored.has_marker(by_id[canon(item.op.id)], tm.marker, item.entry.T._id) then
+        elseif stored.has_marker(by_id[id_key(item.op.id)], tm.marker, item.entry.T._id) then
           item.entry.applied[item.i] = true
         end
       end
@@ -175,9 +146,9 @@ local function commit(tm, entries)
     if res then docs, err = tm.tx:find_all({ _id = { ["$in"] = ids } },
       { projection = { state = 1, epoch = 1 } }) end
     local by_id = {}
-    for _, doc in ipairs(docs or {}) do by_id[canon(doc._id)] = doc end
+    for _, doc in ipairs(docs or {}) do by_id[id_key(doc._id)] = doc end
     for _, e in ipairs(entries) do
-      local doc = by_id[canon(e.T._id)]
+      local doc = by_id[id_key(e.T._id)]
       if not docs then
         fail(e, errors.wrap(err, "commit", e.T._id))
       elseif doc and doc.state == "applied" and doc.epoch == 1 then
@@ -188,7 +159,7 @@ local function commit(tm, entries)
     end
   end
   for _, e in ipairs(entries) do
-    tm.held[canon(e.T._id)] = nil -- past the commit point: nothing to fence
+    tm.held[id_key(e.T._id)] = nil -- past the commit point: nothing to fence
     if e.T.state == "applied" then tm:_event("commit", { id = e.T._id }) end
   end
 end
@@ -245,13 +216,14 @@ local function settle(tm, e, deadline, versions)
     end
     T = existing
     if T.state == "pending" and T.instance == tm.instance and T.epoch == 1 then
-      tm.held[canon(T._id)] = 1 -- ours, from an earlier try of this batch
+      tm.held[id_key(T._id)] = 1 -- ours, from an earlier try of this batch
     end
   elseif e.slow == "apply" then
     local vs = {}
     for i in ipairs(T.ops) do
-      vs[i] = { marked = e.applied[i] or false, deadline = deadline,
-                version = versions and versions[i].version }
+      local version = false -- none read: fenced by the deadline alone
+      if versions then version = versions[i].version end
+      vs[i] = { marked = e.applied[i] or false, deadline = deadline, version = version }
     end
     local moved, err, failure = tm:_apply_all(T, vs)
     if not moved then return fail(e, err) end
@@ -262,7 +234,7 @@ local function settle(tm, e, deadline, versions)
     if not T then return fail(e, err or errors.new("state", "no such transaction", { id = e.T._id })) end
   end
   if T.state == "applied" then
-    tm.held[canon(T._id)] = nil
+    tm.held[id_key(T._id)] = nil
     e.T = T -- committed: finished with the others, inline or deferred
     return
   end
@@ -277,12 +249,12 @@ end
 -- errs[i] why not.
 function _M.run(tm, specs)
   local entries, results, errs = {}, {}, {}
-  local now, err = server_clock(tm)
+  local now, err = tm:_clock()
   local deadline, stamp
   if now then
     -- an insert cannot $currentDate: the server's clock as estimated
     stamp = core.Date(floor(now))
-    if deadlines(tm) then deadline = core.Date(floor(now + tm.policy.lease * 1000)) end
+    if tm:_deadlines() then deadline = core.Date(floor(now + tm.policy.lease * 1000)) end
   end
   for i, spec in ipairs(specs) do
     local id = spec.id
@@ -322,7 +294,7 @@ function _M.run(tm, specs)
   local todo = live()
   if #todo > 0 then create(tm, todo) end
   local created, vs = live(function(e) return e.created end)
-  for _, e in ipairs(created) do tm.held[canon(e.T._id)] = 1 end
+  for _, e in ipairs(created) do tm.held[id_key(e.T._id)] = 1 end
   if #created > 0 then apply(tm, created, deadline, vs) end
   local ready = live()
   if #ready > 0 then commit(tm, ready) end

@@ -17,7 +17,7 @@ local stored = require "mongotx.stored"
 local batch = require "mongotx.batch"
 
 local steps = core.steps
-local canon = validate.canon
+local canon, id_key = validate.canon, validate.id_key
 local ipairs, pairs, type, tostring, setmetatable = ipairs, pairs, type, tostring, setmetatable
 local format = string.format
 
@@ -38,6 +38,10 @@ local MAX_CONTENTION = 20
 -- Set on a document by the remove op of an open transaction (the id of
 -- that transaction): no other op applies to it meanwhile (csrc/txn.c).
 local REMOVING = "txRemoving"
+
+-- The open transactions whose effect on a document may have raised a
+-- value (csrc/txn.c, "Guards"): a floor guard waits for them.
+local HELD = "txHeld"
 
 local manager_options = {
   collection = true, application = true, marker = true, version_field = true,
@@ -67,14 +71,19 @@ function _M.new(db, opts)
     marker = opts.marker or "pendingTransactions",
     version_field = opts.version_field or "txVersion",
     colls = {},
-    held = {},     -- canon(id) -> epoch this manager holds
-    versions = {}, -- canon(id) -> versions read before the claim (steps)
+    held = {},     -- key(id) -> epoch this manager holds
+    versions = {}, -- key(id) -> versions read before the claim (steps)
     fencing = opts.fencing or "auto",
     finishing = {}, -- committed transactions the finisher has yet to finish
+    clock_offset = nil, -- server clock - monotonic clock, ms (_clock)
+    clock_at = nil,     -- monotonic ms when clock_offset was measured
+    use_deadline = nil, -- does the server evaluate $$NOW (_deadlines)
   }, Manager)
-  self.fields = { marker = self.marker, version = self.version_field, removing = REMOVING }
+  self.fields = { marker = self.marker, version = self.version_field, removing = REMOVING,
+                  held = HELD }
   self.vctx = { collection = self.collection,
-                owned = { "_id", self.marker, self.version_field, REMOVING } }
+                owned = { "_id", self.marker, self.version_field, REMOVING, HELD,
+                          "txPlaceholder" } }
   self.wopts = { write_concern = opts.write_concern or { w = "majority", j = true } }
   self.tx = db.client:collection(db.name, self.collection)
   local ok, err = self.tx:create_index(core.doc("state", 1, "lastModified", 1))
@@ -84,7 +93,9 @@ end
 
 -- Helpers -----------------------------------------------------------------
 
-local function key(id) return canon(id) end
+-- A transaction id as a table key: equal for ids the server takes for
+-- one (1 and 1.0).
+local function key(id) return id_key(id) or canon(id) end
 
 local stored_ops, live, has_marker = stored.ops, stored.live, stored.has_marker
 
@@ -129,10 +140,10 @@ function Manager:_get(id, step, level)
   if id == nil or kind == "function" or kind == "thread" then
     error(format("%s needs a transaction id, not a %s", step, kind), level + 1)
   end
-  local ok, err = validate.check_id(id)
-  if not ok then return nil, errors.wrap(err, step, nil) end
+  local sent, err = validate.check_id(id)
+  if sent == nil then return nil, errors.wrap(err, step, nil) end
   local doc
-  doc, err = self.tx:find_one({ _id = id })
+  doc, err = self.tx:find_one({ _id = sent })
   if err then return nil, errors.wrap(err, step, id) end
   return live(doc)
 end
@@ -160,6 +171,49 @@ function Manager:server_now()
     return nil, errors.new("server", "the server reports no localTime", { step = "clock" })
   end
   return reply.localTime:value()
+end
+
+-- The server's clock in ms, estimated from an isMaster a minute old at
+-- most: only the length of an owner's window depends on it, not safety
+-- (applies and claims both compare deadlines with the server's clock).
+local CLOCK_REFRESH_MS = 60000
+
+function Manager:_clock()
+  local before = core.monotonic_ms()
+  if not self.clock_offset or before - self.clock_at > CLOCK_REFRESH_MS then
+    local now, err = self:server_now()
+    if not now then return nil, err end
+    local after = core.monotonic_ms()
+    self.clock_offset, self.clock_at = now - (before + after) / 2, after
+    before = after
+  end
+  return before + self.clock_offset
+end
+
+-- Are this manager's applies fenced by a deadline (csrc/txn.c)?  When
+-- the server evaluates $$NOW in a query (asked once; an _id lookup keeps
+-- the probe cheap) and the lease is not 0: a deadline of now would expire
+-- before the first apply.
+function Manager:_deadlines()
+  if self.use_deadline == nil then
+    if self.fencing == "auto" then
+      local n = self.tx:count({ _id = "mongotx:probe",
+                                ["$expr"] = { ["$lt"] = { "$$NOW", core.Date(0) } } })
+      self.use_deadline = n ~= nil
+    else
+      self.use_deadline = self.fencing == "deadline"
+    end
+  end
+  return self.use_deadline and self.policy.lease > 0
+end
+
+-- A deadline this manager's lease from now, or nil when it fences by
+-- versions alone.
+function Manager:_new_deadline()
+  if not self:_deadlines() then return nil end
+  local now, err = self:_clock()
+  if not now then return nil, err end
+  return core.Date(math.floor(now + self.policy.lease * 1000))
 end
 
 -- For each transaction of the list and each of its ops: { version = <the
@@ -217,6 +271,12 @@ end
 function Manager:_claim(T, set, now)
   set = set or {}
   set.application, set.instance, set.lease = self.application, self.instance, self.policy.lease
+  if T.state == "pending" or set.state == "pending" then
+    -- this owner's applies are fenced by its own deadline (csrc/txn.c)
+    local deadline, err = self:_new_deadline()
+    if err then return nil, err end
+    set.deadline = deadline
+  end
   local expect = { state = T.state, epoch = T.epoch or 0 }
   if T.deadline ~= nil and T.state == "pending" then
     if not now then
@@ -264,6 +324,7 @@ local failure_text = {
   conflict = "another document has its _id",
   contention = "the document kept changing",
   removing = "another transaction is removing the document",
+  busy = "another open transaction holds the document its guard reads",
 }
 
 local function op_failure(T, i, reason)
@@ -273,11 +334,13 @@ end
 
 -- Phases ------------------------------------------------------------------
 
--- Applies op i, fenced by v.deadline when set, else by v.version;
--- returns true, or false and why it cannot, or nil, err.
+-- Applies op i, fenced by v.version (false: none read) and by v.deadline
+-- (this owner's, T's by default where deadlines fence); returns true, or
+-- false and why it cannot, or nil, err.
 function Manager:_apply_one(T, i, v)
   local op = T.ops[i]
   local coll = self:_coll(op.collection)
+  if v.deadline == nil and self:_deadlines() then v.deadline = T.deadline end
   for _ = 1, MAX_CONTENTION do
     local res, err = self:_step("apply", T._id, coll, T._id, op, v.version, self.fields,
       self.wopts, v.deadline)
@@ -292,29 +355,108 @@ function Manager:_apply_one(T, i, v)
     if doc and doc[REMOVING] ~= nil then return false, "removing" end
     if op.kind == "insert" then
       if doc then return false, "conflict" end
+    elseif not doc then
+      return false, "missing"
     else
-      if not doc then return false, "missing" end
+      -- a guard reads no effect that may still be undone (csrc/txn.c):
+      -- committed holders are finished first, open ones make it wait
+      local finished = 0
       if op.where then
-        local filter = { _id = op.id }
-        for k, x in pairs(op.where) do filter[k] = x end
-        local n
-        n, err = coll:count(filter)
-        if not n then return nil, errors.wrap(err, "apply", T._id) end
-        if n == 0 then return false, "guard" end
+        local open
+        finished, open = self:_release(op, doc, T._id)
+        if finished == nil then return nil, open end
+        if finished == 0 and open then return false, "busy" end
       end
-      local now
-      now, err = self:get(T._id)
-      if err then return nil, err end
-      if not now or not self:_holds(now) then
-        return nil, errors.new("fenced", "another owner took the transaction over",
-          { step = "apply", id = T._id, op = i })
+      if finished == 0 then
+        if op.where then
+          local filter = { _id = op.id }
+          for k, x in pairs(op.where) do filter[k] = x end
+          local n
+          n, err = coll:count(filter)
+          if not n then return nil, errors.wrap(err, "apply", T._id) end
+          if n == 0 then return false, "guard" end
+        end
+        local ok
+        ok, err = self:_refence(T, i, v, doc)
+        if not ok then return nil, err end
       end
-      -- still ours: from here on fenced by the version just read (the
-      -- deadline may have passed)
-      v.version, v.deadline = doc[self.version_field], nil
+      -- else the finished holders moved the document: try again
     end
   end
   return false, "contention"
+end
+
+-- The document of op i moved under T's apply: if T is still this
+-- manager's, fence the next try by the version just read and by a renewed
+-- deadline (it may have passed: an owner past its deadline must not apply,
+-- whoever else might be driving T).  Returns true, or nil, err (`fenced`
+-- when another owner took T over).
+function Manager:_refence(T, i, v, doc)
+  local now, err = self:get(T._id)
+  if err then return nil, err end
+  local fenced = errors.new("fenced", "another owner took the transaction over",
+    { step = "apply", id = T._id, op = i })
+  if not now or not self:_holds(now) then return nil, fenced end
+  v.version = doc[self.version_field]
+  if v.deadline then
+    local renewed
+    renewed, err = self:_renew(now)
+    if renewed == nil then return nil, err end
+    if not renewed then return nil, fenced end
+    v.deadline = renewed
+  end
+  return true
+end
+
+-- Moves T's deadline (and lastModified) a lease on while this manager
+-- still holds it, so that an owner working past its deadline still fences
+-- every apply by the server's clock.  Returns the new deadline, false when
+-- T was taken over meanwhile, or nil, err.
+function Manager:_renew(T)
+  local deadline, err = self:_new_deadline()
+  if not deadline then return nil, err end
+  local res
+  res, err = self:_step("transition", T._id, self.tx, T._id, "pending", "pending", T.epoch,
+    { deadline = deadline }, self.wopts)
+  if not res then return nil, err end
+  return res.moved and deadline
+end
+
+-- The document of op carries the markers of other transactions.  Those
+-- that have committed (applied or done) are final: this finishes them on
+-- the document (any manager may help a committed transaction along), so
+-- that the guard reads their effect.  The open ones a guard may not read
+-- past: all of them for most guards, for a floor guard those in the
+-- `held` array (their effect may have raised a value; see csrc/txn.c).
+-- Returns how many were finished and whether an open one that matters is
+-- left, or nil, err.
+function Manager:_release(op, doc, tid)
+  local coll, k = self:_coll(op.collection), id_key(op.id)
+  local matters = {}
+  for _, x in ipairs(stored.holders(doc, op.floor and HELD or self.marker, tid)) do
+    matters[key(x)] = true
+  end
+  local finished, open = 0, false
+  for _, holder in ipairs(stored.holders(doc, self.marker, tid)) do
+    local H, err = self:get(holder)
+    if err and err.code ~= "invalid" then return nil, err end
+    local hop
+    if H and (H.state == "applied" or H.state == "done")
+        and not validate.malformed(H, self.vctx) then
+      for _, o in ipairs(H.ops) do
+        if o.collection == op.collection and id_key(o.id) == k then hop = o end
+      end
+    end
+    if hop then
+      local res
+      res, err = self:_step("finish", H._id, coll, H._id, hop, self.fields, self.wopts)
+      if not res then return nil, err end
+      if res.finished then finished = finished + 1 end
+    elseif matters[key(holder)] then
+      open = true
+    end
+  end
+  return finished, open
 end
 
 -- pending (held) -> applied, or -> canceling when an op cannot apply.
@@ -374,23 +516,34 @@ function Manager:_finish(T)
   return self:get(T._id)
 end
 
+-- Undoes op i of a canceling T where it was applied; after a takeover
+-- (epoch > 1) fences the document too.  Returns undo's result, or nil,
+-- err.
+function Manager:_undo_op(T, i)
+  local op, coll = T.ops[i], self:_coll(T.ops[i].collection)
+  local undone
+  for _ = 1, 3 do
+    local res, err = self:_step("undo", T._id, coll, T._id, op, self.fields, self.wopts)
+    if not res then return nil, err end
+    undone = undone or res
+    -- an insert a former owner prepared would land after this undo
+    -- deleted the document: fence it too (a placeholder takes the _id)
+    if (T.epoch or 0) <= 1 or res.undone and op.kind ~= "insert" then break end
+    res, err = self:_step("fence", T._id, coll, T._id, op, self.fields, self.wopts)
+    if not res then return nil, err end
+    if res.fenced then break end
+    -- the marker appeared between undo and fence: undo again
+  end
+  return undone
+end
+
 -- canceling -> cancelled: undo the applied ops in reverse order.  After a
 -- takeover (epoch > 1) a former owner may still hold a prepared apply, so
 -- documents not applied are fenced (their version moved) as well.
 function Manager:_unwind(T)
   for i = #T.ops, 1, -1 do
-    local op, coll = T.ops[i], self:_coll(T.ops[i].collection)
-    for _ = 1, 3 do
-      local res, err = self:_step("undo", T._id, coll, T._id, op, self.fields, self.wopts)
-      if not res then return nil, err end
-      -- an insert a former owner prepared would land after this undo
-      -- deleted the document: fence it too (a placeholder takes the _id)
-      if (T.epoch or 0) <= 1 or res.undone and op.kind ~= "insert" then break end
-      res, err = self:_step("fence", T._id, coll, T._id, op, self.fields, self.wopts)
-      if not res then return nil, err end
-      if res.fenced then break end
-      -- the marker appeared between undo and fence: undo again
-    end
+    local _, err = self:_undo_op(T, i)
+    if err then return nil, err end
   end
   local res, err = self:_step("transition", T._id, self.tx, T._id, "canceling", "cancelled",
     nil, nil, self.wopts)
@@ -469,12 +622,13 @@ function Manager:_spec(ops, opts, extra, what, level)
     ok, err = options.meta(opts.meta, norm, what)
     if not ok then return nil, err end
   end
-  if opts.id ~= nil then
-    local ok
-    ok, err = validate.check_id(opts.id)
-    if not ok then return nil, err end
+  local id = opts.id
+  if id ~= nil then
+    local why
+    id, why = validate.check_id(id)
+    if id == nil then return nil, why end
   end
-  return { ops = norm, id = opts.id, meta = opts.meta, extra = extra }
+  return { ops = norm, id = id, meta = opts.meta, extra = extra }
 end
 
 -- Creates the transaction (state initial) after checking every op.  With
@@ -584,7 +738,7 @@ local function batch_specs(list, what, check)
     if type(list[i]) ~= "table" then error(format("%s: item %d is not a table", what, i), 3) end
     local spec, err = check(list[i], i)
     if spec and spec.id ~= nil then
-      local k = canon(spec.id)
+      local k = key(spec.id)
       if seen[k] then
         spec, err = nil, errors.new("invalid", format("item %d repeats the id of item %d", i,
           seen[k]), { step = what, id = spec.id })
@@ -690,7 +844,7 @@ end
 -- wherever) compensate is called.  A string, not a document: it becomes a
 -- marker, and FerretDB cannot $pull a document value.
 function _M.compensation_id(id)
-  return "compensates:" .. canon(id)
+  return "compensates:" .. key(id)
 end
 
 -- A new transaction with the inverse ops of a committed one, linked by
@@ -747,12 +901,14 @@ function Manager:_recover_one(T, now, me)
     versions, err = self:_versions(T)
     if not versions then return nil, err end
   end
+  local was = T.state
   local claimed
-  claimed, err = self:_claim(T, T.state == "initial" and { state = "pending" } or nil, now)
+  claimed, err = self:_claim(T, was == "initial" and { state = "pending" } or nil, now)
   if claimed == nil then return nil, err end
   if not claimed then return "skipped" end
   T = claimed
-  if T.state == "pending" and self.policy.stale_pending(T) == "back" then
+  -- a stale initial one was never started: stale_initial decided it
+  if was == "pending" and self.policy.stale_pending(T) == "back" then
     T, err = self:_cancel(T, "rolled back by recovery")
     if not T then return nil, err end
     versions = nil
@@ -890,47 +1046,115 @@ end
 --   tm:step("cancel", t)       pending -> canceling
 --   tm:step("undo", t, i)      undo op i if it was applied
 --   tm:step("cancelled", t)    canceling -> cancelled
--- Each returns the step's result table (or false / nil, err).
+-- Each returns the step's result table (or false / nil, err).  Steps obey
+-- the rules the other calls do: claim follows the ownership policy (a
+-- held transaction is claimed again only once its lease expired);
+-- apply, commit and cancel need the transaction held by this manager;
+-- finish and done need it committed, undo and cancelled canceling; commit
+-- needs every op applied, done and cancelled every marker gone.  So a
+-- step out of order is refused (`state`, `owned`), and repeating a step
+-- that succeeded changes nothing.
+local STEP_STATES = {
+  apply = "pending", commit = "pending", cancel = "pending",
+  finish = "applied", done = "applied", undo = "canceling", cancelled = "canceling",
+}
+-- The states a step leads to: repeating it there is a no-op, not an error.
+local STEP_AFTER = {
+  commit = { applied = true, done = true }, cancel = { canceling = true, cancelled = true },
+  finish = { done = true }, done = { done = true },
+  undo = { cancelled = true }, cancelled = { cancelled = true },
+}
+local TRANSITIONS = {
+  commit = { "pending", "applied" }, done = { "applied", "done" },
+  cancel = { "pending", "canceling" }, cancelled = { "canceling", "cancelled" },
+}
+
 function Manager:step(name, t, i)
+  local want = STEP_STATES[name]
+  if not want and name ~= "claim" then error("unknown step " .. tostring(name), 2) end
   local T, err = self:_load(t, name)
   if not T then return nil, err end
+  local function refuse(code, message)
+    return nil, errors.new(code, message, { step = name, id = T._id })
+  end
   local k = key(T._id)
-  if name == "claim" then
-    local versions
-    versions, err = self:_versions(T)
-    if not versions then return nil, err end
-    local claimed
-    claimed, err = self:_claim(T, T.state == "initial" and { state = "pending" } or nil)
-    if claimed then self.versions[k] = versions end
-    return claimed, err
-  elseif name == "apply" or name == "undo" or name == "finish" then
-    local op = T.ops[i]
+  if name == "claim" then return self:_step_claim(T, refuse) end
+  local op
+  if name == "apply" or name == "finish" or name == "undo" then
+    op = T.ops[i]
     if not op then error("no op " .. tostring(i), 2) end
-    if name ~= "apply" then
-      return self:_step(name, T._id, self:_coll(op.collection), T._id, op, self.fields, self.wopts)
-    end
+  end
+  local again = T.state ~= want and STEP_AFTER[name] and STEP_AFTER[name][T.state]
+  if again and TRANSITIONS[name] then return { moved = false } end
+  if T.state ~= want and not again then
+    return refuse("state", format("the transaction is %s, not %s", tostring(T.state), want))
+  end
+  if want == "pending" and not self:_holds(T) then
+    return refuse("owned", "this manager does not hold the transaction: claim it first")
+  end
+  if name == "apply" then
     local versions = self.versions[k]
     if not versions then
       versions, err = self:_confirmed_versions(T)
       if versions == nil then return nil, err end
-      if not versions then
-        return nil, errors.new("owned", "not held by this manager", { step = "apply", id = T._id })
-      end
+      if not versions then return refuse("owned", "not held by this manager") end
       self.versions[k] = versions
     end
     local ok, why = self:_apply_one(T, i, versions[i])
     if ok == nil then return nil, why end
     if not ok then return nil, op_failure(T, i, why) end
     return { applied = true }
+  elseif name == "finish" then
+    return self:_step("finish", T._id, self:_coll(op.collection), T._id, op, self.fields,
+      self.wopts)
+  elseif name == "undo" then
+    return self:_undo_op(T, i)
   end
-  local moves = {
-    commit = { "pending", "applied", T.epoch }, done = { "applied", "done" },
-    cancel = { "pending", "canceling", T.epoch }, cancelled = { "canceling", "cancelled" },
-  }
-  local m = moves[name]
-  if not m then error("unknown step " .. tostring(name), 2) end
+  -- commit needs every op applied; done and cancelled every marker gone
+  if name ~= "cancel" then
+    local versions
+    versions, err = self:_versions(T)
+    if not versions then return nil, err end
+    for j, v in ipairs(versions) do
+      if (name == "commit") ~= v.marked then
+        return refuse("state", format("op %d is %s", j, name == "commit" and "not applied"
+          or (name == "done" and "not finished" or "not undone")))
+      end
+    end
+  end
+  local m = TRANSITIONS[name]
   if name == "done" or name == "cancelled" then self.versions[k] = nil end
-  return self:_step("transition", T._id, self.tx, T._id, m[1], m[2], m[3], nil, self.wopts)
+  return self:_step("transition", T._id, self.tx, T._id, m[1], m[2],
+    want == "pending" and T.epoch or nil, nil, self.wopts)
+end
+
+-- step("claim"): an initial transaction is anyone's; an active one held
+-- by this manager is returned as it is (claiming again would change its
+-- epoch); one held by another needs the ownership policy's leave.
+function Manager:_step_claim(T, refuse)
+  if T.state == "done" or T.state == "cancelled" then
+    return refuse("state", "the transaction is " .. T.state .. ": there is nothing to claim")
+  end
+  if self.held[key(T._id)] == T.epoch and T.epoch ~= nil then return T end
+  local now, err
+  if T.state ~= "initial" then
+    now, err = self:server_now()
+    if not now then return nil, err end
+    local age = T.lastModified and (now - T.lastModified:value()) / 1000 or math.huge
+    if not self.policy.may_recover(T, age, self:_me()) then
+      return refuse("owned", format("held by %s until its lease expires",
+        tostring(T.application)))
+    end
+  end
+  local versions
+  if T.state == "initial" or T.state == "pending" then
+    versions, err = self:_versions(T)
+    if not versions then return nil, err end
+  end
+  local claimed
+  claimed, err = self:_claim(T, T.state == "initial" and { state = "pending" } or nil, now)
+  if claimed and versions then self.versions[key(T._id)] = versions end
+  return claimed, err
 end
 
 return _M

@@ -27,11 +27,15 @@ end
 -- What to do when op i cannot apply. reason: "missing" (no document),
 -- "guard" (its `where` is false), "conflict" (insert: _id taken),
 -- "removing" (another open transaction removes the document),
--- "contention" (the document kept changing).
+-- "contention" (the document kept changing), "busy" (the op has a guard
+-- and another transaction that has not committed holds the document:
+-- the guard may not read its effects, which may still be undone).
 -- Returns "cancel" (roll back, end cancelled), "retry" (try again after a
 -- backoff, up to `retries` times, then cancel) or "fail" (stop and leave
--- the transaction pending for recovery).
+-- the transaction pending for recovery).  A busy document is usually
+-- released within a few milliseconds, so that one is retried.
 function _M.on_op_failure(tx, i, reason) -- luacheck: no unused args
+  if reason == "busy" then return "retry" end
   return "cancel"
 end
 

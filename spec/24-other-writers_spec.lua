@@ -1,0 +1,88 @@
+-- Writers other than mongotx (README, "Other writers").  A writer that
+-- follows the tutorial's recipe (PyMongo, the mongo shell) knows nothing
+-- of txVersion, so version fencing cannot stop a stalled mongotx owner
+-- after such a writer recovered its transaction.  The owner's deadline
+-- does: every apply of an owner is fenced by the server's clock, and an
+-- owner that outlives its deadline renews it (a write the other writer
+-- sees as a fresh lastModified) before it applies again.  So a writer that
+-- only recovers transactions whose lastModified is older than the
+-- owner's lease never races an owner's apply.
+--
+-- Here a worker (spec/support/worker.lua stall, lease 1 s) is stopped with
+-- SIGSTOP between its two applies; the other writer waits past the lease
+-- and runs the tutorial's recovery with plain updates; the worker resumes.
+
+local helpers = require "spec.helpers"
+local mongotx = require "mongotx"
+
+local reason = helpers.no_concurrency()
+if not reason and helpers.server_kind() == "ferretdb" then
+  reason = "FerretDB v1 cannot evaluate $$NOW in a filter, so applies are fenced by " ..
+           "versions alone, which other writers do not move"
+end
+
+describe("#server #concurrency other writers", function()
+  if reason then
+    it("runs on servers that evaluate $$NOW and isolate writers", function() pending(reason) end)
+    return
+  end
+
+  -- The tutorial's recovery of a pending transaction, as a writer that
+  -- does not know mongotx would run it: apply each op where the marker is
+  -- absent, commit, pull the markers, done.  No txVersion, no epoch.
+  local function tutorial_recovery(db, tid, ops)
+    local accounts, txs = db:collection("accounts"), db:collection("transactions")
+    for _, op in ipairs(ops) do
+      assert(accounts:update_one({ _id = op[1], pendingTransactions = { ["$ne"] = tid } },
+        { ["$inc"] = { balance = op[2] }, ["$push"] = { pendingTransactions = tid } }))
+    end
+    local res = assert(txs:update_one({ _id = tid, state = "pending" },
+      { ["$set"] = { state = "applied" }, ["$currentDate"] = { lastModified = true } }))
+    assert.equal(1, res.matched)
+    for _, op in ipairs(ops) do
+      assert(accounts:update_one({ _id = op[1], pendingTransactions = tid },
+        { ["$pull"] = { pendingTransactions = tid } }))
+    end
+    assert(txs:update_one({ _id = tid, state = "applied" },
+      { ["$set"] = { state = "done" }, ["$currentDate"] = { lastModified = true } }))
+  end
+
+  it("a stalled owner does not apply again after a tutorial-style recovery", function()
+    local dbname = helpers.db_name()
+    local db = assert(mongotx.connect(helpers.uri(), { database = dbname }))
+    local accounts = db:collection("accounts")
+    assert(accounts:insert_many {
+      { _id = "A", balance = 1000, pendingTransactions = mongotx.array() },
+      { _id = "B", balance = 1000, pendingTransactions = mongotx.array() },
+    })
+    local ready = os.tmpname()
+    os.remove(ready)
+    local pid, out = helpers.spawn_worker("stall", helpers.uri(), dbname, ready, 3, "A", "B", 100)
+    assert.is_true(helpers.wait_file(ready, 20), "the worker never reached its first apply")
+    helpers.signal(pid, "STOP")
+    mongotx.core.sleep(1.5) -- past the worker's 1 s lease, as the recipe's threshold
+
+    local T = assert(db:collection("transactions"):find_one({}))
+    assert.equal("pending", T.state)
+    tutorial_recovery(db, T._id, { { "A", -100 }, { "B", 100 } })
+
+    helpers.signal(pid, "CONT")
+    assert.is_true(helpers.wait_exit(pid, 20), "the worker did not finish")
+    local said = helpers.read_file(out)
+    os.remove(out)
+    os.remove(ready)
+
+    -- op 2 (B's credit) was applied once, by the other writer: the
+    -- worker's prepared apply missed its deadline and was not renewed
+    local a, b = accounts:find_one({ _id = "A" }), accounts:find_one({ _id = "B" })
+    assert.equal(900, a.balance)
+    assert.equal(1100, b.balance)
+    assert.same({}, a.pendingTransactions)
+    assert.same({}, b.pendingTransactions)
+    T = assert(db:collection("transactions"):find_one({ _id = T._id }))
+    assert.equal("done", T.state)
+    assert.equal(1, T.epoch) -- nobody but the worker ever claimed it
+    assert.truthy(said:find("exit"), said)
+    db:close()
+  end)
+end)
