@@ -2,7 +2,8 @@
 -- after the final recovery:
 --   1. every transaction ended done or cancelled (none parked, none in
 --      flight), and a compensating one only for a done original;
---   2. no document carries a marker (pendingTransactions) any more;
+--   2. no document carries a marker (pendingTransactions) or a holder
+--      (txHeld) any more;
 --   3. the documents are exactly the fixture with the ops of the done
 --      transactions applied once each and those of the cancelled ones not
 --      at all: a model replays the done transactions' stored ops ($inc,
@@ -32,6 +33,9 @@ end
 local M = {}
 
 M.MARKER, M.VERSION = "pendingTransactions", "txVersion"
+-- the ids of open transactions whose effect on a document may raise a
+-- value (README, Guards): bookkeeping like the marker, empty at the end
+M.HELD = "txHeld"
 
 local function copy(doc)
   local out = {}
@@ -96,12 +100,12 @@ local function replay(model, op, tid)
   end
 end
 
--- The document as the model sees it: without marker and version, and
--- absent when it is an insert's placeholder (README, known limit 3).
+-- The document as the model sees it: without marker, version and holders,
+-- and absent when it is an insert's placeholder (README, known limit 3).
 local function visible(doc)
   if doc.txPlaceholder == true then return nil end
   local d = copy(doc)
-  d[M.MARKER], d[M.VERSION] = nil, nil
+  d[M.MARKER], d[M.VERSION], d[M.HELD] = nil, nil, nil
   return d
 end
 
@@ -135,7 +139,8 @@ function M.database(db, fixture, opts)
       r.counts[T.state] = r.counts[T.state] + 1
     else
       r.counts.other = r.counts.other + 1
-      violation("transaction %s ended %s%s", id, tostring(T.state), T.parked and " (parked)" or "")
+      violation("transaction %s ended %s%s%s", id, tostring(T.state), T.parked and " (parked)" or "",
+        T.reason and (" (reason: " .. tostring(T.reason) .. ")") or "")
     end
     if T.state == "done" then done[#done + 1] = T end
   end
@@ -172,6 +177,12 @@ function M.database(db, fixture, opts)
         violation("%s/%s still carries markers of %s", name, tostring(doc._id),
           table.concat(whose, ", "))
       end
+      local held = doc[M.HELD]
+      if held ~= nil and (type(held) ~= "table" or #held > 0) then
+        local ids = {}
+        for i, id in ipairs(type(held) == "table" and held or {}) do ids[i] = canon(id) end
+        violation("%s/%s is still held by %s", name, tostring(doc._id), table.concat(ids, ", "))
+      end
       local d = visible(doc)
       if d then actual[canon(doc._id)] = d end
       if d and type(d.floor) == "number" and type(d.balance) == "number"
@@ -198,7 +209,11 @@ function M.database(db, fixture, opts)
 
   for id, allowed in pairs(opts.allowed or {}) do
     local state = r.states[canon(id)] or "absent"
-    if not allowed[state] then violation("transaction %s ended %s", canon(id), state) end
+    if not allowed[state] then
+      local T = r.docs[canon(id)]
+      violation("transaction %s ended %s%s", canon(id), state,
+        T and T.reason and (" (reason: " .. tostring(T.reason) .. ")") or "")
+    end
   end
   for id, said in pairs(opts.reported or {}) do
     local state = r.states[canon(id)] or "absent"
