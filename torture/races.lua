@@ -57,17 +57,22 @@ local cases = {
 
 -- Guard isolation (issue 8): T1 moves 10 from A to B, T2 10 from B to C
 -- with B's floor as its guard (min = 0); A, B and C start at 0 unless
--- said otherwise.  T2 runs at the moment T1's credit to B is visible (B
--- carries T1's marker): from a hook on T1's manager's step events, so the
--- fast paths and the batches are interleaved as well as the step-by-step
--- ones.  For each way T1 can end cancelled with its credit applied (it
--- cannot pay, is rolled back, or recovery rolls it back) and each way T2
--- can run, B must never be seen below 0: T2's guard may not pass on a
--- credit that is then undone.  A probe reads the floored accounts after
--- every step event of every manager (the races' floor observer: it sees
--- every state between two writes), and check.lua checks the end.
--- T1 committed but not finished (its marker still on B) is a committed
--- credit: T2 must then end done, and T1 too.
+-- said otherwise.  T2 runs the moment T1's apply has reached B (B carries
+-- T1's marker; before the fix T1's credit was then in B's balance, since
+-- then a pure credit only reserves B until T1 finishes): from a hook on
+-- T1's manager's step events, so the fast paths and the batches are
+-- interleaved as well as the step-by-step ones.  For each way T1 can end
+-- cancelled after its apply reached B (it cannot pay, is rolled back, or
+-- recovery rolls it back; its credit a pure $inc, or one that also $sets
+-- a field and so takes effect at its apply) and each way T2 can run (its
+-- guard a floor, or "strict": a floor and another condition, which waits
+-- for any open holder), B must never be seen below 0: T2's guard may not
+-- pass on a credit that is then undone.  A probe reads the floored
+-- accounts after every step event of every manager (the races' floor
+-- observer: it sees every state between two writes), and check.lua checks
+-- the end.  T1 committed but not finished (its marker still on B) is a
+-- committed credit: T2 must then end done (its manager finishes T1's op on
+-- B first), and T1 too.
 
 local function inc(id, n, guarded)
   local op = { collection = "accounts", id = id, update = { ["$inc"] = { balance = n } } }
@@ -78,10 +83,19 @@ end
 local T1_OPS = { inc("A", -10, true), inc("B", 10) }          -- debit first
 local T1_CREDIT_FIRST = { inc("B", 10), inc("A", -10, true) }  -- credit first
 local T2_OPS = { inc("B", -10, true), inc("C", 10) }
+-- a credit that also $sets a field: not a pure credit, so it takes effect
+-- at its apply (and holds B until finished or undone)
+local SET_CREDIT = { collection = "accounts", id = "B",
+  update = { ["$inc"] = { balance = 10 }, ["$set"] = { last = "T1" } },
+  undo = { ["$inc"] = { balance = -10 }, ["$set"] = { last = "" } } }
+local T1_SET = { SET_CREDIT, inc("A", -10, true) }
+-- a guard that is not only a floor: it waits for every open holder
+local T2_STRICT = { inc("B", -10, true), inc("C", 10) }
+T2_STRICT[1].where.last = { ["$ne"] = "frozen" }
 
 local function floored(a, b, c)
   return { accounts = {
-    { _id = "A", balance = a, floor = 0 }, { _id = "B", balance = b, floor = 0 },
+    { _id = "A", balance = a, floor = 0 }, { _id = "B", balance = b, floor = 0, last = "" },
     { _id = "C", balance = c, floor = 0 }, { _id = "D", balance = 5, floor = 0 },
     { _id = "E", balance = 0, floor = 0 } } }
 end
@@ -106,6 +120,10 @@ local t1_ways = {
   { "commit", function(env)
       local T = assert(env.tm1:begin(T1_CREDIT_FIRST, { id = "T1" }))
       return env.tm1:commit(T) end },
+  { "commit-set", function(env)
+      local T = assert(env.tm1:begin(T1_SET, { id = "T1" }))
+      return env.tm1:commit(T) end },
+  { "run-set", function(env) return env.tm1:run(T1_SET, { id = "T1" }) end },
   { "rollback", function(env)
       local T = assert(env.tm1:begin(T1_OPS, { id = "T1" }))
       assert(env.tm1:step("claim", T))
@@ -114,13 +132,20 @@ local t1_ways = {
       local ok, err = env.tm1:rollback(T, "rolled back by the race")
       if ok then return nil, { code = "cancelled" } end
       return nil, err end },
+  -- T1's owner stalls (lease 0: its claim's deadline has passed at once,
+  -- so recovery may take T1 over without waiting)
   { "recover-back", function(env)
       local T = assert(env.tm1:begin(T1_OPS, { id = "T1" }))
       assert(env.tm1:step("claim", T))
       assert(env.tm1:step("apply", T, 2))
       env.fire()
-      assert(env.tm3:recover())
-      return nil, nil end }, -- nothing told: T1's owner never heard back
+      local rep = assert(env.tm3:recover())
+      if rep.cancelled ~= 1 then
+        error(("recovery rolled back %d transactions, not T1: %s"):format(rep.cancelled,
+          rep.errors[1] and tostring(rep.errors[1].error) or "skipped"), 0)
+      end
+      return nil, nil end, -- nothing told: T1's owner never heard back
+    tm1 = { lease = 0 } },
 }
 
 -- T1 committed (applied) with its marker still on B: A starts at 10.
@@ -138,7 +163,8 @@ local t1_committed = {
       if not T then return nil, err end
       env.fire()
       env.tm1:finish()
-      return env.tm1:get("T1") end },
+      return env.tm1:get("T1") end,
+    tm1 = { finish = "deferred" } },
 }
 
 -- How T2 runs, with manager tm2 (default policies).
@@ -156,6 +182,7 @@ local t2_ways = {
   { "commit_many", function(tm)
       local res, errs = tm:commit_many { { ops = T2_OPS, id = "T2" } }
       return res[1], errs[1] end },
+  { "strict", function(tm) return tm:run(T2_STRICT, { id = "T2" }) end },
 }
 
 local function told(res, err)
@@ -165,7 +192,7 @@ end
 
 local function guard_case(t1, t2, committed)
   local name = ("guard %s/%s"):format(t1[1], t2[1])
-  return { name = name, guard = true, committed = committed,
+  return { name = name, guard = true, committed = committed, tm1 = t1.tm1,
     fixture = committed and floored(10, 0, 0) or floored(0, 0, 0),
     allowed = committed and { T1 = { done = true }, T2 = { done = true } }
       or { T1 = { cancelled = true } },
@@ -236,8 +263,7 @@ local function guard_env(db, c, sightings)
     for k, v in pairs(extra or {}) do o[k] = v end
     return o
   end
-  env.tm1 = assert(db:manager(events("one",
-    c.name:find("deferred", 1, true) and { finish = "deferred" } or nil)))
+  env.tm1 = assert(db:manager(events("one", c.tm1)))
   env.tm2 = assert(db:manager(events("two")))
   env.tm3 = assert(db:manager(events("three",
     { stale_pending = function() return "back" end })))
@@ -246,7 +272,7 @@ end
 
 function M.run(ctx)
   local r = { cases = 0, violations = 0, crashes = 0, failures = {} }
-  local late, guard_cases = {}, 0
+  local late, guard_cases, codes = {}, 0, {}
   for i, c in ipairs(cases) do
     local db = check.db(ctx.uri, "race" .. i)
     check.load(db, c.fixture)
@@ -277,15 +303,22 @@ function M.run(ctx)
       r.violations = r.violations + bad
       for _, v in ipairs(sightings) do r.failures[#r.failures + 1] = c.name .. ": " .. v end
       for _, v in ipairs(rep.violations) do r.failures[#r.failures + 1] = c.name .. ": " .. v end
+      local t2 = c.guard and said.T2 ~= "done" and said.T2
+      if t2 then codes[t2] = (codes[t2] or 0) + 1 end
       ctx.say("  race %-30s %s%s", c.name, bad == 0 and "ok" or "VIOLATION",
-        c.guard and ("  T1 %s, T2 %s%s"):format(tostring(rep.states.T1),
-          tostring(rep.states.T2), was_late and " (T1's credit never visible: T2 ran after)"
+        c.guard and ("  T1 %s, T2 %s%s%s"):format(tostring(rep.states.T1),
+          tostring(rep.states.T2), t2 and (" (" .. t2 .. ")") or "",
+          was_late and " (T1's apply never reached B before it ended: T2 ran after)"
           or "") or "")
     end
   end
+  local by_code = {}
+  for code, n in pairs(codes) do by_code[#by_code + 1] = ("%s %d"):format(code, n) end
+  table.sort(by_code)
   r.notes = ("remove-twice, insert-after-undo, %d guard-isolation cases (%d x %d T1 ending "
-    .. "cancelled, %d x %d committed)%s"):format(guard_cases, #t1_ways, #t2_ways,
-    #t1_committed, #t2_ways, #late > 0 and ("; credit never visible in " .. #late) or "")
+    .. "cancelled, %d x %d committed; T2 cancelled: %s)%s"):format(guard_cases, #t1_ways,
+    #t2_ways, #t1_committed, #t2_ways, #by_code > 0 and table.concat(by_code, ", ") or "none",
+    #late > 0 and ("; T1 never reached B in " .. #late) or "")
   return r
 end
 
