@@ -75,8 +75,11 @@ function M.run(ctx)
   for _, s in ipairs(scenarios.list) do
     if not ctx.scenarios or ctx.scenarios[s.name] then list[#list + 1] = s end
   end
+  local function kinds_of(s)
+    return (not ctx.full and s.ci_kinds) or s.kinds or scenarios.KINDS
+  end
   for _, s in ipairs(list) do
-    for _, kind in ipairs(s.kinds or scenarios.KINDS) do
+    for _, kind in ipairs(kinds_of(s)) do
       local trace = os.tmpname()
       local clean = new_case(s, kind, nil)
       play(clean, { MONGOTX_FAULT_TRACE = trace })
@@ -97,7 +100,7 @@ function M.run(ctx)
         if c.how == "injected" then result.injected = result.injected + 1
         elseif c.how == "ok" then result.missed = result.missed + 1 end
       end
-      ctx.say("  crashpoints %-16s %-7s %3d points", s.name, kind, #points)
+      ctx.say("  crashpoints %-23s %-7s %3d points", s.name, kind, #points)
     end
   end
 
@@ -151,13 +154,13 @@ function M.run(ctx)
 
   for _, s in ipairs(list) do
     local row = matrix[s.name]
-    local kinds = s.kinds or scenarios.KINDS
+    local kinds = kinds_of(s)
     ctx.say("")
-    local head = ("  %-22s"):format(s.name)
+    local head = ("  %-25s"):format(s.name)
     for _, k in ipairs(kinds) do head = head .. ("%-12s"):format(k) end
     ctx.say("%s", head)
     for _, key in ipairs(row or {}) do
-      local line = ("  %-22s"):format(key)
+      local line = ("  %-25s"):format(key)
       for _, k in ipairs(kinds) do line = line .. ("%-12s"):format(row[key][k] or "-") end
       ctx.say("%s", line)
     end

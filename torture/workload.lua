@@ -13,7 +13,8 @@
 --
 -- Paths, each with guarded debits: tm:transfer, begin+commit and tm:run
 -- of multi-collection transactions (a ledger insert, a token removal, an
--- assert, a counter; the credit before or after the debit),
+-- assert, a counter; the credit before or after the debit, and a third of
+-- them a credit that also lowers another field, so it holds the account),
 -- tm:transfer_many and tm:commit_many batches, a transaction walked with
 -- tm:step that applies its credit, waits, and is rolled back
 -- (tm:rollback) or committed (its debit may then fail), and
@@ -42,10 +43,10 @@ function M.fixture(accounts, tokens)
   local f = { accounts = {}, tokens = {}, flags = { { _id = "open", open = true } },
               counters = {}, ledger = {} }
   for i = 1, accounts do
-    f.accounts[i] = { _id = "acct" .. i, balance = M.BALANCE, floor = M.FLOOR }
+    f.accounts[i] = { _id = "acct" .. i, balance = M.BALANCE, floor = M.FLOOR, seq = 0 }
   end
   for i = 1, M.SPARE do
-    f.accounts[accounts + i] = { _id = "spare" .. i, balance = M.SPARE_BALANCE }
+    f.accounts[accounts + i] = { _id = "spare" .. i, balance = M.SPARE_BALANCE, seq = 0 }
   end
   for i = 1, tokens do f.tokens[i] = { _id = "tok" .. i } end
   for i = 1, 3 do f.counters[i] = { _id = "c" .. i, n = 0 } end
@@ -90,10 +91,20 @@ local function credit(to, amount)
   return { collection = "accounts", id = to, update = { ["$inc"] = { balance = amount } } }
 end
 
+-- A credit that also lowers `seq`: not a pure credit (README, Guards), so
+-- it takes effect at its apply and holds the account (txHeld) until
+-- finished or undone; guarded debits of the account wait (busy) meanwhile.
+local function held_credit(to, amount)
+  return { collection = "accounts", id = to,
+           update = { ["$inc"] = { balance = amount, seq = -1 } } }
+end
+
 -- A transfer with a ledger entry and one more op: a token removal, an
--- assert or a counter; the credit first half the time.
+-- assert or a counter; the credit first half the time, a held one
+-- (held_credit) a third of the time.
 local function multi(id, sizes, from, to, amount)
-  local ops = { debit(from, amount), credit(to, amount),
+  local ops = { debit(from, amount),
+    math.random(3) == 1 and held_credit(to, amount) or credit(to, amount),
     { collection = "ledger", id = id, kind = "insert",
       doc = { from = from, to = to, amount = amount } } }
   if math.random(2) == 1 then ops[1], ops[2] = ops[2], ops[1] end
