@@ -7,6 +7,12 @@
 -- cannot apply, for reason "busy" (default policy: retry, then cancel with
 -- code "busy").
 --
+-- The engine keeps it without waiting in the common case (README,
+-- "Guards"): a credit takes effect at finish, a debit at once, and a
+-- floor guard ($gte/$gt) may read debits that are not committed yet; any
+-- other effect marks the document in txHeld.  The first describe checks
+-- that classification as the transaction document stores it.
+--
 -- The attack: t1 moves 10 from A (who cannot pay) to B and is caught
 -- between its steps with its credit on B; t2, from another manager, takes
 -- 10 from B with min = 0.  Without isolation t2 passes on t1's credit,
@@ -57,6 +63,53 @@ describe("#server guard isolation", function()
   end
 
   local function balances() return helpers.balances(accounts) end
+
+  describe("when an op takes effect", function()
+    before_each(function() setup { A = 100, B = 0, C = 0 } end)
+
+    -- The effect begin stores for each op.
+    local function effects(ops)
+      local t = assert(tm1:begin(ops))
+      local stored = assert(db:collection("transactions"):find_one({ _id = t._id }))
+      local out = {}
+      for i, op in ipairs(stored.ops) do out[i] = op.effect or "raises" end
+      return out
+    end
+
+    it("a credit at finish, a debit at once, anything else at once and held", function()
+      assert.are.same({ "lowers", "at_finish" }, effects { debit("A", 10), credit("B", 10) })
+      assert.are.same({ "lowers", "raises" }, effects {
+        inc("A", -10),
+        inc("B", 10, { balance = { ["$lt"] = 100 } }), -- a guarded credit applies at once
+      })
+      assert.are.same({ "raises", "raises", "raises" }, effects {
+        -- a debit whose undo is not an $inc back could lower the value when undone
+        { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -1 } },
+          undo = { ["$set"] = { balance = 0 } } },
+        { collection = "accounts", id = "B", update = { ["$inc"] = { balance = 1, n = -1 } } },
+        { collection = "accounts", id = "C", update = { ["$set"] = { balance = 5 } },
+          undo = { ["$set"] = { balance = 0 } } },
+      })
+    end)
+
+    it("a credit shows at finish, a raising effect holds its document until then", function()
+      local t = assert(tm1:begin({ debit("A", 10), credit("B", 10),
+        { collection = "accounts", id = "C", update = { ["$set"] = { flag = true } },
+          undo = { ["$unset"] = { flag = true } } } }, { id = "t" }))
+      for _, s in ipairs { { "claim" }, { "apply", 1 }, { "apply", 2 }, { "apply", 3 } } do
+        assert(tm1:step(s[1], t, s[2]))
+      end
+      assert.are.equal(90, doc("A").balance) -- the debit shows at once
+      assert.are.equal(0, doc("B").balance)  -- the credit only reserved B
+      assert.are.same({ "t" }, doc("B").pendingTransactions)
+      assert.is_nil(doc("B").txHeld)
+      assert.are.same({ "t" }, doc("C").txHeld)
+      assert.is_true(doc("C").flag)
+      assert.are.equal("done", assert(tm1:commit(t)).state)
+      assert.are.equal(10, doc("B").balance)
+      assert.are.same({}, doc("C").txHeld)
+    end)
+  end)
 
   local function state(tm, id) return assert(tm:get(id)).state end
 

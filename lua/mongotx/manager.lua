@@ -140,7 +140,7 @@ function Manager:_get(id, step, level)
   if id == nil or kind == "function" or kind == "thread" then
     error(format("%s needs a transaction id, not a %s", step, kind), level + 1)
   end
-  local sent, err = validate.check_id(id)
+  local sent, err = validate.check_tid(id)
   if sent == nil then return nil, errors.wrap(err, step, nil) end
   local doc
   doc, err = self.tx:find_one({ _id = sent })
@@ -625,7 +625,7 @@ function Manager:_spec(ops, opts, extra, what, level)
   local id = opts.id
   if id ~= nil then
     local why
-    id, why = validate.check_id(id)
+    id, why = validate.check_tid(id)
     if id == nil then return nil, why end
   end
   return { ops = norm, id = id, meta = opts.meta, extra = extra }

@@ -195,9 +195,9 @@ end
 -- When an update op takes effect (csrc/txn.c, "Guards"): "at_finish"
 -- for a credit (only $inc of positive numbers, no guard), which may not be
 -- seen before its transaction commits; "lowers" for a debit (only $inc of
--- negative numbers), which a floor guard may read before it commits;
--- nil for anything else.
-local function update_effect(update, where)
+-- negative numbers, undone by an $inc of positive ones), which a floor
+-- guard may read before it commits; nil for anything else.
+local function update_effect(update, where, undo)
   local inc, sign = update["$inc"], nil
   if next(update, next(update)) ~= nil or type(inc) ~= "table" then return nil end
   for _, amount in pairs(inc) do
@@ -207,9 +207,10 @@ local function update_effect(update, where)
     sign = s
   end
   if sign == 1 then return where == nil and "at_finish" or nil end
+  -- undoing it must only raise values again (a $set could lower them)
+  if undo == nil or update_effect(undo, nil) ~= "at_finish" then return nil end
   return "lowers"
 end
-_M.update_effect = update_effect
 
 -- Is where a floor (only $gte / $gt of numbers on fields)?  A floor may
 -- read values that uncommitted debits have lowered.
@@ -281,6 +282,19 @@ local function check_id(id, i)
   return sent, key
 end
 _M.check_id = check_id
+
+-- check_id for a transaction's id, which must also be a scalar: it goes
+-- into marker arrays, and `$pull` reads a document value as a condition
+-- (pulling {a = 1} would pull another transaction's {a = 1, b = 2} too).
+function _M.check_tid(id)
+  local sent, key = check_id(id)
+  if sent == nil then return nil, key end
+  if core.type(sent) == "object" then
+    return invalid("a transaction id may not be a document (it goes into marker " ..
+      "arrays, where $pull reads a document as a condition)")
+  end
+  return sent, key
+end
 
 -- The key of an id read back from the database (a marker, a stored op's
 -- id), or nil when it is no valid id: equal to check_id's for the same
@@ -413,7 +427,7 @@ local function normalise_op(op, i, ctx)
     ok, err = check_update(undo, ctx.owned, "undo", i)
     if not ok then return nil, err end
     out.update, out.undo = fields.update, undo
-    out.effect = update_effect(fields.update, fields.where)
+    out.effect = update_effect(fields.update, fields.where, undo)
   elseif fields.update ~= nil or fields.undo ~= nil then
     return invalid("only an update op takes update and undo", i)
   end
