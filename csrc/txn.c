@@ -738,6 +738,43 @@ l_fence(lua_State *L)
 	return push_bool_result(L, "fenced", n);
 }
 
+/* Runs findAndModify(query, update) returning the new document, at crash
+ * point `point`; pushes the document, or false when nothing matched, or
+ * nil, err (returns the number of values pushed). */
+static int
+find_and_modify(lua_State *L, const char *point, mongoc_collection_t *coll,
+		const bson_t *query, const bson_t *update, const bson_t *opts)
+{
+	mongoc_find_and_modify_opts_t *fam;
+	bson_t *reply = mtx_scratch(L), value;
+	bson_error_t err;
+	bson_iter_t it;
+	void **slot;
+	uint32_t len;
+	const uint8_t *data;
+	bool ok;
+
+	slot = mtx_guard(L, (void (*)(void *))mongoc_find_and_modify_opts_destroy);
+	fam = (mongoc_find_and_modify_opts_t *)(*slot = mongoc_find_and_modify_opts_new());
+	mongoc_find_and_modify_opts_set_update(fam, update);
+	mongoc_find_and_modify_opts_set_flags(fam, MONGOC_FIND_AND_MODIFY_RETURN_NEW);
+	mongoc_find_and_modify_opts_append(fam, opts);
+	mtx_fault(point, "before");
+	ok = mongoc_collection_find_and_modify_with_opts(coll, query, fam, reply, &err);
+	mtx_fault(point, "after");
+	if (!ok)
+		return mtx_push_error(L, &err, reply);
+	if (bson_iter_init_find(&it, reply, "value") && BSON_ITER_HOLDS_DOCUMENT(&it)) {
+		bson_iter_document(&it, &len, &data);
+		if (bson_init_static(&value, data, len)) {
+			mtx_push_document(L, &value);
+			return 1;
+		}
+	}
+	lua_pushboolean(L, 0);
+	return 1;
+}
+
 /* The crash point of a move to state `to`, in the protocol's words. */
 static const char *
 transition_point(const char *to)
@@ -780,9 +817,11 @@ build_transition(lua_State *L, const char *from, const char *to, int epoch,
 }
 
 /* transition(txcoll, tid, from, to [, epoch [, set [, opts]]])
- *   -> { moved = bool }
- * update_one {_id: tid, state: from [, epoch]} with {$set: {state: to,
- * ...set}, $currentDate: {lastModified: true}}. */
+ *   -> the transaction as moved, or false when it was not in `from` (at
+ *   that epoch)
+ * findAndModify {_id: tid, state: from [, epoch]} with {$set: {state: to,
+ * ...set}, $currentDate: {lastModified: true}}, returning the new
+ * document: the caller needs no read to learn where it stands. */
 static int
 l_transition(lua_State *L)
 {
@@ -791,8 +830,6 @@ l_transition(lua_State *L)
 	const char *from = luaL_checkstring(L, 3);
 	const char *to = luaL_checkstring(L, 4);
 	bson_iter_t it;
-	int64_t n = 0;
-	int rc;
 
 	lua_settop(L, 7); /* absent optional arguments keep their slots */
 	tid = check_tid(L, 2);
@@ -802,9 +839,7 @@ l_transition(lua_State *L)
 	bson_append_iter(filter, "_id", 3, &it);
 	update = mtx_scratch(L);
 	build_transition(L, from, to, 5, 6, filter, update);
-	if ((rc = run_update(L, transition_point(to), coll, filter, update, opts, 0, &n)))
-		return rc;
-	return push_bool_result(L, "moved", n);
+	return find_and_modify(L, transition_point(to), coll, filter, update, opts);
 }
 
 /* transition_many(txcoll, tids, from, to [, epoch [, set [, opts]]])
@@ -934,7 +969,7 @@ l_create_many(lua_State *L)
 	return mtx_bulk_execute(L, bulk, "create", n, 0);
 }
 
-/* claim(txcoll, tid, expect, set [, opts]) -> the claimed document or nil
+/* claim(txcoll, tid, expect, set [, opts]) -> the claimed document or false
  * findAndModify {_id: tid, ...expect} with {$set: set, $inc: {epoch: 1,
  * attempts: 1}, $currentDate: {lastModified: true}}, returning the new
  * document.  expect carries what the claimer saw (state, epoch,
@@ -943,19 +978,14 @@ static int
 l_claim(lua_State *L)
 {
 	mongoc_collection_t *coll = arg_collection(L, 1);
-	bson_t *tid, *query, *expect, *set, *update, *extra,
-	       *reply, sub;
-	mongoc_find_and_modify_opts_t *fam;
-	bson_error_t err;
+	bson_t *tid, *query, *expect, *set, *update, *opts, sub;
 	bson_iter_t it;
-	void **slot;
-	bool ok;
 
 	lua_settop(L, 5); /* absent optional arguments keep their slots */
 	tid = check_tid(L, 2);
 	expect = mtx_check_document(L, 3);
 	set = mtx_check_document(L, 4);
-	extra = write_opts(L, 5);
+	opts = write_opts(L, 5);
 	query = mtx_scratch(L);
 	bson_iter_init_find(&it, tid, "t");
 	bson_append_iter(query, "_id", 3, &it);
@@ -971,30 +1001,7 @@ l_claim(lua_State *L)
 	bson_append_document_begin(update, "$currentDate", -1, &sub);
 	BSON_APPEND_BOOL(&sub, "lastModified", true);
 	bson_append_document_end(update, &sub);
-	slot = mtx_guard(L, (void (*)(void *))mongoc_find_and_modify_opts_destroy);
-	fam = (mongoc_find_and_modify_opts_t *)(*slot = mongoc_find_and_modify_opts_new());
-	mongoc_find_and_modify_opts_set_update(fam, update);
-	mongoc_find_and_modify_opts_set_flags(fam, MONGOC_FIND_AND_MODIFY_RETURN_NEW);
-	mongoc_find_and_modify_opts_append(fam, extra);
-	reply = mtx_scratch(L);
-	mtx_fault("claim", "before");
-	ok = mongoc_collection_find_and_modify_with_opts(coll, query, fam, reply, &err);
-	mtx_fault("claim", "after");
-	if (!ok)
-		return mtx_push_error(L, &err, reply);
-	if (bson_iter_init_find(&it, reply, "value") && BSON_ITER_HOLDS_DOCUMENT(&it)) {
-		bson_t value;
-		uint32_t len;
-		const uint8_t *data;
-
-		bson_iter_document(&it, &len, &data);
-		if (bson_init_static(&value, data, len)) {
-			mtx_push_document(L, &value);
-			return 1;
-		}
-	}
-	lua_pushboolean(L, 0);
-	return 1;
+	return find_and_modify(L, "claim", coll, query, update, opts);
 }
 
 /* Monotonic milliseconds, for leases measured by this process. */

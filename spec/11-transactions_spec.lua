@@ -40,6 +40,26 @@ describe("#server transactions", function()
     return T
   end
 
+  describe("round trips", function()
+    -- One write per step and no read after one: each transition returns
+    -- the transaction as it moved.  commit = the load of the transaction,
+    -- the read of its documents' versions, then the 7 writes (claim, 2
+    -- applies, commit, 2 finishes, done).
+    it("begin takes 1, commit the 7 writes plus 2 reads", function()
+      assert(tm:transfer("accounts", "A", "B", 1)) -- the clock and the $$NOW probe
+      db.client:reset_counters()
+      local t = assert(tm:begin({ inc("accounts", "A", "balance", -10),
+                                  inc("accounts", "B", "balance", 10) }))
+      local c = db.client:counters()
+      assert.are.same({ 1, 1 }, { c.commands, c.writes })
+      db.client:reset_counters()
+      assert.are.equal("done", assert(tm:commit(t)).state)
+      c = db.client:counters()
+      assert.are.same({ 9, 7 }, { c.commands, c.writes })
+      assert.are.same({ A = 989, B = 1011 }, helpers.balances(accounts))
+    end)
+  end)
+
   describe("across collections", function()
     it("reserves stock, creates an order and takes the payment as one unit", function()
       assert(db:collection("stock"):insert_one({ _id = "widget", qty = 10 }))

@@ -192,6 +192,7 @@ function _M.finish(tm, list)
   if not res then return nil, err end
   for _, T in ipairs(list) do
     T.state = "done"
+    tm:_event("finish", { id = T._id })
     tm:_event("done", { id = T._id })
   end
   return #list

@@ -127,9 +127,20 @@ function Manager:_retry(step, id, fn, ...)
   end
 end
 
+-- The protocol's name of a move to a state (the event a transition
+-- reports, as the batched path does).
+local MOVE_EVENTS = { applied = "commit", done = "done", canceling = "cancel",
+                      cancelled = "cancelled", pending = "renew" }
+
+-- Runs the C step `name` with retries; reports it to on_event under the
+-- protocol's name of the step (a transition by the state it moves to).
 function Manager:_step(name, id, ...)
   local res, err = self:_retry(name, id, steps[name], ...)
-  if res ~= nil then self:_event(name, { id = id, result = res }) end
+  if res ~= nil then
+    local event = name
+    if name == "transition" then event = MOVE_EVENTS[select(4, ...)] or name end
+    self:_event(event, { id = id, result = res })
+  end
   return res, err
 end
 
@@ -415,11 +426,11 @@ end
 function Manager:_renew(T)
   local deadline, err = self:_new_deadline()
   if not deadline then return nil, err end
-  local res
-  res, err = self:_step("transition", T._id, self.tx, T._id, "pending", "pending", T.epoch,
+  local moved
+  moved, err = self:_step("transition", T._id, self.tx, T._id, "pending", "pending", T.epoch,
     { deadline = deadline }, self.wopts)
-  if not res then return nil, err end
-  return res.moved and deadline
+  if moved == nil then return nil, err end
+  return moved and deadline
 end
 
 -- The document of op carries the markers of other transactions.  Those
@@ -489,18 +500,26 @@ function Manager:_apply_all(T, versions)
       end
     end
   end
-  local res, err = self:_step("transition", T._id, self.tx, T._id, "pending", "applied",
-    T.epoch, nil, self.wopts)
-  if not res then return nil, err end
-  return self:get(T._id)
+  return self:_move(T, "pending", "applied", T.epoch)
+end
+
+-- Moves T from state `from` (at `epoch`, when given) to `to`, setting
+-- `set` too; returns T as it now is: as moved (the step returns it), or
+-- as read when somebody else moved it first.
+function Manager:_move(T, from, to, epoch, set)
+  local moved, err = self:_step("transition", T._id, self.tx, T._id, from, to, epoch, set,
+    self.wopts)
+  if moved == nil then return nil, err end
+  if moved then return live(moved) end
+  local now
+  now, err = self:get(T._id)
+  if now then return now end
+  return nil, err or errors.new("state", "no such transaction", { step = to, id = T._id })
 end
 
 -- pending (held) -> canceling, recording why.
 function Manager:_cancel(T, reason)
-  local res, err = self:_step("transition", T._id, self.tx, T._id, "pending", "canceling",
-    T.epoch, { reason = reason }, self.wopts)
-  if not res then return nil, err end
-  return self:get(T._id)
+  return self:_move(T, "pending", "canceling", T.epoch, { reason = reason })
 end
 
 -- applied -> done: pull every marker (delete removed documents), then done.
@@ -510,10 +529,7 @@ function Manager:_finish(T)
       self.fields, self.wopts)
     if not res then return nil, err end
   end
-  local res, err = self:_step("transition", T._id, self.tx, T._id, "applied", "done",
-    nil, nil, self.wopts)
-  if not res then return nil, err end
-  return self:get(T._id)
+  return self:_move(T, "applied", "done")
 end
 
 -- Undoes op i of a canceling T where it was applied; after a takeover
@@ -545,10 +561,7 @@ function Manager:_unwind(T)
     local _, err = self:_undo_op(T, i)
     if err then return nil, err end
   end
-  local res, err = self:_step("transition", T._id, self.tx, T._id, "canceling", "cancelled",
-    nil, nil, self.wopts)
-  if not res then return nil, err end
-  return self:get(T._id)
+  return self:_move(T, "canceling", "cancelled")
 end
 
 local function cancelled_error(T)
@@ -803,11 +816,8 @@ function Manager:rollback(t, reason)
   end
   reason = reason or "rolled back"
   if T.state == "initial" then
-    local res
-    res, err = self:_step("transition", T._id, self.tx, T._id, "initial", "cancelled",
-      T.epoch, { reason = reason }, self.wopts)
-    if not res then return nil, err end
-    T = self:get(T._id)
+    T, err = self:_move(T, "initial", "cancelled", T.epoch, { reason = reason })
+    if not T then return nil, err end
   elseif T.state == "pending" then
     if not self:_holds(T) then
       local now
@@ -891,11 +901,11 @@ function Manager:_recover_one(T, now, me)
   if not self.policy.may_recover(T, age, me) then return "skipped" end
   local versions, err
   if T.state == "initial" and self.policy.stale_initial(T) == "expire" then
-    local res
-    res, err = self:_step("transition", T._id, self.tx, T._id, "initial", "cancelled",
+    local moved
+    moved, err = self:_step("transition", T._id, self.tx, T._id, "initial", "cancelled",
       T.epoch, { reason = "expired" }, self.wopts)
-    if not res then return nil, err end
-    return res.moved and "cancelled" or "skipped"
+    if moved == nil then return nil, err end
+    return moved and "cancelled" or "skipped"
   end
   if T.state == "initial" or T.state == "pending" then
     versions, err = self:_versions(T)
@@ -1124,8 +1134,11 @@ function Manager:step(name, t, i)
   end
   local m = TRANSITIONS[name]
   if name == "done" or name == "cancelled" then self.versions[k] = nil end
-  return self:_step("transition", T._id, self.tx, T._id, m[1], m[2],
+  local moved
+  moved, err = self:_step("transition", T._id, self.tx, T._id, m[1], m[2],
     want == "pending" and T.epoch or nil, nil, self.wopts)
+  if moved == nil then return nil, err end
+  return { moved = moved and true or false }
 end
 
 -- step("claim"): an initial transaction is anyone's; an active one held
