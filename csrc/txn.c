@@ -23,14 +23,15 @@
 /* The names a step needs (from the manager): the marker and version
  * fields; the field a remove op sets on its document while it is open,
  * so that no other transaction applies to a document on its way out (two
- * removes of one document must not both succeed); and the array of the
+ * removes of one document must not both succeed); the array of the
  * open transactions whose effect on the document may have raised a value
- * (see "Guards" below). */
+ * (see "Guards" below); and the field of a fence's placeholder. */
 typedef struct {
 	const char *marker;
 	const char *version;
 	const char *removing;
 	const char *held;
+	const char *placeholder;
 } fields;
 
 /* Guards.  A guard (an op's where) must never pass on an effect that may
@@ -61,11 +62,13 @@ check_fields(lua_State *L, int idx, fields *f)
 	lua_getfield(L, idx, "version");
 	lua_getfield(L, idx, "removing");
 	lua_getfield(L, idx, "held");
-	f->marker = luaL_checkstring(L, -4); /* kept alive by the table */
-	f->version = luaL_checkstring(L, -3);
-	f->removing = luaL_checkstring(L, -2);
-	f->held = luaL_checkstring(L, -1);
-	lua_pop(L, 4);
+	lua_getfield(L, idx, "placeholder");
+	f->marker = luaL_checkstring(L, -5); /* kept alive by the table */
+	f->version = luaL_checkstring(L, -4);
+	f->removing = luaL_checkstring(L, -3);
+	f->held = luaL_checkstring(L, -2);
+	f->placeholder = luaL_checkstring(L, -1);
+	lua_pop(L, 5);
 }
 
 /* Appends {op: {removing: value}} ($set of the tid, or $unset). */
@@ -707,7 +710,8 @@ l_undo(lua_State *L)
  * A new owner's write to a document the transaction has not applied yet:
  * $inc version where the marker is absent, so that an apply a former owner
  * prepared can no longer match.  For an insert, a placeholder document
- * {_id, version, txPlaceholder} takes the id. */
+ * {_id, version, txPlaceholder: tid} takes the id (prune removes it with
+ * the cancelled transaction, after the retention period). */
 static int
 l_fence(lua_State *L)
 {
@@ -724,9 +728,12 @@ l_fence(lua_State *L)
 	if (op_kind(L, 3) == K_INSERT) {
 		bson_t set;
 
+		bson_iter_t it;
+
 		/* upsert a placeholder so a late insert fails on its _id */
 		bson_append_document_begin(update, "$setOnInsert", -1, &set);
-		BSON_APPEND_BOOL(&set, "txPlaceholder", true);
+		bson_iter_init_find(&it, tid, "t");
+		bson_append_iter(&set, f.placeholder, -1, &it);
 		bson_append_document_end(update, &set);
 		merge_update(update, NULL, &f, NULL, tid, 0);
 		BSON_APPEND_BOOL(opts, "upsert", true);

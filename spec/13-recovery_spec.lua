@@ -319,6 +319,53 @@ describe("#server recovery", function()
       assert.are.equal(2, txs:count({}))
     end)
 
+    it("removes the placeholder a rolled-back takeover left for an insert", function()
+      local orders = db:collection("orders")
+      local t = assert(tm:begin({
+        { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -5 } } },
+        { collection = "orders", id = "o-1", doc = { item = "x" } },
+      }, { id = "t-1" }))
+      assert(tm:step("claim", t))
+      assert(tm:step("apply", t, 1)) -- the insert is left for a former owner to land
+      age()
+      local r = recoverer { stale_pending = function() return "back" end }
+      assert.are.same(report { examined = 1, cancelled = 1 }, r:recover())
+      -- the takeover fenced o-1 with a placeholder that names the transaction
+      local placeholder = assert(orders:find_one({ _id = "o-1" }))
+      assert.are.equal("t-1", placeholder.txPlaceholder)
+      assert.is_nil(placeholder.item)
+      -- so an insert of o-1 (as the former owner prepared it) fails on its _id
+      local ok, err = orders:insert_one({ _id = "o-1", item = "x" })
+      assert.is_nil(ok)
+      assert.are.equal(11000, err.server_code)
+      assert.is_nil(orders:find_one({ _id = "o-1" }).item)
+      -- kept within the retention period, removed with the transaction after it
+      assert.are.equal(0, tm:prune{ older_than = 3600 })
+      assert.are.equal(1, orders:count({}))
+      assert.are.equal(1, tm:prune{ older_than = 0 })
+      assert.are.equal(0, orders:count({}))
+      assert.are.equal(0, txs:count({}))
+      assert.are.same({ A = 1000, B = 1000, C = 1000, D = 1000 }, balances())
+    end)
+
+    it("leaves a placeholder that mongotx wrote to since", function()
+      local orders = db:collection("orders")
+      local t = assert(tm:begin({
+        { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -5 } } },
+        { collection = "orders", id = "o-1", doc = { item = "x" } },
+      }, { id = "t-1" }))
+      assert(tm:step("claim", t))
+      assert(tm:step("apply", t, 1))
+      age()
+      recoverer({ stale_pending = function() return "back" end }):recover()
+      -- a later transaction updates what is now a document of orders
+      assert(tm:run({ { collection = "orders", id = "o-1",
+        update = { ["$set"] = { item = "y" } }, undo = { ["$unset"] = { item = true } } } }))
+      age()
+      assert.are.equal(2, tm:prune{ older_than = 0 })
+      assert.are.equal("y", assert(orders:find_one({ _id = "o-1" })).item)
+    end)
+
     it("keeps finished transactions within the retention period by default", function()
       assert(tm:transfer("accounts", "A", "B", 1))
       age()

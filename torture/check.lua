@@ -103,7 +103,7 @@ end
 -- The document as the model sees it: without marker, version and holders,
 -- and absent when it is an insert's placeholder (README, known limit 3).
 local function visible(doc)
-  if doc.txPlaceholder == true then return nil end
+  if doc.txPlaceholder ~= nil then return nil end
   local d = copy(doc)
   d[M.MARKER], d[M.VERSION], d[M.HELD] = nil, nil, nil
   return d

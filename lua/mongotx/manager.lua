@@ -43,6 +43,12 @@ local REMOVING = "txRemoving"
 -- value (csrc/txn.c, "Guards"): a floor guard waits for them.
 local HELD = "txHeld"
 
+-- Set (to the transaction's id) on the placeholder document a rolled-back
+-- takeover leaves where an insert op would have put its document, so that
+-- an insert a stalled former owner prepared cannot land (csrc/txn.c,
+-- fence).  prune() removes it with the transaction.
+local PLACEHOLDER = "txPlaceholder"
+
 local manager_options = {
   collection = true, application = true, marker = true, version_field = true,
   write_concern = true, fencing = true,
@@ -80,10 +86,10 @@ function _M.new(db, opts)
     use_deadline = nil, -- does the server evaluate $$NOW (_deadlines)
   }, Manager)
   self.fields = { marker = self.marker, version = self.version_field, removing = REMOVING,
-                  held = HELD }
+                  held = HELD, placeholder = PLACEHOLDER }
   self.vctx = { collection = self.collection,
                 owned = { "_id", self.marker, self.version_field, REMOVING, HELD,
-                          "txPlaceholder" } }
+                          PLACEHOLDER } }
   self.wopts = { write_concern = opts.write_concern or { w = "majority", j = true } }
   self.tx = db.client:collection(db.name, self.collection)
   local ok, err = self.tx:create_index(core.doc("state", 1, "lastModified", 1))
@@ -1017,13 +1023,39 @@ function Manager:prune(opts)
   now, err = self:server_now()
   if not now then return nil, err end
   local age = opts.older_than or self.policy.retention
+  local before = core.Date(math.floor(now - age * 1000))
+  local ok
+  ok, err = self:_prune_placeholders(before)
+  if not ok then return nil, err end
   local res
   res, err = self.tx:delete_many({
     state = { ["$in"] = { "done", "cancelled" } },
-    lastModified = { ["$lt"] = core.Date(math.floor(now - age * 1000)) },
+    lastModified = { ["$lt"] = before },
   }, self.wopts)
   if not res then return nil, errors.wrap(err, "prune") end
   return res.deleted
+end
+
+-- Deletes the placeholders (csrc/txn.c, fence) of the cancelled
+-- transactions with insert ops that prune is about to delete: a former
+-- owner stalled for longer than the retention period is the risk this
+-- takes.  A placeholder that mongotx has written to since (it carries a
+-- marker field) is left alone, and so are malformed transactions.
+function Manager:_prune_placeholders(before)
+  local list, err = self.tx:find_all({ state = "cancelled", lastModified = { ["$lt"] = before },
+    ["ops.kind"] = "insert" })
+  if not list then return nil, errors.wrap(err, "prune") end
+  for _, T in ipairs(list) do
+    for _, op in ipairs(validate.malformed(T, self.vctx) and {} or T.ops) do
+      if op.kind == "insert" then
+        local res
+        res, err = self:_coll(op.collection):delete_one({ _id = op.id, [PLACEHOLDER] = T._id,
+          [self.marker] = { ["$exists"] = false } }, self.wopts)
+        if not res then return nil, errors.wrap(err, "prune", T._id) end
+      end
+    end
+  end
+  return true
 end
 
 function Manager:find(filter, opts)

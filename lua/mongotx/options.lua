@@ -29,7 +29,7 @@ _M.MAX_SECONDS = MAX_SECONDS
 -- marker and the version field (csrc/txn.c), with the defaults of those
 -- two (manager.lua): a marker or version field may be none of them.
 local DEFAULT_MARKER, DEFAULT_VERSION = "pendingTransactions", "txVersion"
-local RESERVED = { _id = true, txRemoving = true, txPlaceholder = true }
+local RESERVED = { _id = true, txRemoving = true, txHeld = true, txPlaceholder = true }
 
 local INT32_MAX = 2147483647
 
@@ -116,7 +116,7 @@ local checks = {
     function(v) return name_ok(v, "%$") and v:sub(1, 7) ~= "system." end),
   application = typed("string", "a non-empty string", function(v) return v ~= "" end),
   marker = typed("string", "a top-level field name (not empty, no $ first, no dots, " ..
-    "not _id, txRemoving or txPlaceholder)", field_ok),
+    "not _id, txRemoving, txHeld or txPlaceholder)", field_ok),
   fencing = typed("string", '"auto", "deadline" or "version"',
     one_of { auto = true, deadline = true, version = true }),
   -- policies (mongotx.policy)
