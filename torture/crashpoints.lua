@@ -11,6 +11,7 @@
 local proc = require "torture.proc"
 local check = require "torture.check"
 local scenarios = require "torture.scenarios"
+local core = require "mongotx.core"
 
 local M = {}
 
@@ -80,6 +81,7 @@ function M.run(ctx)
   end
   for _, s in ipairs(list) do
     for _, kind in ipairs(kinds_of(s)) do
+      local started = core.monotonic_ms()
       local trace = os.tmpname()
       local clean = new_case(s, kind, nil)
       play(clean, { MONGOTX_FAULT_TRACE = trace })
@@ -100,11 +102,13 @@ function M.run(ctx)
         if c.how == "injected" then result.injected = result.injected + 1
         elseif c.how == "ok" then result.missed = result.missed + 1 end
       end
-      ctx.say("  crashpoints %-23s %-7s %3d points", s.name, kind, #points)
+      ctx.say("  crashpoints %-23s %-7s %3d points %5.1f s", s.name, kind, #points,
+        (core.monotonic_ms() - started) / 1000)
     end
   end
 
   -- recovery in one fresh process for all the databases of a direction
+  local recovering = core.monotonic_ms()
   for _, direction in ipairs { "forward", "back" } do
     local names = {}
     for _, c in ipairs(cases) do
@@ -119,6 +123,9 @@ function M.run(ctx)
       end
     end
   end
+
+  ctx.say("  crashpoints recovery of %d databases %.1f s", #cases,
+    (core.monotonic_ms() - recovering) / 1000)
 
   local matrix = {}
   for _, c in ipairs(cases) do

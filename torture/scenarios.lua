@@ -18,6 +18,7 @@
 --                 scenarios' second transaction, C -> D)
 --   prepare       run(tm, ctx) in a child before the crashing one, with
 --                 crash point prepare_fault when set
+--   prepare_manager  manager options for `prepare` (default: lease 1)
 --   run           run(tm, ctx) in the child that crashes at the point
 --   manager       extra manager options for `run`
 --   balances      accounts' balances other than 1000 (M.fixture)
@@ -115,6 +116,7 @@ local function recover_once(tm)
 end
 
 local ALL = { done = true, cancelled = true, absent = true }
+local SHORT = { application = "torture", lease = 0.2, stale_after = 0.2 }
 
 M.list = {
   { name = "commit", allowed = { done = true, absent = true }, run = begin_commit },
@@ -135,16 +137,19 @@ M.list = {
     prepare = begin_commit,
     run = function(tm) return tm:compensate({ _id = M.ID }) end },
   -- a crash inside recovery itself: the first owner crashed (prepare_fault),
-  -- the recovering process crashes at each point, a third one recovers
+  -- the recovering process crashes at each point, a third one recovers.
+  -- Nobody may claim a pending transaction before its owner's deadline
+  -- (its lease from the claim): the first owner's lease is 0.2 s, so each
+  -- case does not wait a second for it.
   { name = "recover-initial", allowed = { done = true },
     prepare = begin_commit, prepare_fault = "claim:before:1",
     manager = M.recovery_manager(), run = recover_once },
   { name = "recover-forward", allowed = { done = true },
-    prepare = begin_commit, prepare_fault = "commit:before:1",
+    prepare = begin_commit, prepare_fault = "commit:before:1", prepare_manager = SHORT,
     manager = M.recovery_manager(), run = recover_once },
   -- before its cancel, the final recovery (forward) may still commit it
   { name = "recover-back", allowed = { done = true, cancelled = true },
-    prepare = begin_commit, prepare_fault = "apply:after:2",
+    prepare = begin_commit, prepare_fault = "apply:after:2", prepare_manager = SHORT,
     manager = M.recovery_manager { stale_pending = function() return "back" end },
     run = recover_once },
   -- the fast path and the batches: created pending and owned, one round

@@ -69,6 +69,7 @@ if mode == "run" then
   local s = assert(scenarios.find(name), "no scenario " .. tostring(name))
   local opts = { application = "torture", lease = 1, stale_after = 1 }
   if phase == "run" and s.manager then opts = s.manager end
+  if phase == "prepare" and s.prepare_manager then opts = s.prepare_manager end
   local tm = assert(connect(dbname):manager(opts))
   local ctx = { kind = kind, failing = s.failing }
   say("result", outcome(s[phase](tm, ctx)))
