@@ -39,7 +39,41 @@ MTX_HIDDEN void **mtx_guard(lua_State *L, void (*destroy)(void *));
 MTX_HIDDEN void mtx_guard_free(void **slot);
 MTX_HIDDEN int mtx_open_scratch(lua_State *L);
 
-/* ---- bson.c: Lua <-> BSON ---- */
+/* ---- value.c, encode.c, decode.c: Lua <-> BSON ----
+ *
+ * Plain Lua values map to their natural BSON types; everything else is a
+ * mongotx.Value userdata holding a bson_value_t.  Decoded tables remember
+ * what plain Lua cannot: the order of their keys and, where a number would
+ * re-encode as another type (an int64 that fits in 32 bits, an integral
+ * double on LuaJIT), that type.  Both live in the table's metatable:
+ *
+ *   { __mongotx = "document", "k1", "k2", ..., __types = { k = "int64" } }
+ *   { __mongotx = "array", __types = { [3] = "double" } }
+ *
+ * so decoding and re-encoding gives the same bytes, while the tables stay
+ * ordinary tables to read and change. */
+
+/* The type hints of __types, named by mtx_hint_names (NULL-terminated). */
+enum mtx_hint { MTX_HINT_NONE, MTX_HINT_INT64, MTX_HINT_DOUBLE };
+MTX_HIDDEN extern const char *const mtx_hint_names[];
+
+/* ---- value.c: mongotx.Value and the constructors ---- */
+
+typedef struct {
+	bson_value_t v;
+} mtx_value;
+
+/* Pushes a new mongotx.Value holding a copy of src. */
+MTX_HIDDEN mtx_value *mtx_push_value(lua_State *L, const bson_value_t *src);
+/* The mongotx.Value at idx, or NULL for any other value. */
+MTX_HIDDEN mtx_value *mtx_test_value(lua_State *L, int idx);
+/* Pushes an int64 as a Lua integer (a number on LuaJIT). */
+MTX_HIDDEN void mtx_push_int64(lua_State *L, int64_t i);
+/* Sets the bridge's functions and constants in the module table on top
+ * of the stack and registers the metatables they use. */
+MTX_HIDDEN int mtx_open_bson(lua_State *L);
+
+/* ---- encode.c: Lua -> BSON ---- */
 
 /* Encodes the Lua table at idx into a new scratch document (pushed on the
  * stack) and returns it.  Raises, naming the path of the value, when
@@ -55,9 +89,30 @@ MTX_HIDDEN bson_t *mtx_check_ordered(lua_State *L, int idx);
 /* Appends the Lua value at idx to b under key; raises like above. */
 MTX_HIDDEN void mtx_append_value(lua_State *L, int idx, bson_t *b,
 				 const char *key);
+
+/* How a Lua number encodes without a hint. */
+enum mtx_numkind { MTX_NUM_INT32, MTX_NUM_INT64, MTX_NUM_DOUBLE };
+MTX_HIDDEN enum mtx_numkind mtx_number_kind(lua_State *L, int idx, int64_t *i,
+					    double *d);
+/* The __mongotx kind ("document"/"array") of the table at idx, with its
+ * metatable pushed (or nil pushed when it has none of ours). */
+MTX_HIDDEN const char *mtx_table_kind(lua_State *L, int idx);
+/* 1 when the value at key is among the first n entries of the order list
+ * at meta. */
+MTX_HIDDEN int mtx_listed_in_order(lua_State *L, int meta, lua_Integer n,
+				   int key);
+/* 1 when the table at idx, without a metatable of ours, encodes as an
+ * array; raises like mtx_check_document for one that cannot encode. */
+MTX_HIDDEN int mtx_plain_is_array(lua_State *L, int idx);
+/* core.encode(t). */
+MTX_HIDDEN int mtx_l_encode(lua_State *L);
+
+/* ---- decode.c: BSON -> Lua ---- */
+
 MTX_HIDDEN void mtx_push_document(lua_State *L, const bson_t *b);
 MTX_HIDDEN void mtx_push_iter(lua_State *L, const bson_iter_t *it);
-MTX_HIDDEN int mtx_open_bson(lua_State *L);
+/* core.decode(bytes). */
+MTX_HIDDEN int mtx_l_decode(lua_State *L);
 
 /* ---- error.c: error tables ---- */
 

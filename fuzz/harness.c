@@ -1,8 +1,8 @@
 /* harness.c: the state, checks and walkers both fuzz harnesses share.
  *
- * The fuzzers link only the bridge's files (bson.c, scratch.c, error.c):
- * the engine's files change under other hands, and leaving the client code
- * out keeps the coverage map about the bridge. */
+ * The fuzzers link only the bridge's files (value.c, encode.c, decode.c,
+ * scratch.c, error.c): the engine's files change under other hands, and
+ * leaving the client code out keeps the coverage map about the bridge. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>

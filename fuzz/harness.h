@@ -1,8 +1,9 @@
 /* harness.h: what the two fuzz harnesses share (harness.c).  Both drive the
- * Lua <-> BSON bridge of csrc/bson.c through the same Lua functions a user
- * calls (core.encode, core.decode, the value constructors), in a fresh
- * lua_State per input so that lua_close frees everything the input made and
- * LeakSanitizer sees any C allocation the bridge forgot. */
+ * Lua <-> BSON bridge (csrc/value.c, encode.c, decode.c) through the same
+ * Lua functions a user calls (core.encode, core.decode, the value
+ * constructors), in a fresh lua_State per input so that lua_close frees
+ * everything the input made and LeakSanitizer sees any C allocation the
+ * bridge forgot. */
 #ifndef MONGOTX_FUZZ_HARNESS_H
 #define MONGOTX_FUZZ_HARNESS_H
 
