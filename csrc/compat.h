@@ -60,12 +60,6 @@ mtx_setparent(lua_State *L, int ud)
 {
 	lua_setiuservalue(L, ud, 1);
 }
-
-static inline void
-mtx_getparent(lua_State *L, int ud)
-{
-	lua_getiuservalue(L, ud, 1);
-}
 #else
 #define mtx_newuserdata(L, size) lua_newuserdata((L), (size))
 
@@ -77,14 +71,6 @@ mtx_setparent(lua_State *L, int ud)
 	lua_insert(L, -2);
 	lua_rawseti(L, -2, 1);
 	lua_setfenv(L, ud);
-}
-
-static inline void
-mtx_getparent(lua_State *L, int ud)
-{
-	lua_getfenv(L, ud);
-	lua_rawgeti(L, -1, 1);
-	lua_remove(L, -2);
 }
 #endif
 

@@ -31,8 +31,6 @@
  * a raise (luaL_error, a failed encode, out of memory) anywhere in the call
  * leaks nothing: the garbage collector frees what the call did not. */
 MTX_HIDDEN bson_t *mtx_scratch(lua_State *L);
-/* Frees the heap part of a scratch document at once (it stays usable). */
-MTX_HIDDEN void mtx_scratch_done(bson_t *b);
 /* Pushes a userdata that will call destroy(*slot) when collected unless the
  * slot was cleared; returns the slot. */
 MTX_HIDDEN void **mtx_guard(lua_State *L, void (*destroy)(void *));

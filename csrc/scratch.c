@@ -38,12 +38,6 @@ mtx_scratch(lua_State *L)
 	return b;
 }
 
-void
-mtx_scratch_done(bson_t *b)
-{
-	bson_reinit(b);
-}
-
 static int
 guard_gc(lua_State *L)
 {
