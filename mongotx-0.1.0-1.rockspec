@@ -65,6 +65,9 @@ build = {
     ["mongotx.errors"] = "lua/mongotx/errors.lua",
     ["mongotx.batch"] = "lua/mongotx/batch.lua",
     ["mongotx.stored"] = "lua/mongotx/stored.lua",
+    ["mongotx.engine"] = "lua/mongotx/engine.lua",
+    ["mongotx.recovery"] = "lua/mongotx/recovery.lua",
+    ["mongotx.stepwise"] = "lua/mongotx/stepwise.lua",
   },
 }
 

@@ -1,8 +1,9 @@
 -- The version lives in one place, csrc/mongotx.h (MONGOTX_VERSION): the C
 -- module's _VERSION is that macro and lua/mongotx/init.lua copies it.  The
--- rockspec (file name, version, source tag) and the README state it again.
--- Each is read here from its own file, so that changing one without the
--- others fails.
+-- rockspec (file name, version, source tag) and the README state it again,
+-- and the rockspec lists the sources a LuaRocks build compiles.  Each is
+-- read here from its own file, so that changing one without the others, or
+-- adding a source without the rockspec, fails.
 local helpers = require "spec.helpers"
 
 local function read(path)
@@ -56,6 +57,30 @@ local function header_version()
   return versions[1]
 end
 
+-- "a, b" for a message; "(none)" for an empty list.
+local function list(t)
+  return #t > 0 and table.concat(t, ", ") or "(none)"
+end
+
+-- What is in `a` and not in `b` (both lists of strings).
+local function minus(a, b)
+  local seen, out = {}, {}
+  for _, v in ipairs(b) do seen[v] = true end
+  for _, v in ipairs(a) do
+    if not seen[v] then out[#out + 1] = v end
+  end
+  table.sort(out)
+  return out
+end
+
+-- Fails, naming what is missing on each side, unless the lists agree.
+local function same_set(tree, declared, what)
+  local missing, stale = minus(tree, declared), minus(declared, tree)
+  assert(#missing == 0 and #stale == 0, string.format(
+    "%s: in the tree but not in the rockspec: %s; in the rockspec but not " ..
+    "in the tree: %s", what, list(missing), list(stale)))
+end
+
 describe("version", function()
   local version = header_version()
 
@@ -99,5 +124,36 @@ describe("version", function()
       end
     end
     assert.is_true(named > 0, "README.md no longer names the rockspec")
+  end)
+end)
+
+describe("rockspec", function()
+  local _, spec = rockspec()
+  local lua_modules, c_modules = {}, {}
+  for name, m in pairs(spec.build.modules) do
+    if type(m) == "string" then
+      lua_modules[#lua_modules + 1] = name .. " = " .. m
+    else
+      c_modules[#c_modules + 1] = { name = name, sources = m.sources }
+    end
+  end
+
+  it("lists every Lua module of lua/mongotx and nothing else", function()
+    local tree = {}
+    for _, path in ipairs(lines("find lua/mongotx -name '*.lua'")) do
+      local name = path:gsub("^lua/", ""):gsub("%.lua$", ""):gsub("/init$", "")
+                       :gsub("/", ".")
+      tree[#tree + 1] = name .. " = " .. path
+    end
+    assert.is_true(#tree > 0, "no lua/mongotx/*.lua found (run from the root)")
+    same_set(tree, lua_modules, "Lua modules")
+  end)
+
+  it("builds mongotx.core from exactly csrc/*.c", function()
+    assert.are.equal(1, #c_modules, "expected one C module")
+    assert.are.equal("mongotx.core", c_modules[1].name)
+    local tree = lines("ls -1 csrc/*.c")
+    assert.is_true(#tree > 0, "no csrc/*.c found (run from the root)")
+    same_set(tree, c_modules[1].sources, "sources of mongotx.core")
   end)
 end)
