@@ -1,5 +1,5 @@
--- The batched protocol: transactions a caller runs at once (tm:run,
--- tm:transfer, tm:commit_many, tm:transfer_many) skip `initial` and the
+-- The batched protocol: transactions a caller runs at once (eng:run,
+-- eng:transfer, eng:commit_many, eng:transfer_many) skip `initial` and the
 -- claim.  For a whole batch:
 --
 --   1. create   one bulk insert of every transaction `pending`, owned by
@@ -24,7 +24,8 @@
 --
 -- Whatever does not go the fast way (an op that cannot apply, a
 -- transaction taken over, an id that exists already) falls back to the
--- manager's one-at-a-time steps for that transaction only.
+-- engine's one-at-a-time steps for that transaction only.  Each function
+-- takes the engine (mongotx.engine) and uses its methods and context.
 
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
@@ -45,10 +46,10 @@ local function fail(e, err) e.err = e.err or err end
 
 -- Step 1: insert them all pending and owned.  An id that exists already
 -- is handled the way begin handles it (same ops: its outcome).
-local function create(tm, entries)
+local function create(eng, entries)
   local docs = {}
   for i, e in ipairs(entries) do docs[i] = e.doc end
-  local res, err = tm:_retry("create", nil, steps.create_many, tm.tx, docs, tm.wopts)
+  local res, err = eng:retry("create", nil, steps.create_many, eng.tx, docs, eng.wopts)
   -- items say ok for a request a server never ran after an error
   -- (FerretDB stops there): then inserted counts fewer than the oks
   local oks = 0
@@ -62,7 +63,7 @@ local function create(tm, entries)
       fail(e, err)
     elseif item.ok and sure then
       e.created = true
-      tm:_event("create", { id = e.T._id })
+      eng:event("create", { id = e.T._id })
     elseif item.ok or item.server_code == 11000 then
       -- exists, or not known: settle it alone
       e.slow = "create"
@@ -76,7 +77,7 @@ end
 -- Step 2: every op of every created transaction, one bulk write per
 -- collection.  When a collection's writes matched fewer documents than
 -- sent, its markers say which ops applied.
-local function apply(tm, entries, deadline, versions)
+local function apply(eng, entries, deadline, versions)
   local by_coll, order = {}, {}
   for t, e in ipairs(entries) do
     e.applied = {}
@@ -98,8 +99,8 @@ local function apply(tm, entries, deadline, versions)
     end
   end
   for _, name in ipairs(order) do
-    local items, coll = by_coll[name], tm:_coll(name)
-    local res, err = tm:_retry("apply", nil, steps.apply_many, coll, items, tm.fields, tm.wopts)
+    local items, coll = by_coll[name], eng:coll(name)
+    local res, err = eng:retry("apply", nil, steps.apply_many, coll, items, eng.fields, eng.wopts)
     if not res then
       for _, item in ipairs(items) do fail(item.entry, err) end
     elseif res.ok and res.matched + res.inserted == #items then
@@ -109,14 +110,14 @@ local function apply(tm, entries, deadline, versions)
       local ids = {}
       for k, item in ipairs(items) do ids[k] = item.op.id end
       local docs
-      docs, err = coll:find_all({ _id = { ["$in"] = ids } }, { projection = { [tm.marker] = 1 } })
+      docs, err = coll:find_all({ _id = { ["$in"] = ids } }, { projection = { [eng.marker] = 1 } })
       if not docs then err = errors.wrap(err, "apply") end
       local by_id = {}
       for _, doc in ipairs(docs or {}) do by_id[id_key(doc._id)] = doc end
       for _, item in ipairs(items) do
         if not docs then
           fail(item.entry, err)
-        elseif stored.has_marker(by_id[id_key(item.op.id)], tm.marker, item.entry.T._id) then
+        elseif stored.has_marker(by_id[id_key(item.op.id)], eng.marker, item.entry.T._id) then
           item.entry.applied[item.i] = true
         end
       end
@@ -127,23 +128,23 @@ local function apply(tm, entries, deadline, versions)
       for i in ipairs(e.T.ops) do
         if not e.applied[i] then e.slow = "apply" end
       end
-      if not e.slow then tm:_event("apply", { id = e.T._id }) end
+      if not e.slow then eng:event("apply", { id = e.T._id }) end
     end
   end
 end
 
 -- Step 3: pending -> applied for all of them in one update.
-local function commit(tm, entries)
+local function commit(eng, entries)
   local ids = {}
   for i, e in ipairs(entries) do ids[i] = e.T._id end
-  local res, err = tm:_retry("commit", nil, steps.transition_many, tm.tx, ids, "pending",
-    "applied", 1, nil, tm.wopts)
+  local res, err = eng:retry("commit", nil, steps.transition_many, eng.tx, ids, "pending",
+    "applied", 1, nil, eng.wopts)
   if res and res.moved == #ids then
     for _, e in ipairs(entries) do e.T.state = "applied" end
   else
     -- some did not move (taken over meanwhile?): look at each
     local docs
-    if res then docs, err = tm.tx:find_all({ _id = { ["$in"] = ids } },
+    if res then docs, err = eng.tx:find_all({ _id = { ["$in"] = ids } },
       { projection = { state = 1, epoch = 1 } }) end
     local by_id = {}
     for _, doc in ipairs(docs or {}) do by_id[id_key(doc._id)] = doc end
@@ -159,8 +160,8 @@ local function commit(tm, entries)
     end
   end
   for _, e in ipairs(entries) do
-    tm.held[id_key(e.T._id)] = nil -- past the commit point: nothing to fence
-    if e.T.state == "applied" then tm:_event("commit", { id = e.T._id }) end
+    eng:hold(e.T._id, nil) -- past the commit point: nothing to fence
+    if e.T.state == "applied" then eng:event("commit", { id = e.T._id }) end
   end
 end
 
@@ -168,7 +169,7 @@ end
 -- per collection), then applied -> done in one update.  Returns how many
 -- finished, or nil, err (those not finished stay `applied`: recovery
 -- finishes them).
-function _M.finish(tm, list)
+function _M.finish(eng, list)
   if #list == 0 then return 0 end
   local by_coll, order, ids = {}, {}, {}
   for t, T in ipairs(list) do
@@ -183,41 +184,41 @@ function _M.finish(tm, list)
     end
   end
   for _, name in ipairs(order) do
-    local res, err = tm:_retry("finish", nil, steps.finish_many, tm:_coll(name), by_coll[name],
-      tm.fields, tm.wopts)
+    local res, err = eng:retry("finish", nil, steps.finish_many, eng:coll(name), by_coll[name],
+      eng.fields, eng.wopts)
     if not res then return nil, err end
   end
-  local res, err = tm:_retry("done", nil, steps.transition_many, tm.tx, ids, "applied", "done",
-    nil, nil, tm.wopts)
+  local res, err = eng:retry("done", nil, steps.transition_many, eng.tx, ids, "applied", "done",
+    nil, nil, eng.wopts)
   if not res then return nil, err end
   for _, T in ipairs(list) do
     T.state = "done"
-    tm:_event("finish", { id = T._id })
-    tm:_event("done", { id = T._id })
+    eng:event("finish", { id = T._id })
+    eng:event("done", { id = T._id })
   end
   return #list
 end
 
 -- The one-at-a-time way for an entry the batch could not settle.
-local function settle(tm, e, deadline, versions)
+local function settle(eng, e, deadline, versions)
   local T = e.T
   if e.slow == "create" then
-    local existing, err = tm:get(T._id)
+    local existing, err = eng:get(T._id)
     if err then return fail(e, err) end
     if not existing then
       -- a batch the server cut short: create this one alone
       local res
-      res, err = tm:_step("create", T._id, tm.tx, e.doc, tm.wopts)
+      res, err = eng:step("create", T._id, eng.tx, e.doc, eng.wopts)
       if not res then return fail(e, err) end
-      existing = res.created and T or tm:get(T._id)
+      existing = res.created and T or eng:get(T._id)
     end
     if existing ~= T and canon(existing.ops) ~= canon(T.ops) then
       return fail(e, errors.new("idempotency", "this id was used for other ops",
         { step = "begin", id = T._id }))
     end
     T = existing
-    if T.state == "pending" and T.instance == tm.instance and T.epoch == 1 then
-      tm.held[id_key(T._id)] = 1 -- ours, from an earlier try of this batch
+    if T.state == "pending" and T.instance == eng.instance and T.epoch == 1 then
+      eng:hold(T._id, 1) -- ours, from an earlier try of this batch
     end
   elseif e.slow == "apply" then
     local vs = {}
@@ -226,43 +227,45 @@ local function settle(tm, e, deadline, versions)
       if versions then version = versions[i].version end
       vs[i] = { marked = e.applied[i] or false, deadline = deadline, version = version }
     end
-    local moved, err, failure = tm:_apply_all(T, vs)
+    local moved, err, failure = eng:apply_all(T, vs)
     if not moved then return fail(e, err) end
     T, e.failure = moved, failure
   else -- commit: somebody else moved it; see where it stands
     local err
-    T, err = tm:get(T._id)
+    T, err = eng:get(T._id)
     if not T then return fail(e, err or errors.new("state", "no such transaction", { id = e.T._id })) end
   end
   if T.state == "applied" then
-    tm.held[id_key(T._id)] = nil
+    eng:hold(T._id, nil)
     e.T = T -- committed: finished with the others, inline or deferred
     return
   end
-  local final, err = tm:_drive(T, nil)
+  local final, err = eng:drive(T, nil)
   if not final then return fail(e, e.failure or err) end
   e.T = final
 end
 
 -- Runs specs[i] = { ops = <validated ops>, id =, meta =, extra = <fields
--- of the transaction document> } as one batch.  Returns results, errs:
--- results[i] the transaction (state `applied` or `done`) or false,
--- errs[i] why not.
-function _M.run(tm, specs)
+-- of the transaction document> } as one batch up to the commit point.
+-- Returns results, errs, committed: results[i] the transaction (state
+-- `applied`, or `done` when it went the one-at-a-time way) or false,
+-- errs[i] why not, and the committed transactions left to finish (the
+-- caller finishes them at once or later: policy.finish).
+function _M.run(eng, specs)
   local entries, results, errs = {}, {}, {}
-  local now, err = tm:_clock()
+  local now, err = eng:clock()
   local deadline, stamp
   if now then
     -- an insert cannot $currentDate: the server's clock as estimated
     stamp = core.Date(floor(now))
-    if tm:_deadlines() then deadline = core.Date(floor(now + tm.policy.lease * 1000)) end
+    if eng:deadlines() then deadline = core.Date(floor(now + eng.policy.lease * 1000)) end
   end
   for i, spec in ipairs(specs) do
     local id = spec.id
     if id == nil then id = core.ObjectId() end
     local T = { _id = id, state = "pending", ops = spec.ops, epoch = 1, attempts = 1,
-                application = tm.application, instance = tm.instance,
-                lease = tm.policy.lease, deadline = deadline, meta = spec.meta,
+                application = eng.application, instance = eng.instance,
+                lease = eng.policy.lease, deadline = deadline, meta = spec.meta,
                 lastModified = stamp }
     for k, v in pairs(spec.extra or {}) do T[k] = v end
     local doc = {}
@@ -275,7 +278,7 @@ function _M.run(tm, specs)
     -- read before the create, which is this manager's claim
     local list = {}
     for i, e in ipairs(entries) do list[i] = e.T end
-    versions, err = tm:_versions_many(list)
+    versions, err = eng:versions_many(list)
     if not versions then
       for _, e in ipairs(entries) do fail(e, err) end
     end
@@ -293,30 +296,21 @@ function _M.run(tm, specs)
     return out, versions and vs
   end
   local todo = live()
-  if #todo > 0 then create(tm, todo) end
+  if #todo > 0 then create(eng, todo) end
   local created, vs = live(function(e) return e.created end)
-  for _, e in ipairs(created) do tm.held[id_key(e.T._id)] = 1 end
-  if #created > 0 then apply(tm, created, deadline, vs) end
+  for _, e in ipairs(created) do eng:hold(e.T._id, 1) end
+  if #created > 0 then apply(eng, created, deadline, vs) end
   local ready = live()
-  if #ready > 0 then commit(tm, ready) end
+  if #ready > 0 then commit(eng, ready) end
   for t, e in ipairs(entries) do
-    if e.slow and not e.err then settle(tm, e, deadline, versions and versions[t]) end
+    if e.slow and not e.err then settle(eng, e, deadline, versions and versions[t]) end
   end
   local committed = {}
-  for _, e in ipairs(entries) do
-    if not e.err and e.T.state == "applied" then committed[#committed + 1] = e.T end
-  end
-  if tm.policy.finish == "deferred" then
-    local queue = tm.finishing
-    for _, T in ipairs(committed) do queue[#queue + 1] = T end
-    if #queue >= tm.policy.finish_batch then tm:finish() end
-  elseif #committed > 0 then
-    _M.finish(tm, committed) -- on failure they stay applied: recovery finishes them
-  end
   for i, e in ipairs(entries) do
     results[i], errs[i] = not e.err and e.T, e.err or false
+    if not e.err and e.T.state == "applied" then committed[#committed + 1] = e.T end
   end
-  return results, errs
+  return results, errs, committed
 end
 
 return _M

@@ -1,0 +1,603 @@
+-- The state machine: drives one transaction, or (with mongotx.batch) a
+-- batch of them, through the protocol's steps (the C core's core.steps),
+-- under the policies of mongotx.policy.  mongotx.manager (the API),
+-- mongotx.batch, mongotx.recovery and mongotx.stepwise use it through
+-- its methods and the fields of its context, declared in new() below;
+-- nothing else of it.
+--
+-- States move initial -> pending -> applied -> done, or pending ->
+-- canceling -> cancelled; `applied` is the commit point.  An owner holds a
+-- transaction by its `epoch` (incremented by every claim); the engine
+-- remembers the epochs it holds.  Applies are fenced by document versions
+-- read before the claim and by the owner's deadline (csrc/txn.c): a
+-- stalled former owner can never apply an op twice.  Guards never read an
+-- effect that may still be undone (csrc/txn.c, "Guards"; release below).
+
+local core = require "mongotx.core"
+local errors = require "mongotx.errors"
+local validate = require "mongotx.validate"
+local stored = require "mongotx.stored"
+
+local steps = core.steps
+local canon, id_key = validate.canon, validate.id_key
+local ipairs, pairs, tostring, setmetatable, select = ipairs, pairs, tostring, setmetatable,
+  select
+local format = string.format
+
+local _M = {}
+
+local Engine = {}
+Engine.__index = Engine
+
+-- Keep settling a transaction at most this many rounds (each round moves
+-- it a state forward or re-reads it), and retry an apply whose document
+-- keeps changing under it at most this many times.
+local MAX_ROUNDS = 50
+local MAX_CONTENTION = 20
+
+-- Fields mongotx keeps on the documents it touches besides the marker and
+-- the version (both named by the manager's options):
+-- set by the remove op of an open transaction (its id): no other op
+-- applies to the document meanwhile;
+local REMOVING = "txRemoving"
+-- the open transactions whose effect on a document may have raised a
+-- value: a floor guard waits for them;
+local HELD = "txHeld"
+-- set (to the transaction's id) on the placeholder a rolled-back takeover
+-- leaves where an insert op would have put its document, so that an
+-- insert a stalled former owner prepared cannot land (fence); prune()
+-- removes it with the transaction.
+local PLACEHOLDER = "txPlaceholder"
+
+-- ctx, the engine's context: { db = the database handle, tx = the
+-- transactions collection and `collection` its name, policy = the policy
+-- table, application, marker, version_field, write_concern, fencing
+-- ("auto", "deadline" or "version") }.  The engine adds `instance` (this engine's owner id),
+-- `fields` (the names the C steps take), `vctx` (what validate needs:
+-- the transactions collection and the fields ops may not touch) and
+-- `wopts` (the write options of every step); all of these are read-only
+-- for its users.
+function _M.new(ctx)
+  local self = setmetatable({
+    db = ctx.db,
+    tx = ctx.tx,
+    policy = ctx.policy,
+    application = ctx.application,
+    instance = core.ObjectId():value(),
+    marker = ctx.marker,
+    version_field = ctx.version_field,
+    fencing = ctx.fencing,
+    fields = { marker = ctx.marker, version = ctx.version_field, removing = REMOVING,
+               held = HELD, placeholder = PLACEHOLDER },
+    vctx = { collection = ctx.collection,
+             owned = { "_id", ctx.marker, ctx.version_field, REMOVING, HELD, PLACEHOLDER } },
+    wopts = { write_concern = ctx.write_concern },
+    colls = {},         -- collection handles by name (coll)
+    held = {},          -- key(id) -> epoch this engine holds (hold, holds)
+    clock_offset = nil, -- server clock - monotonic clock, ms (clock)
+    clock_at = nil,     -- monotonic ms when clock_offset was measured
+    use_deadline = nil, -- does the server evaluate $$NOW (deadlines)
+  }, Engine)
+  return self
+end
+
+-- Helpers -----------------------------------------------------------------
+
+-- A transaction id as a table key: equal for ids the server takes for
+-- one (1 and 1.0).
+local function key(id) return id_key(id) or canon(id) end
+
+local live, has_marker = stored.live, stored.has_marker
+
+function Engine:event(name, info)
+  pcall(self.policy.on_event, name, info)
+end
+
+function Engine:coll(name)
+  local c = self.colls[name]
+  if not c then
+    c = self.db.client:collection(self.db.name, name)
+    self.colls[name] = c
+  end
+  return c
+end
+
+-- Calls fn(...) again after a backoff while it fails with a transient
+-- error, at most policy.retries times.
+function Engine:retry(step, id, fn, ...)
+  local attempt = 0
+  while true do
+    local res, err = fn(...)
+    if res ~= nil then return res end
+    if not (err and err.transient) or attempt >= self.policy.retries then
+      return nil, errors.wrap(err, step, id)
+    end
+    attempt = attempt + 1
+    self.policy.sleep(self.policy.backoff(attempt))
+  end
+end
+
+-- The protocol's name of a move to a state (the event a transition
+-- reports, as the batched path does).
+local MOVE_EVENTS = { applied = "commit", done = "done", canceling = "cancel",
+                      cancelled = "cancelled", pending = "renew" }
+
+-- Runs the C step `name` with retries; reports it to on_event under the
+-- protocol's name of the step (a transition by the state it moves to).
+function Engine:step(name, id, ...)
+  local res, err = self:retry(name, id, steps[name], ...)
+  if res ~= nil then
+    local event = name
+    if name == "transition" then event = MOVE_EVENTS[select(4, ...)] or name end
+    self:event(event, { id = id, result = res })
+  end
+  return res, err
+end
+
+function Engine:server_now()
+  local reply, err = self.db.client:command("admin", { isMaster = 1 })
+  if not reply then return nil, errors.wrap(err, "clock") end
+  if core.type(reply.localTime) ~= "date" then
+    return nil, errors.new("server", "the server reports no localTime", { step = "clock" })
+  end
+  return reply.localTime:value()
+end
+
+
+-- The transaction with this id (checked like a caller's id: {$gt = ""}
+-- must not find another one), or nil; nil, err.
+function Engine:get(id)
+  local sent, err = validate.check_tid(id)
+  if sent == nil then return nil, err end
+  local doc
+  doc, err = self.tx:find_one({ _id = sent })
+  if err then return nil, errors.wrap(err, nil, id) end
+  return live(doc)
+end
+
+-- Marks T (its id) as held by this engine at `epoch`, or not (nil).
+function Engine:hold(id, epoch)
+  self.held[key(id)] = epoch
+end
+
+-- The server's clock in ms, estimated from an isMaster a minute old at
+-- most: only the length of an owner's window depends on it, not safety
+-- (applies and claims both compare deadlines with the server's clock).
+local CLOCK_REFRESH_MS = 60000
+
+function Engine:clock()
+  local before = core.monotonic_ms()
+  if not self.clock_offset or before - self.clock_at > CLOCK_REFRESH_MS then
+    local now, err = self:server_now()
+    if not now then return nil, err end
+    local after = core.monotonic_ms()
+    self.clock_offset, self.clock_at = now - (before + after) / 2, after
+    before = after
+  end
+  return before + self.clock_offset
+end
+
+-- Are this manager's applies fenced by a deadline (csrc/txn.c)?  When
+-- the server evaluates $$NOW in a query (asked once; an _id lookup keeps
+-- the probe cheap) and the lease is not 0: a deadline of now would expire
+-- before the first apply.
+function Engine:deadlines()
+  if self.use_deadline == nil then
+    if self.fencing == "auto" then
+      local n = self.tx:count({ _id = "mongotx:probe",
+                                ["$expr"] = { ["$lt"] = { "$$NOW", core.Date(0) } } })
+      self.use_deadline = n ~= nil
+    else
+      self.use_deadline = self.fencing == "deadline"
+    end
+  end
+  return self.use_deadline and self.policy.lease > 0
+end
+
+-- A deadline this manager's lease from now, or nil when it fences by
+-- versions alone.
+function Engine:new_deadline()
+  if not self:deadlines() then return nil end
+  local now, err = self:clock()
+  if not now then return nil, err end
+  return core.Date(math.floor(now + self.policy.lease * 1000))
+end
+
+-- For each transaction of the list and each of its ops: { version = <the
+-- document's version>, marked = <the transaction's marker is on it> } (nil
+-- version for a missing document); one find per collection for them all.
+function Engine:versions_many(list)
+  local by_coll, found = {}, {}
+  for _, T in ipairs(list) do
+    for _, op in ipairs(T.ops) do
+      local ids = by_coll[op.collection] or {}
+      ids[#ids + 1] = op.id
+      by_coll[op.collection] = ids
+    end
+  end
+  for name, ids in pairs(by_coll) do
+    local docs, err = self:coll(name):find_all({ _id = { ["$in"] = ids } },
+      { projection = { [self.marker] = 1, [self.version_field] = 1 } })
+    if not docs then return nil, errors.wrap(err, "versions", #list == 1 and list[1]._id or nil) end
+    for _, doc in ipairs(docs) do found[name .. "\0" .. key(doc._id)] = doc end
+  end
+  local out = {}
+  for t, T in ipairs(list) do
+    local vs = {}
+    for i, op in ipairs(T.ops) do
+      local doc = found[op.collection .. "\0" .. key(op.id)]
+      vs[i] = { marked = false }
+      if doc then
+        vs[i].version = doc[self.version_field]
+        vs[i].marked = has_marker(doc, self.marker, T._id)
+      end
+    end
+    out[t] = vs
+  end
+  return out
+end
+
+function Engine:versions(T)
+  local all, err = self:versions_many({ T })
+  if not all then return nil, err end
+  return all[1]
+end
+
+-- Claims T as it was read: same state and epoch.  The epoch changes with
+-- every claim, so it identifies the owner seen better than lastModified
+-- could (mongo-java-server keeps $currentDate finer than the millisecond
+-- it returns, so an equality match on it never succeeds).  `set` adds
+-- fields (state for initial -> pending).  Returns the claimed document, or
+-- false when somebody else moved T first.
+--
+-- A transaction its creator runs at once carries a `deadline` (batch.lua):
+-- the creator's applies match only before it by the server's clock, and
+-- no one may claim the transaction until it passed.  `now` is the server's
+-- time read before this call (read here when not given): the claim then
+-- runs later still.
+function Engine:claim(T, set, now)
+  set = set or {}
+  set.application, set.instance, set.lease = self.application, self.instance, self.policy.lease
+  if T.state == "pending" or set.state == "pending" then
+    -- this owner's applies are fenced by its own deadline (csrc/txn.c)
+    local deadline, err = self:new_deadline()
+    if err then return nil, err end
+    set.deadline = deadline
+  end
+  local expect = { state = T.state, epoch = T.epoch or 0 }
+  if T.deadline ~= nil and T.state == "pending" then
+    if not now then
+      local err
+      now, err = self:server_now()
+      if not now then return nil, err end
+    end
+    expect.deadline = { ["$lt"] = core.Date(now) }
+  end
+  local doc, err = self:step("claim", T._id, self.tx, T._id, expect, set, self.wopts)
+  if doc == nil then return nil, err end
+  if doc then self.held[key(T._id)] = doc.epoch end
+  return live(doc)
+end
+
+-- This manager as the ownership policy sees it.
+function Engine:me()
+  return { application = self.application, instance = self.instance,
+           stale_after = self.policy.stale_after, lease = self.policy.lease }
+end
+
+-- Does this engine hold T at its epoch (in whatever state)?
+function Engine:holding(T)
+  return T.epoch ~= nil and self.held[key(T._id)] == T.epoch
+end
+
+function Engine:holds(T)
+  return T.state == "pending" and self:holding(T)
+end
+
+-- Versions read while this manager holds T: read, then check T is still
+-- held, so any later owner's writes come after the read.
+function Engine:confirmed_versions(T)
+  local versions, err = self:versions(T)
+  if not versions then return nil, err end
+  local now
+  now, err = self:get(T._id)
+  if err then return nil, err end
+  if not now or not self:holds(now) then return false, now end
+  return versions
+end
+
+local function op_name(op)
+  return format("%s %s of %s", op.kind, tostring(op.id), op.collection)
+end
+
+local failure_text = {
+  missing = "the document does not exist",
+  guard = "its where condition is false",
+  conflict = "another document has its _id",
+  contention = "the document kept changing",
+  removing = "another transaction is removing the document",
+  busy = "another open transaction holds the document its guard reads",
+}
+
+local function op_failure(T, i, reason)
+  return errors.new(reason, format("op %d (%s): %s", i, op_name(T.ops[i]),
+    failure_text[reason] or reason), { step = "apply", id = T._id, op = i })
+end
+
+-- Phases ------------------------------------------------------------------
+
+-- Applies op i, fenced by v.version (false: none read) and by v.deadline
+-- (this owner's, T's by default where deadlines fence); returns true, or
+-- false and why it cannot, or nil, err.
+function Engine:apply_one(T, i, v)
+  local op = T.ops[i]
+  local coll = self:coll(op.collection)
+  if v.deadline == nil and self:deadlines() then v.deadline = T.deadline end
+  for _ = 1, MAX_CONTENTION do
+    local res, err = self:step("apply", T._id, coll, T._id, op, v.version, self.fields,
+      self.wopts, v.deadline)
+    if not res then return nil, err end
+    if res.applied then return true end
+    -- Why not? Read the document, then (if its version moved) check
+    -- that T is still ours before trying with the version just read.
+    local doc
+    doc, err = coll:find_one({ _id = op.id })
+    if err then return nil, errors.wrap(err, "apply", T._id) end
+    if has_marker(doc, self.marker, T._id) then return true end
+    if doc and doc[REMOVING] ~= nil then return false, "removing" end
+    if op.kind == "insert" then
+      if doc then return false, "conflict" end
+    elseif not doc then
+      return false, "missing"
+    else
+      -- a guard reads no effect that may still be undone (csrc/txn.c):
+      -- committed holders are finished first, open ones make it wait
+      local finished = 0
+      if op.where then
+        local open
+        finished, open = self:release(op, doc, T._id)
+        if finished == nil then return nil, open end
+        if finished == 0 and open then return false, "busy" end
+      end
+      if finished == 0 then
+        if op.where then
+          local filter = { _id = op.id }
+          for k, x in pairs(op.where) do filter[k] = x end
+          local n
+          n, err = coll:count(filter)
+          if not n then return nil, errors.wrap(err, "apply", T._id) end
+          if n == 0 then return false, "guard" end
+        end
+        local ok
+        ok, err = self:refence(T, i, v, doc)
+        if not ok then return nil, err end
+      end
+      -- else the finished holders moved the document: try again
+    end
+  end
+  return false, "contention"
+end
+
+-- The document of op i moved under T's apply: if T is still this
+-- manager's, fence the next try by the version just read and by a renewed
+-- deadline (it may have passed: an owner past its deadline must not apply,
+-- whoever else might be driving T).  Returns true, or nil, err (`fenced`
+-- when another owner took T over).
+function Engine:refence(T, i, v, doc)
+  local now, err = self:get(T._id)
+  if err then return nil, err end
+  local fenced = errors.new("fenced", "another owner took the transaction over",
+    { step = "apply", id = T._id, op = i })
+  if not now or not self:holds(now) then return nil, fenced end
+  v.version = doc[self.version_field]
+  if v.deadline then
+    local renewed
+    renewed, err = self:renew(now)
+    if renewed == nil then return nil, err end
+    if not renewed then return nil, fenced end
+    v.deadline = renewed
+  end
+  return true
+end
+
+-- Moves T's deadline (and lastModified) a lease on while this manager
+-- still holds it, so that an owner working past its deadline still fences
+-- every apply by the server's clock.  Returns the new deadline, false when
+-- T was taken over meanwhile, or nil, err.
+function Engine:renew(T)
+  local deadline, err = self:new_deadline()
+  if not deadline then return nil, err end
+  local moved
+  moved, err = self:step("transition", T._id, self.tx, T._id, "pending", "pending", T.epoch,
+    { deadline = deadline }, self.wopts)
+  if moved == nil then return nil, err end
+  return moved and deadline
+end
+
+-- The document of op carries the markers of other transactions.  Those
+-- that have committed (applied or done) are final: this finishes them on
+-- the document (any manager may help a committed transaction along), so
+-- that the guard reads their effect.  The open ones a guard may not read
+-- past: all of them for most guards, for a floor guard those in the
+-- `held` array (their effect may have raised a value; see csrc/txn.c).
+-- Returns how many were finished and whether an open one that matters is
+-- left, or nil, err.
+function Engine:release(op, doc, tid)
+  local coll, k = self:coll(op.collection), id_key(op.id)
+  local matters = {}
+  for _, x in ipairs(stored.holders(doc, op.floor and HELD or self.marker, tid)) do
+    matters[key(x)] = true
+  end
+  local finished, open = 0, false
+  for _, holder in ipairs(stored.holders(doc, self.marker, tid)) do
+    local H, err = self:get(holder)
+    if err and err.code ~= "invalid" then return nil, err end
+    local hop
+    if H and (H.state == "applied" or H.state == "done")
+        and not validate.malformed(H, self.vctx) then
+      for _, o in ipairs(H.ops) do
+        if o.collection == op.collection and id_key(o.id) == k then hop = o end
+      end
+    end
+    if hop then
+      local res
+      res, err = self:step("finish", H._id, coll, H._id, hop, self.fields, self.wopts)
+      if not res then return nil, err end
+      if res.finished then finished = finished + 1 end
+    elseif matters[key(holder)] then
+      open = true
+    end
+  end
+  return finished, open
+end
+
+-- pending (held) -> applied, or -> canceling when an op cannot apply.
+-- Returns the transaction's next document and, after a cancel, the error
+-- that explains it.
+function Engine:apply_all(T, versions)
+  for i in ipairs(T.ops) do
+    local v = versions[i]
+    if not v.marked then
+      local tries = 0
+      while true do
+        local ok, why = self:apply_one(T, i, v)
+        if ok then break end
+        if ok == nil then
+          if why.code == "fenced" then return self:get(T._id) end
+          return nil, why
+        end
+        local decision = self.policy.on_op_failure(T, i, why)
+        tries = tries + 1
+        if decision == "retry" and tries <= self.policy.retries then
+          self.policy.sleep(self.policy.backoff(tries))
+        elseif decision == "fail" then
+          return nil, op_failure(T, i, why)
+        else
+          local failure = op_failure(T, i, why)
+          local moved, err = self:cancel(T, failure.message)
+          if not moved then return nil, err end
+          return moved, nil, failure
+        end
+      end
+    end
+  end
+  return self:move(T, "pending", "applied", T.epoch)
+end
+
+-- Moves T from state `from` (at `epoch`, when given) to `to`, setting
+-- `set` too; returns T as it now is: as moved (the step returns it), or
+-- as read when somebody else moved it first.
+function Engine:move(T, from, to, epoch, set)
+  local moved, err = self:step("transition", T._id, self.tx, T._id, from, to, epoch, set,
+    self.wopts)
+  if moved == nil then return nil, err end
+  if moved then return live(moved) end
+  local now
+  now, err = self:get(T._id)
+  if now then return now end
+  return nil, err or errors.new("state", "no such transaction", { step = to, id = T._id })
+end
+
+-- pending (held) -> canceling, recording why.
+function Engine:cancel(T, reason)
+  return self:move(T, "pending", "canceling", T.epoch, { reason = reason })
+end
+
+-- applied -> done: pull every marker (delete removed documents), then done.
+function Engine:finish(T)
+  for _, op in ipairs(T.ops) do
+    local res, err = self:step("finish", T._id, self:coll(op.collection), T._id, op,
+      self.fields, self.wopts)
+    if not res then return nil, err end
+  end
+  return self:move(T, "applied", "done")
+end
+
+-- Undoes op i of a canceling T where it was applied; after a takeover
+-- (epoch > 1) fences the document too.  Returns undo's result, or nil,
+-- err.
+function Engine:undo_op(T, i)
+  local op, coll = T.ops[i], self:coll(T.ops[i].collection)
+  local undone
+  for _ = 1, 3 do
+    local res, err = self:step("undo", T._id, coll, T._id, op, self.fields, self.wopts)
+    if not res then return nil, err end
+    undone = undone or res
+    -- an insert a former owner prepared would land after this undo
+    -- deleted the document: fence it too (a placeholder takes the _id)
+    if (T.epoch or 0) <= 1 or res.undone and op.kind ~= "insert" then break end
+    res, err = self:step("fence", T._id, coll, T._id, op, self.fields, self.wopts)
+    if not res then return nil, err end
+    if res.fenced then break end
+    -- the marker appeared between undo and fence: undo again
+  end
+  return undone
+end
+
+-- canceling -> cancelled: undo the applied ops in reverse order.  After a
+-- takeover (epoch > 1) a former owner may still hold a prepared apply, so
+-- documents not applied are fenced (their version moved) as well.
+function Engine:unwind(T)
+  for i = #T.ops, 1, -1 do
+    local _, err = self:undo_op(T, i)
+    if err then return nil, err end
+  end
+  return self:move(T, "canceling", "cancelled")
+end
+
+local function cancelled_error(T)
+  return errors.new("cancelled", "the transaction was cancelled: " ..
+    tostring(T.reason or "no reason recorded"), { id = T._id, reason = T.reason })
+end
+
+-- Drives T to done or cancelled from whatever state it is in.  `versions`
+-- are those read before this manager claimed T, when it just did.
+function Engine:drive(T, versions)
+  local failure, err
+  for _ = 1, MAX_ROUNDS do
+    local state = T.state
+    if state == "done" or state == "cancelled" then
+      self.held[key(T._id)] = nil -- nothing left to fence
+      if state == "done" then return T end
+      return nil, failure or cancelled_error(T)
+    end
+    if state == "initial" then
+      versions, err = self:versions(T)
+      if not versions then return nil, err end
+      local claimed
+      claimed, err = self:claim(T, { state = "pending" })
+      if claimed == nil then return nil, err end
+      if not claimed then versions = nil end
+      T = claimed or self:get(T._id)
+    elseif state == "pending" then
+      if not self:holds(T) then
+        return nil, errors.new("owned", format("held by %s; recover() takes it " ..
+          "over once its lease expired", tostring(T.application)), { id = T._id })
+      end
+      if not versions then
+        local now
+        versions, now = self:confirmed_versions(T)
+        if versions == nil then return nil, now end
+        if not versions then T, versions = now, nil end
+      end
+      if versions then
+        local f
+        T, err, f = self:apply_all(T, versions)
+        failure = failure or f
+        versions = nil
+      end
+    elseif state == "applied" then
+      T, err = self:finish(T)
+    elseif state == "canceling" then
+      T, err = self:unwind(T)
+    else
+      return nil, errors.new("state", "unknown state " .. tostring(state), { id = T._id })
+    end
+    if not T then return nil, err end
+  end
+  return nil, errors.new("state", "the transaction did not settle", { id = T._id })
+end
+
+_M.key, _M.op_failure = key, op_failure
+
+return _M

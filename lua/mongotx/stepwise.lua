@@ -1,0 +1,134 @@
+-- The stepwise API (tm:step): one protocol step at a time, as in the
+-- tutorial, through the engine (mongotx.engine).  Steps obey the rules
+-- the other calls do, so a step out of order is refused and writes
+-- nothing, and repeating a step that succeeded changes nothing.
+
+local errors = require "mongotx.errors"
+local engine = require "mongotx.engine"
+
+local ipairs, tostring = ipairs, tostring
+local format = string.format
+local key, op_failure = engine.key, engine.op_failure
+
+local _M = {}
+
+-- One protocol step at a time, as in the tutorial:
+--   tm:step("claim", t)        initial -> pending (reads versions first)
+--   tm:step("apply", t, i)     op i, with the versions read at the claim
+--   tm:step("commit", t)       pending -> applied
+--   tm:step("finish", t, i)    pull op i's marker
+--   tm:step("done", t)         applied -> done
+--   tm:step("cancel", t)       pending -> canceling
+--   tm:step("undo", t, i)      undo op i if it was applied
+--   tm:step("cancelled", t)    canceling -> cancelled
+-- Each returns the step's result table (or false / nil, err).  Steps
+-- obey the rules the other calls do: claim follows the ownership policy (a
+-- held transaction is claimed again only once its lease expired);
+-- apply, commit and cancel need the transaction held by this manager;
+-- finish and done need it committed, undo and cancelled canceling; commit
+-- needs every op applied, done and cancelled every marker gone.  So a
+-- step out of order is refused (`state`, `owned`), and repeating a step
+-- that succeeded changes nothing.
+local STEP_STATES = {
+  apply = "pending", commit = "pending", cancel = "pending",
+  finish = "applied", done = "applied", undo = "canceling", cancelled = "canceling",
+}
+-- The states a step leads to: repeating it there is a no-op, not an error.
+local STEP_AFTER = {
+  commit = { applied = true, done = true }, cancel = { canceling = true, cancelled = true },
+  finish = { done = true }, done = { done = true },
+  undo = { cancelled = true }, cancelled = { cancelled = true },
+}
+local TRANSITIONS = {
+  commit = { "pending", "applied" }, done = { "applied", "done" },
+  cancel = { "pending", "canceling" }, cancelled = { "canceling", "cancelled" },
+}
+
+-- step("claim"): an initial transaction is anyone's; an active one held
+-- by this manager is returned as it is (claiming again would change its
+-- epoch); one held by another needs the ownership policy's leave.
+local function step_claim(eng, cache, T, refuse)
+  if T.state == "done" or T.state == "cancelled" then
+    return refuse("state", "the transaction is " .. T.state .. ": there is nothing to claim")
+  end
+  if eng:holding(T) then return T end
+  local now, err
+  if T.state ~= "initial" then
+    now, err = eng:server_now()
+    if not now then return nil, err end
+    local age = T.lastModified and (now - T.lastModified:value()) / 1000 or math.huge
+    if not eng.policy.may_recover(T, age, eng:me()) then
+      return refuse("owned", format("held by %s until its lease expires",
+        tostring(T.application)))
+    end
+  end
+  local versions
+  if T.state == "initial" or T.state == "pending" then
+    versions, err = eng:versions(T)
+    if not versions then return nil, err end
+  end
+  local claimed
+  claimed, err = eng:claim(T, T.state == "initial" and { state = "pending" } or nil, now)
+  if claimed and versions then cache[key(T._id)] = versions end
+  return claimed, err
+end
+
+-- Step `name` (op i for apply, finish and undo) of T, as just loaded;
+-- name and i are checked by the caller.  `cache` is the caller's table of
+-- the versions read at its claims, by key(id).
+function _M.step(eng, cache, name, T, i)
+  local want, err = STEP_STATES[name]
+  local function refuse(code, message)
+    return nil, errors.new(code, message, { step = name, id = T._id })
+  end
+  local k = key(T._id)
+  if name == "claim" then return step_claim(eng, cache, T, refuse) end
+  local op = T.ops[i]
+  local again = T.state ~= want and STEP_AFTER[name] and STEP_AFTER[name][T.state]
+  if again and TRANSITIONS[name] then return { moved = false } end
+  if T.state ~= want and not again then
+    return refuse("state", format("the transaction is %s, not %s", tostring(T.state), want))
+  end
+  if want == "pending" and not eng:holds(T) then
+    return refuse("owned", "this manager does not hold the transaction: claim it first")
+  end
+  if name == "apply" then
+    local versions = cache[k]
+    if not versions then
+      versions, err = eng:confirmed_versions(T)
+      if versions == nil then return nil, err end
+      if not versions then return refuse("owned", "not held by this manager") end
+      cache[k] = versions
+    end
+    local ok, why = eng:apply_one(T, i, versions[i])
+    if ok == nil then return nil, why end
+    if not ok then return nil, op_failure(T, i, why) end
+    return { applied = true }
+  elseif name == "finish" then
+    return eng:step("finish", T._id, eng:coll(op.collection), T._id, op, eng.fields,
+      eng.wopts)
+  elseif name == "undo" then
+    return eng:undo_op(T, i)
+  end
+  -- commit needs every op applied; done and cancelled every marker gone
+  if name ~= "cancel" then
+    local versions
+    versions, err = eng:versions(T)
+    if not versions then return nil, err end
+    for j, v in ipairs(versions) do
+      if (name == "commit") ~= v.marked then
+        return refuse("state", format("op %d is %s", j, name == "commit" and "not applied"
+          or (name == "done" and "not finished" or "not undone")))
+      end
+    end
+  end
+  local m = TRANSITIONS[name]
+  if name == "done" or name == "cancelled" then cache[k] = nil end
+  local moved
+  moved, err = eng:step("transition", T._id, eng.tx, T._id, m[1], m[2],
+    want == "pending" and T.epoch or nil, nil, eng.wopts)
+  if moved == nil then return nil, err end
+  return { moved = moved and true or false }
+end
+
+return _M
