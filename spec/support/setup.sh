@@ -8,6 +8,8 @@
 #     ferretdb  FerretDB v1.24.0 built with Go (about a minute the first time)
 #     all       all three
 #     fuzz      clang and libFuzzer for make fuzz / make fuzz-ci (fuzz/)
+#     openresty nginx with the Lua module, lua-resty-core, lua-cjson, wrk and
+#               OpenResty's LuaJIT (luajit2) for make test-openresty
 #   default: deps java
 #
 # Artifacts go to $MONGOTX_CACHE (default ~/.cache/mongotx):
@@ -21,21 +23,39 @@ FERRETDB_VERSION=v1.24.0
 say() { printf 'setup: %s\n' "$*"; }
 die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
 
+# "a|b": either package will do (the first is installed when neither is).
+# luajit2 (OpenResty's LuaJIT, see do_openresty) replaces Debian's luajit and
+# is a drop-in for everything deps needs it for.
 PACKAGES=(lua5.4 liblua5.4-dev libmongoc-dev libbson-dev lua-busted lua-check
-  luarocks luajit libluajit-5.1-dev valgrind gnuplot-nox pkg-config make gcc
-  python3 default-jdk-headless maven)
+  luarocks "luajit|luajit2" "libluajit-5.1-dev|libluajit2-5.1-dev" valgrind
+  gnuplot-nox pkg-config make gcc python3 default-jdk-headless maven)
 
 # clang 14 with libFuzzer and the sanitizer runtimes (-fsanitize=fuzzer
 # needs libclang-rt-14-dev), and what the harnesses link: Lua 5.4, libbson.
 FUZZ_PACKAGES=(clang libclang-rt-14-dev liblua5.4-dev libbson-dev libmongoc-dev pkg-config make)
 
-# Installs the Debian packages named that are missing.
+# nginx built --with-threads (ngx.run_worker_thread) and its Lua module
+# (lua-nginx-module 0.10.23), resty.core, cjson for the handlers, wrk for
+# make bench-openresty, and OpenResty's LuaJIT fork: the Lua module links
+# against libluajit2 and mongotx.core must be built against its headers
+# (apt removes Debian's luajit and libluajit-5.1-dev, which conflict).
+OPENRESTY_PACKAGES=(nginx libnginx-mod-http-lua lua-resty-core lua-cjson wrk
+  luajit2 libluajit2-5.1-dev)
+
+installed() {
+  [[ $(dpkg-query -W -f='${Status}' "$1" 2>/dev/null || true) == "install ok installed" ]]
+}
+
+# Installs the Debian packages named that are missing ("a|b": either).
 apt_install() {
-  local missing=() p
+  local missing=() p alt ok alts
   for p in "$@"; do
-    if [[ $(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true) != "install ok installed" ]]; then
-      missing+=("$p")
-    fi
+    ok=0
+    IFS='|' read -r -a alts <<<"$p"
+    for alt in "${alts[@]}"; do
+      if installed "$alt"; then ok=1; break; fi
+    done
+    ((ok)) || missing+=("${alts[0]}")
   done
   if ((${#missing[@]} == 0)); then
     say "Debian packages: all $# present"
@@ -147,6 +167,28 @@ do_fuzz() {
   say "clang $(clang -dumpversion) links -fsanitize=fuzzer,address,undefined"
 }
 
+do_openresty() {
+  # nginx's postinst would start the default site on port 80: keep it
+  # from starting services while installing (Debian's policy-rc.d hook).
+  local policy=/usr/sbin/policy-rc.d added=0
+  if [[ ! -e $policy && $(id -u) == 0 ]]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy"
+    chmod 755 "$policy"
+    added=1
+  fi
+  apt_install "${OPENRESTY_PACKAGES[@]}"
+  ((added)) && rm -f "$policy"
+  local mod=/usr/lib/nginx/modules/ngx_http_lua_module.so
+  [[ -f $mod ]] || die "no $mod (libnginx-mod-http-lua)"
+  nginx -V 2>&1 | grep -q -- '--with-threads' || die "nginx is not built --with-threads"
+  luajit -e 'assert(jit.version:find("LuaJIT 2.1"))' \
+    || die "luajit does not run"
+  luajit -e 'require "busted.runner"' 2>/dev/null \
+    || die "luajit cannot load busted.runner (is lua-busted installed?)"
+  pkg-config --exists luajit || die "no luajit.pc (libluajit2-5.1-dev)"
+  say "nginx $(nginx -v 2>&1 | sed 's#.*/##'), $(luajit -v | cut -d' ' -f1-2), lua module $mod"
+}
+
 targets=("$@")
 ((${#targets[@]})) || targets=(deps java)
 for t in "${targets[@]}"; do
@@ -156,6 +198,7 @@ for t in "${targets[@]}"; do
     ferretdb) do_ferretdb ;;
     all) do_deps; do_java; do_ferretdb ;;
     fuzz) do_fuzz ;;
-    *) die "unknown target '$t' (deps|java|ferretdb|all|fuzz)" ;;
+    openresty) do_openresty ;;
+    *) die "unknown target '$t' (deps|java|ferretdb|all|fuzz|openresty)" ;;
   esac
 done
