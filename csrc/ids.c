@@ -14,6 +14,11 @@
  * type and content.  Decimal128 is refused rather than compared: its
  * equal spellings (1, 1.0, 1E0) have no cheap canonical form here.
  *
+ * An id takes at most MAX_ID_BYTES: the _id index of MongoDB before 4.2
+ * refuses longer keys, and a transaction's id is written into its
+ * document and into every marker (an apply sends it twice), so a large
+ * one would fail in the middle of a transaction instead of at begin.
+ *
  * The walk reads the BSON the encoder made of the value, so what is
  * checked is exactly what would be sent, whatever metatables the Lua
  * value carries (__pairs, __index). */
@@ -25,6 +30,8 @@
 #include <string.h>
 
 #include "mongotx.h"
+
+#define MAX_ID_BYTES 1024
 
 /* A growing byte buffer whose memory a guard on the Lua stack owns. */
 typedef struct {
@@ -195,6 +202,13 @@ l_id_key(lua_State *L)
 	}
 	holder = mtx_scratch(L);
 	mtx_append_value(L, 1, holder, "v");
+	/* the value's bytes: the holder less its length, type, "v" and end */
+	if (holder->len - 8 > MAX_ID_BYTES) {
+		lua_pushnil(L);
+		lua_pushfstring(L, "an id may take at most %d bytes, not %d", MAX_ID_BYTES,
+				(int)(holder->len - 8));
+		return 2;
+	}
 	kb.slot = mtx_guard(L, free);
 	bson_iter_init_find(&it, holder, "v");
 	if ((why = walk_value(&kb, &it))) {

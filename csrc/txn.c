@@ -38,21 +38,19 @@ typedef struct {
  * still be undone: a credit of a transaction that ends cancelled would
  * let a debit through that the undo then takes below its floor.  So:
  *
- * - a credit (an update that only raises numbers with $inc, unguarded;
- *   op.effect "at_finish") takes effect when its transaction finishes,
- *   after the commit: its apply only reserves the document (marker and
- *   version), its undo only releases it;
- * - a debit (an update that only lowers numbers with $inc; op.effect
- *   "lowers") takes effect at once: undoing it can only raise the value;
- * - any other effect (op.effect absent: $set, an insert, ...) takes
- *   effect at once and also records the transaction in the `held` array
- *   until it finishes or is undone.
+ * - a debit (an update that only lowers numbers with $inc, undone by an
+ *   $inc back; op.effect "lowers") leaves only its marker: undoing it can
+ *   only raise the value;
+ * - any other effect (a credit, a $set, an insert, ...) also records the
+ *   transaction in the `held` array until it is finished or undone.
  *
  * A floor guard (op.floor: only $gte/$gt of numbers) then applies only
  * where `held` is empty, since what is uncommitted there can only have
  * lowered values; any other guard only where no transaction holds the
- * document at all (its marker array is empty). */
-enum { E_RAISES, E_AT_FINISH, E_LOWERS };
+ * document at all (its marker array is empty).  Effects take place at the
+ * apply, as in the tutorial, so that a marker means "applied" to any
+ * writer that follows the tutorial's recipe. */
+enum { E_RAISES, E_LOWERS };
 
 static void
 check_fields(lua_State *L, int idx, fields *f)
@@ -330,7 +328,7 @@ op_kind(lua_State *L, int op)
 static int
 op_effect(lua_State *L, int op)
 {
-	static const char *const effects[] = {"raises", "at_finish", "lowers", NULL};
+	static const char *const effects[] = {"raises", "lowers", NULL};
 	int e;
 
 	lua_getfield(L, op, "effect");
@@ -394,8 +392,8 @@ build_insert(lua_State *L, int op, const bson_t *tid, const fields *f)
  * `version`; nil means the document had none, false that the owner read
  * none) and, when `deadline` (a stack index, 0 for none) is given, by the
  * server's clock being before it; update: op.update (update kind only) + $push marker +
- * $inc version (a credit's update waits for its finish; see
- * "Guards", like the condition a guarded op adds). */
+ * $inc version (and the `held` array; see "Guards", like the condition a
+ * guarded op adds). */
 static void
 build_apply(lua_State *L, int op, int kind, const bson_t *tid, int version,
 	    int deadline, const fields *f, bson_t *filter, bson_t *update)
@@ -413,7 +411,7 @@ build_apply(lua_State *L, int op, int kind, const bson_t *tid, int version,
 		bson_append_null(filter, f->version, -1);
 	else if (!lua_isboolean(L, version))
 		mtx_append_value(L, version, filter, f->version);
-	if (kind == K_UPDATE && op_effect(L, op) != E_AT_FINISH) {
+	if (kind == K_UPDATE) {
 		lua_getfield(L, op, "update");
 		upd = mtx_check_document(L, -1);
 	}
@@ -595,15 +593,13 @@ op_step_args(lua_State *L, bson_t **tid, fields *f, bson_t **opts)
 }
 
 /* The finish of op: filter {_id, marker: tid}; update $pull marker (and
- * `held`), $inc version and, for a credit, its update (unused for a
- * remove, which deletes the document).  Returns whether the op is a
- * remove. */
+ * `held`) and $inc version (unused for a remove, which deletes the
+ * document).  Returns whether the op is a remove. */
 static int
 build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	     bson_t *filter, bson_t *update)
 {
-	int kind = op_kind(L, op), top = lua_gettop(L);
-	bson_t *upd = NULL;
+	int kind = op_kind(L, op);
 
 	lua_getfield(L, op, "id");
 	mtx_append_value(L, -1, filter, "_id");
@@ -611,12 +607,7 @@ build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	append_marker_eq(filter, f, tid);
 	if (kind == K_REMOVE)
 		return 1;
-	if (kind == K_UPDATE && op_effect(L, op) == E_AT_FINISH) {
-		lua_getfield(L, op, "update");
-		upd = mtx_check_document(L, -1);
-	}
-	merge_update(update, upd, f, "$pull", tid, op_holds(L, op, kind));
-	lua_settop(L, top);
+	merge_update(update, NULL, f, "$pull", tid, op_holds(L, op, kind));
 	return 0;
 }
 
@@ -673,8 +664,7 @@ l_finish_many(lua_State *L)
 
 /* undo(coll, tid, op, fields [, opts]) -> { undone = bool }
  * Only where the marker shows the op was applied: insert deletes the
- * document, update applies op.undo (a credit, which had not taken effect
- * yet, has none), all others just pull the marker. */
+ * document, update applies op.undo, all others just pull the marker. */
 static int
 l_undo(lua_State *L)
 {
@@ -693,7 +683,7 @@ l_undo(lua_State *L)
 			return rc;
 		return push_bool_result(L, "undone", n);
 	}
-	if (kind == K_UPDATE && op_effect(L, 3) != E_AT_FINISH) {
+	if (kind == K_UPDATE) {
 		lua_getfield(L, 3, "undo");
 		undo = mtx_check_document(L, -1);
 	}

@@ -72,18 +72,14 @@ describe("#server tutorial", function()
     check_accounts(1000, {}, 1000, {})
 
     -- Apply the transaction to both accounts; repeating does not double it.
-    -- Unlike the tutorial, the credit to B only reserves B here: a credit
-    -- takes effect when its transaction finishes, after the commit, so no
-    -- guard can ever spend money that a cancel would take back (README,
-    -- "Guards").
     assert.are.same({ applied = true }, assert(tm:step("apply", t, 1)))
     check_accounts(900, { 1 }, 1000, {})
     assert.are.same({ applied = true }, assert(tm:step("apply", t, 1)))
     check_accounts(900, { 1 }, 1000, {})
     assert.are.same({ applied = true }, assert(tm:step("apply", t, 2)))
-    check_accounts(900, { 1 }, 1000, { 1 })
+    check_accounts(900, { 1 }, 1100, { 1 })
     assert.are.same({ applied = true }, assert(tm:step("apply", t, 2)))
-    check_accounts(900, { 1 }, 1000, { 1 })
+    check_accounts(900, { 1 }, 1100, { 1 })
     check_state(1, "pending")
 
     -- Update the transaction state to applied.
@@ -93,13 +89,13 @@ describe("#server tutorial", function()
     assert.are.same({ moved = false }, assert(tm:step("commit", t)))
     local again = check_state(1, "applied")
     assert.are.equal(last:value(), again:value()) -- the repeat wrote nothing
-    check_accounts(900, { 1 }, 1000, { 1 })
+    check_accounts(900, { 1 }, 1100, { 1 })
 
-    -- Update both accounts' list of pending transactions (and credit B).
+    -- Update both accounts' list of pending transactions.
     assert.are.same({ finished = true }, assert(tm:step("finish", t, 1)))
-    check_accounts(900, {}, 1000, { 1 })
+    check_accounts(900, {}, 1100, { 1 })
     assert.are.same({ finished = false }, assert(tm:step("finish", t, 1)))
-    check_accounts(900, {}, 1000, { 1 })
+    check_accounts(900, {}, 1100, { 1 })
     assert.are.same({ finished = true }, assert(tm:step("finish", t, 2)))
     check_accounts(900, {}, 1100, {})
     assert.are.same({ finished = false }, assert(tm:step("finish", t, 2)))
@@ -117,7 +113,9 @@ describe("#server tutorial", function()
     -- empty, and each document's version counted every write mongotx made.
     assert.are.same({
       { _id = "A", balance = 900, pendingTransactions = {}, txVersion = 2 },
-      { _id = "B", balance = 1100, pendingTransactions = {}, txVersion = 2 },
+      -- the credit raised B, so B held the transaction in txHeld until
+      -- its finish (README, "Guards")
+      { _id = "B", balance = 1100, pendingTransactions = {}, txHeld = {}, txVersion = 2 },
     }, helpers.dump(accounts))
     assert.are.same({ initial = 0, pending = 0, applied = 0, done = 1, canceling = 0,
                       cancelled = 0, parked = 0 }, assert(tm:stats()))

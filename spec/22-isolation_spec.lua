@@ -7,11 +7,11 @@
 -- cannot apply, for reason "busy" (default policy: retry, then cancel with
 -- code "busy").
 --
--- The engine keeps it without waiting in the common case (README,
--- "Guards"): a credit takes effect at finish, a debit at once, and a
+-- The engine keeps it without waiting for debits (README, "Guards"): a
 -- floor guard ($gte/$gt) may read debits that are not committed yet; any
--- other effect marks the document in txHeld.  The first describe checks
--- that classification as the transaction document stores it.
+-- other effect (a credit included) marks the document in txHeld until it
+-- is finished or undone.  The first describe checks that classification
+-- as the transaction document stores it.
 --
 -- The attack: t1 moves 10 from A (who cannot pay) to B and is caught
 -- between its steps with its credit on B; t2, from another manager, takes
@@ -76,12 +76,8 @@ describe("#server guard isolation", function()
       return out
     end
 
-    it("a credit at finish, a debit at once, anything else at once and held", function()
-      assert.are.same({ "lowers", "at_finish" }, effects { debit("A", 10), credit("B", 10) })
-      assert.are.same({ "lowers", "raises" }, effects {
-        inc("A", -10),
-        inc("B", 10, { balance = { ["$lt"] = 100 } }), -- a guarded credit applies at once
-      })
+    it("a debit leaves its marker only, anything else is held too", function()
+      assert.are.same({ "lowers", "raises" }, effects { debit("A", 10), credit("B", 10) })
       assert.are.same({ "raises", "raises", "raises" }, effects {
         -- a debit whose undo is not an $inc back could lower the value when undone
         { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -1 } },
@@ -92,22 +88,30 @@ describe("#server guard isolation", function()
       })
     end)
 
-    it("a credit shows at finish, a raising effect holds its document until then", function()
+    it("effects show at the apply; a raising one holds its document until the finish", function()
       local t = assert(tm1:begin({ debit("A", 10), credit("B", 10),
         { collection = "accounts", id = "C", update = { ["$set"] = { flag = true } },
           undo = { ["$unset"] = { flag = true } } } }, { id = "t" }))
       for _, s in ipairs { { "claim" }, { "apply", 1 }, { "apply", 2 }, { "apply", 3 } } do
         assert(tm1:step(s[1], t, s[2]))
       end
-      assert.are.equal(90, doc("A").balance) -- the debit shows at once
-      assert.are.equal(0, doc("B").balance)  -- the credit only reserved B
+      assert.are.equal(90, doc("A").balance) -- as in the tutorial
+      assert.is_nil(doc("A").txHeld)         -- a debit: a floor guard may stack on it
+      assert.are.equal(10, doc("B").balance)
       assert.are.same({ "t" }, doc("B").pendingTransactions)
-      assert.is_nil(doc("B").txHeld)
+      assert.are.same({ "t" }, doc("B").txHeld)
       assert.are.same({ "t" }, doc("C").txHeld)
       assert.is_true(doc("C").flag)
+      -- a floor guard on B waits for t (busy), a floor guard on A does not
+      local res, err = tm2:transfer("accounts", "B", "C", 5, { min = 0, id = "t2" })
+      assert.is_nil(res)
+      assert.are.equal("busy", err.code)
+      assert(tm2:transfer("accounts", "A", "C", 5, { min = 0, id = "t3" }))
+      assert.are.equal(85, doc("A").balance)
       assert.are.equal("done", assert(tm1:commit(t)).state)
-      assert.are.equal(10, doc("B").balance)
+      assert.are.same({}, doc("B").txHeld)
       assert.are.same({}, doc("C").txHeld)
+      assert.are.same({ A = 85, B = 10, C = 5 }, balances())
     end)
   end)
 

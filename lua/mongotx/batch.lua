@@ -74,30 +74,10 @@ local function create(eng, entries)
   end
 end
 
--- Step 2: every op of every created transaction, one bulk write per
--- collection.  When a collection's writes matched fewer documents than
--- sent, its markers say which ops applied.
-local function apply(eng, entries, deadline, versions)
-  local by_coll, order = {}, {}
-  for t, e in ipairs(entries) do
-    e.applied = {}
-    for i, op in ipairs(e.T.ops) do
-      local v = versions and versions[t][i]
-      if v and v.marked then
-        e.applied[i] = true
-      else
-        local items = by_coll[op.collection]
-        if not items then
-          items = {}
-          by_coll[op.collection], order[#order + 1] = items, op.collection
-        end
-        local version = false -- none read: fenced by the deadline alone
-        if v then version = v.version end
-        items[#items + 1] = { tid = e.T._id, op = op, deadline = deadline,
-                              version = version, entry = e, i = i }
-      end
-    end
-  end
+-- Step 2: apply's writes for items { tid, op, version, deadline, entry,
+-- i }, one bulk write per collection.  When a collection's writes matched
+-- fewer documents than sent, its markers say which ops applied.
+local function apply_items(eng, by_coll, order)
   for _, name in ipairs(order) do
     local items, coll = by_coll[name], eng:coll(name)
     local res, err = eng:retry("apply", nil, steps.apply_many, coll, items, eng.fields, eng.wopts)
@@ -122,6 +102,61 @@ local function apply(eng, entries, deadline, versions)
         end
       end
     end
+  end
+end
+
+-- Have all of e's guarded ops applied?
+local function guards_passed(e)
+  for i, op in ipairs(e.T.ops) do
+    if op.where and not e.applied[i] then return false end
+  end
+  return true
+end
+
+-- Step 2: every op of every created transaction.  In a batch of several
+-- transactions the guarded ops go first, and the others only for the
+-- transactions whose guarded ops all applied: so no guard reads a
+-- batch-mate's uncommitted credit (floor guards over the same accounts
+-- stack instead of waiting for each other; csrc/txn.c, "Guards"), and a
+-- transaction whose guard fails has nothing to undo.  One more round trip
+-- when a batch has both kinds of ops; a batch of one sends all at once.
+local function apply(eng, entries, deadline, versions)
+  for t, e in ipairs(entries) do
+    e.applied = {}
+    for i in ipairs(e.T.ops) do
+      local v = versions and versions[t][i]
+      if v and v.marked then e.applied[i] = true end
+    end
+  end
+  -- guarded: true for the guarded ops only, false for the others of the
+  -- transactions whose guards passed, nil for every op
+  local function phase(guarded)
+    local by_coll, order = {}, {}
+    for t, e in ipairs(entries) do
+      if not e.err and (guarded ~= false or guards_passed(e)) then
+        for i, op in ipairs(e.T.ops) do
+          if not e.applied[i] and (guarded == nil or guarded == (op.where ~= nil)) then
+            local items = by_coll[op.collection]
+            if not items then
+              items = {}
+              by_coll[op.collection], order[#order + 1] = items, op.collection
+            end
+            local v = versions and versions[t][i]
+            local version = false -- none read: fenced by the deadline alone
+            if v then version = v.version end
+            items[#items + 1] = { tid = e.T._id, op = op, deadline = deadline,
+                                  version = version, entry = e, i = i }
+          end
+        end
+      end
+    end
+    apply_items(eng, by_coll, order)
+  end
+  if #entries > 1 then
+    phase(true)
+    phase(false)
+  else
+    phase(nil)
   end
   for _, e in ipairs(entries) do
     if not e.err then

@@ -68,7 +68,7 @@ function _M.new(db, opts)
       fencing = opts.fencing or "auto",
     },
     finishing = {}, -- committed transactions waiting for finish() (policy.finish)
-    versions = {},  -- key(id) -> versions read at a step("claim") (stepwise)
+    stepped = { versions = {}, undone = {} }, -- what tm:step remembers (stepwise)
   }, Manager)
   -- read by callers and examples
   self.application, self.instance = self.engine.application, self.engine.instance
@@ -280,10 +280,10 @@ local many_options = { ops = true, id = true, meta = true }
 -- own transaction.
 function Manager:commit_many(list)
   return self:_run_batch(batch_specs(list, "commit_many", function(item, i)
-    if item.ops == nil then return self:_spec(item, nil, nil, "commit_many", 4) end
-    local ok, err = validate.options(item, many_options, "commit_many item " .. i, 5)
-    if not ok then return nil, err end
-    return self:_spec(item.ops, { id = item.id, meta = item.meta }, nil, "commit_many", 4)
+    if rawget(item, "ops") == nil then return self:_spec(item, nil, nil, "commit_many", 4) end
+    local opts, err = validate.options(item, many_options, "commit_many item " .. i, 5)
+    if not opts then return nil, err end
+    return self:_spec(opts.ops, { id = opts.id, meta = opts.meta }, nil, "commit_many", 4)
   end))
 end
 
@@ -294,9 +294,9 @@ for k in pairs(transfer_options) do transfer_many_options[k] = true end
 -- [, field =, min =, id =, meta =] }; returns results, errs as commit_many.
 function Manager:transfer_many(list)
   return self:_run_batch(batch_specs(list, "transfer_many", function(item, i)
-    local ok, err = validate.options(item, transfer_many_options, "transfer_many item " .. i, 5)
-    if not ok then return nil, err end
-    return self:_transfer_spec(item.collection, item.from, item.to, item.amount, item, 4)
+    local opts, err = validate.options(item, transfer_many_options, "transfer_many item " .. i, 5)
+    if not opts then return nil, err end
+    return self:_transfer_spec(opts.collection, opts.from, opts.to, opts.amount, opts, 4)
   end))
 end
 
@@ -339,7 +339,15 @@ function Manager:rollback(t, reason)
       local claimed
       claimed, err = self.engine:claim(T, nil, now)
       if claimed == nil then return nil, err end
-      if not claimed then return self:rollback(t, reason) end
+      if not claimed then
+        -- still as it was: its holder's deadline has not passed
+        local again = self.engine:get(T._id)
+        if again and again.state == T.state and again.epoch == T.epoch then
+          return nil, errors.new("owned", format("held by %s until its deadline",
+            tostring(T.application)), { step = "rollback", id = T._id })
+        end
+        return self:rollback(t, reason) -- it moved meanwhile: look again
+      end
       T = claimed
     end
     T, err = self.engine:cancel(T, reason)
@@ -476,7 +484,7 @@ function Manager:step(name, t, i)
   local T, err = self:_load(t, name)
   if not T then return nil, err end
   if STEPS[name] == "op" and not T.ops[i] then error("no op " .. tostring(i), CALLER) end
-  return stepwise.step(self.engine, self.versions, name, T, i)
+  return stepwise.step(self.engine, self.stepped, name, T, i)
 end
 
 return _M

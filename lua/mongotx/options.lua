@@ -162,13 +162,18 @@ end
 -- check(opts, names, what, level): opts (a table, or nil for none) may
 -- hold the keys of `names`; `what` names the call in messages ("manager",
 -- "transfer_many item 3"); raises at `level` for unknown names and wrong
--- types.  Returns opts ({} for nil), or nil and an `invalid` error for the
--- first bad value.
+-- types.  Returns a plain copy of opts' raw contents ({} for nil), which
+-- is what the caller must use (a metatable's __index or __pairs cannot
+-- show the checks one value and the caller another), or nil and an
+-- `invalid` error for the first bad value.
 function _M.check(opts, names, what, level)
   if opts == nil then return {} end
   if type(opts) ~= "table" then
     error(format("options of %s must be a table, not %s", what, type(opts)), level + 1)
   end
+  local raw = {}
+  for k, v in next, opts do raw[k] = v end
+  opts = raw
   local bad
   for k, v in pairs(opts) do
     if not names[k] then

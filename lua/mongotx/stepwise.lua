@@ -69,13 +69,14 @@ local function step_claim(eng, cache, T, refuse)
   end
   local claimed
   claimed, err = eng:claim(T, T.state == "initial" and { state = "pending" } or nil, now)
-  if claimed and versions then cache[key(T._id)] = versions end
+  if claimed and versions then cache.versions[key(T._id)] = versions end
   return claimed, err
 end
 
 -- Step `name` (op i for apply, finish and undo) of T, as just loaded;
--- name and i are checked by the caller.  `cache` is the caller's table of
--- the versions read at its claims, by key(id).
+-- name and i are checked by the caller.  `cache` is what the caller's
+-- steps remember: { versions = the versions read at its claims, undone =
+-- the ops its undo steps did }, each by key(id).
 function _M.step(eng, cache, name, T, i)
   local want, err = STEP_STATES[name]
   local function refuse(code, message)
@@ -93,12 +94,12 @@ function _M.step(eng, cache, name, T, i)
     return refuse("owned", "this manager does not hold the transaction: claim it first")
   end
   if name == "apply" then
-    local versions = cache[k]
+    local versions = cache.versions[k]
     if not versions then
       versions, err = eng:confirmed_versions(T)
       if versions == nil then return nil, err end
       if not versions then return refuse("owned", "not held by this manager") end
-      cache[k] = versions
+      cache.versions[k] = versions
     end
     local ok, why = eng:apply_one(T, i, versions[i])
     if ok == nil then return nil, why end
@@ -108,7 +109,30 @@ function _M.step(eng, cache, name, T, i)
     return eng:step("finish", T._id, eng:coll(op.collection), T._id, op, eng.fields,
       eng.wopts)
   elseif name == "undo" then
-    return eng:undo_op(T, i)
+    -- done before (by this manager), or the transaction is cancelled: a
+    -- repeat writes nothing (after a takeover an undo fences, and a
+    -- second fence would write again)
+    local undone = cache.undone[k] or {}
+    if T.state == "cancelled" or undone[i] then return { undone = false } end
+    local res
+    res, err = eng:undo_op(T, i)
+    if res then
+      undone[i] = true
+      cache.undone[k] = undone
+    end
+    return res, err
+  end
+  -- after a takeover a former owner may still hold a prepared apply:
+  -- cancelled needs every op undone (or fenced) by step("undo"), as the
+  -- rollback does
+  if name == "cancelled" and (T.epoch or 0) > 1 then
+    local undone = cache.undone[k] or {}
+    for j in ipairs(T.ops) do
+      if not undone[j] then
+        return refuse("state", format("op %d is not undone: after a takeover " ..
+          "step(\"undo\", t, %d) undoes or fences it first", j, j))
+      end
+    end
   end
   -- commit needs every op applied; done and cancelled every marker gone
   if name ~= "cancel" then
@@ -123,7 +147,7 @@ function _M.step(eng, cache, name, T, i)
     end
   end
   local m = TRANSITIONS[name]
-  if name == "done" or name == "cancelled" then cache[k] = nil end
+  if name == "done" or name == "cancelled" then cache.versions[k] = nil end
   local moved
   moved, err = eng:step("transition", T._id, eng.tx, T._id, m[1], m[2],
     want == "pending" and T.epoch or nil, nil, eng.wopts)

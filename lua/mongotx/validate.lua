@@ -192,12 +192,9 @@ local function check_update(u, owned, what, i)
   return true
 end
 
--- When an update op takes effect (csrc/txn.c, "Guards"): "at_finish"
--- for a credit (only $inc of positive numbers, no guard), which may not be
--- seen before its transaction commits; "lowers" for a debit (only $inc of
--- negative numbers, undone by an $inc of positive ones), which a floor
--- guard may read before it commits; nil for anything else.
-local function update_effect(update, where, undo)
+-- The sign of an update made only of $inc of numbers of one sign (1 or
+-- -1), or nil.
+local function inc_sign(update)
   local inc, sign = update["$inc"], nil
   if next(update, next(update)) ~= nil or type(inc) ~= "table" then return nil end
   for _, amount in pairs(inc) do
@@ -206,10 +203,17 @@ local function update_effect(update, where, undo)
     if sign and s ~= sign then return nil end
     sign = s
   end
-  if sign == 1 then return where == nil and "at_finish" or nil end
+  return sign
+end
+
+-- What an update op's effect does to the values a guard reads
+-- (csrc/txn.c, "Guards"): "lowers" for a debit (only $inc of negative
+-- numbers, undone by an $inc of positive ones), which a floor guard may
+-- read before it commits; nil (it may raise them) for anything else.
+local function update_effect(update, undo)
   -- undoing it must only raise values again (a $set could lower them)
-  if undo == nil or update_effect(undo, nil) ~= "at_finish" then return nil end
-  return "lowers"
+  if inc_sign(update) == -1 and inc_sign(undo) == 1 then return "lowers" end
+  return nil
 end
 
 -- Is where a floor (only $gte / $gt of numbers on fields)?  A floor may
@@ -329,30 +333,113 @@ local query_operators = {
 }
 local logical_operators = { ["$and"] = true, ["$or"] = true, ["$nor"] = true }
 
--- The first `$` key anywhere in v that is not a query operator, or nil.
-local function unknown_operator(v, depth)
-  if type(v) ~= "table" or depth > 100 then return nil end
-  for k, x in pairs(v) do
-    if type(k) == "string" and k:sub(1, 1) == "$" and not query_operators[k]
-        and not logical_operators[k] then
-      return k
+local check_filter
+
+-- The kinds of argument the server takes for each operator of a field's
+-- expression (other operators, such as $eq or $gt, take any value).
+local function is_number(x) return type(x) == "number" or core.type(x) == "long" end
+local function numbers_or_list(x)
+  if is_number(x) or core.type(x) == "binData" then return true end
+  if core.type(x) ~= "array" then return false end
+  for _, n in ipairs(x) do if not is_number(n) then return false end end
+  return true
+end
+local argument_checks = {
+  ["$in"] = function(x) return core.type(x) == "array" end,
+  ["$nin"] = function(x) return core.type(x) == "array" end,
+  ["$all"] = function(x) return core.type(x) == "array" end,
+  ["$size"] = function(x) return is_number(x) and x >= 0 and x == math.floor(x) end,
+  ["$mod"] = function(x)
+    return core.type(x) == "array" and #x == 2 and is_number(x[1]) and is_number(x[2])
+  end,
+  ["$exists"] = function(x) return type(x) == "boolean" or is_number(x) end,
+  ["$type"] = function(x)
+    if type(x) == "string" or is_number(x) then return true end
+    if core.type(x) ~= "array" or #x == 0 then return false end
+    for _, y in ipairs(x) do
+      if type(y) ~= "string" and not is_number(y) then return false end
     end
-    local found = unknown_operator(x, depth + 1)
-    if found then return found end
+    return true
+  end,
+  ["$regex"] = function(x) return type(x) == "string" or core.type(x) == "regex" end,
+  ["$options"] = function(x) return type(x) == "string" end,
+  ["$bitsAllSet"] = numbers_or_list, ["$bitsAnySet"] = numbers_or_list,
+  ["$bitsAllClear"] = numbers_or_list, ["$bitsAnyClear"] = numbers_or_list,
+}
+
+-- Does the document v have a key that starts with `$`?
+local function has_operator(v)
+  for k in pairs(v) do
+    if type(k) == "string" and k:sub(1, 1) == "$" then return true end
   end
+  return false
 end
 
--- A filter document of a where (the top level, or a branch of $and, $or,
--- $nor): its field names may not reach _id or the fields mongotx owns.
-local function check_filter(where, owned, i, depth)
+-- The expression a field of a where is compared with: a value (no `$`
+-- key anywhere in it), or a document of operators, each in its place
+-- with an argument of the kind the server takes (an operator elsewhere
+-- would fail every apply until the transaction is parked).
+local function check_condition(cond, i, depth)
+  if depth > 100 then return invalid("where nests too deep", i) end
+  if core.type(cond) ~= "object" or not has_operator(cond) then
+    local op = operator_key(cond, 0)
+    if op then return invalid(format("where may not use %s inside a value", op), i) end
+    return true
+  end
+  for op, arg in pairs(cond) do
+    if type(op) ~= "string" or op:sub(1, 1) ~= "$" then
+      return invalid(format("where mixes operators and the field %s in one condition",
+        tostring(op)), i)
+    end
+    if not query_operators[op] then
+      return invalid(format("where may not use %s (not a query operator mongotx " ..
+        "accepts for a guard)", op), i)
+    end
+    local check = argument_checks[op]
+    if check and not check(arg) then
+      return invalid(format("where: %s does not take %s", op, core.type(arg) or type(arg)), i)
+    end
+    local ok, err = true, nil
+    if op == "$not" then
+      if core.type(arg) ~= "regex" then
+        if core.type(arg) ~= "object" or not has_operator(arg) then
+          return invalid("where: $not takes a regex or operators", i)
+        end
+        ok, err = check_condition(arg, i, depth + 1)
+      end
+    elseif op == "$elemMatch" then
+      if core.type(arg) ~= "object" then return invalid("where: $elemMatch takes a document", i) end
+      if has_operator(arg) and not (next(arg) and (logical_operators[next(arg)])) then
+        ok, err = check_condition(arg, i, depth + 1)
+      else
+        ok, err = check_filter(arg, nil, i, depth + 1) -- a filter on the elements
+      end
+    elseif op == "$in" or op == "$nin" or op == "$all" or (op ~= "$regex" and op ~= "$options"
+        and not check) then
+      local bad = operator_key(arg, 0)
+      if bad then return invalid(format("where may not use %s inside a value", bad), i) end
+    end
+    if not ok then return nil, err end
+  end
+  if cond["$options"] ~= nil and cond["$regex"] == nil then
+    return invalid("where: $options needs a $regex beside it", i)
+  end
+  return true
+end
+
+-- A filter document of a where (the top level, a branch of $and, $or,
+-- $nor, or an $elemMatch on a list of documents): field names and
+-- logical operators; at the top level (owned given) the field names may
+-- not reach _id or the fields mongotx owns.
+function check_filter(where, owned, i, depth)
   if core.type(where) ~= "object" then return invalid("where must be a document", i) end
+  if depth > 100 then return invalid("where nests too deep", i) end
   for k, x in pairs(where) do
     if type(k) ~= "string" then return invalid("where keys are strings", i) end
     if logical_operators[k] then
       if core.type(x) ~= "array" or #x == 0 then
         return invalid(format("where: %s needs a list of conditions", k), i)
       end
-      if depth > 100 then return invalid("where nests too deep", i) end
       for _, branch in ipairs(x) do
         local ok, err = check_filter(branch, owned, i, depth + 1)
         if not ok then return nil, err end
@@ -363,14 +450,16 @@ local function check_filter(where, owned, i, depth)
       if k == "" or k:sub(1, 1) == "." or k:sub(-1) == "." or k:find("..", 1, true) then
         return invalid(format("where has a bad field name %q", k), i)
       end
-      if k == "_id" or k:sub(1, 4) == "_id." then
+      if owned and (k == "_id" or k:sub(1, 4) == "_id.") then
         return invalid("where may not constrain _id", i)
       end
-      for _, field in ipairs(owned) do
+      for _, field in ipairs(owned or {}) do
         if touches(k, field) then
           return invalid("where may not constrain " .. field, i)
         end
       end
+      local ok, err = check_condition(x, i, depth + 1)
+      if not ok then return nil, err end
     end
   end
   return true
@@ -380,11 +469,6 @@ end
 local function check_where(where, owned, i)
   if where == nil then return true end
   if type(where) ~= "table" then return invalid("where must be a table", i) end
-  local bad = unknown_operator(where, 0)
-  if bad then
-    return invalid(format("where may not use %s (not a query operator mongotx " ..
-      "accepts for a guard)", bad), i)
-  end
   return check_filter(where, owned, i, 0)
 end
 
@@ -427,7 +511,7 @@ local function normalise_op(op, i, ctx)
     ok, err = check_update(undo, ctx.owned, "undo", i)
     if not ok then return nil, err end
     out.update, out.undo = fields.update, undo
-    out.effect = update_effect(fields.update, fields.where, undo)
+    out.effect = update_effect(fields.update, undo)
   elseif fields.update ~= nil or fields.undo ~= nil then
     return invalid("only an update op takes update and undo", i)
   end
@@ -553,7 +637,7 @@ local function malformed_op(op, ctx)
   if op.kind == "insert" and core.type(op.doc) ~= "object" then
     return "insert without a doc"
   end
-  if op.effect ~= nil and op.effect ~= "at_finish" and op.effect ~= "lowers" then
+  if op.effect ~= nil and op.effect ~= "lowers" then
     return "unknown effect " .. tostring(op.effect)
   end
   _, err = check_where(parts.where, ctx.owned)
