@@ -188,7 +188,15 @@ local function transfer(tm, pair)
   return tm:transfer(bank.COLLECTION, pair[1], pair[2], 1)
 end
 
+-- The same with transfer's floor guard (min = 0): what keeping the guard
+-- promise costs (README, "Guards").  Balances start high enough that no
+-- guard fails.
+local function guarded(tm, pair)
+  return tm:transfer(bank.COLLECTION, pair[1], pair[2], 1, { min = 0 })
+end
+
 _M.transfer = { label = "tm:transfer", run = single("transfer", nil, transfer) }
+_M.transfer_guarded = { label = "tm:transfer min=0", run = single("guarded", nil, guarded) }
 _M.transfer_deferred = { label = "tm:transfer deferred", run = single("deferred", "deferred", transfer) }
 _M.begin_commit = {
   label = "tm:begin+commit",
@@ -198,16 +206,19 @@ _M.begin_commit = {
 }
 
 -- Batches of ctx.batch transactions in one call: method is "commit_many"
--- (lists of ops) or "transfer_many" (transfer tables).  A transfer's
--- latency is its batch's time divided by the batch's size.
-local function many(method)
+-- (lists of ops) or "transfer_many" (transfer tables, with the floor
+-- guard min = 0 when `min`).  A transfer's latency is its batch's time
+-- divided by the batch's size.
+local function many(method, min)
   return function(ctx)
     return with_bank(ctx, method .. ctx.batch, function(db)
       local tm = assert(db:manager { application = "bench" })
       if type(tm[method]) ~= "function" then return nil, "missing: tm:" .. method end
       local item = method == "commit_many"
         and function(f, t) return bank.ops(f, t, 1) end
-        or function(f, t) return { collection = bank.COLLECTION, from = f, to = t, amount = 1 } end
+        or function(f, t)
+          return { collection = bank.COLLECTION, from = f, to = t, amount = 1, min = min }
+        end
       return function(from, to, lat, moved)
         local ok = 0
         for first = 1, #from, ctx.batch do
@@ -234,6 +245,7 @@ end
 
 _M.commit_many = { label = "tm:commit_many", run = many("commit_many") }
 _M.transfer_many = { label = "tm:transfer_many", run = many("transfer_many") }
+_M.transfer_many_guarded = { label = "tm:transfer_many min=0", run = many("transfer_many", 0) }
 
 -- recovery: ctx.n transactions left in state initial by an application
 -- that is gone (tm:begin without commit), then the time one manager

@@ -53,6 +53,7 @@ local plan = {
   { key = "raw", mode = modes.raw, n = 5000 },
   { key = "textbook", mode = modes.textbook, n = 1000 },
   { key = "transfer", mode = modes.transfer, n = 1000 },
+  { key = "transfer_guarded", mode = modes.transfer_guarded, n = 1000 },
   { key = "transfer_deferred", mode = modes.transfer_deferred, n = 1000 },
   { key = "begin_commit", mode = modes.begin_commit, n = 1000 },
 }
@@ -62,6 +63,12 @@ for _, b in ipairs { { 1, 1000, 5 }, { 10, 1000, 5 }, { 100, 3000, 5 }, { 1000, 
                       runs = b[3] }
 end
 plan[#plan + 1] = { key = "transfer_many100", mode = modes.transfer_many, batch = 100, n = 3000 }
+-- guarded (min = 0): on 10 000 accounts, and hot: 10 accounts, each
+-- debited and credited about ten times within every batch of 100
+plan[#plan + 1] = { key = "transfer_many100_guarded", mode = modes.transfer_many_guarded,
+                    batch = 100, n = 3000 }
+plan[#plan + 1] = { key = "transfer_many100_hot", mode = modes.transfer_many_guarded,
+                    batch = 100, n = 3000, accounts = 10 }
 for _, accounts in ipairs { 10, 10000 } do
   for _, procs in ipairs { 1, 2, 4, 8 } do
     plan[#plan + 1] = { key = ("procs%d_%d"):format(procs, accounts), mode = concurrent,
@@ -141,7 +148,8 @@ end
 local function label(e)
   local s = e.mode.label
   if e.batch and e.batch > 1 or e.key:match("^commit_many") then s = s .. " (batch " .. e.batch .. ")" end
-  if e.procs then s = ("%s %d on %d accounts"):format(s, e.procs, e.accounts) end
+  if e.procs then s = ("%s %d on %d accounts"):format(s, e.procs, e.accounts)
+  elseif e.accounts then s = ("%s on %d accounts"):format(s, e.accounts) end
   return s
 end
 
