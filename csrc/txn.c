@@ -52,21 +52,35 @@ typedef struct {
  * writer that follows the tutorial's recipe. */
 enum { E_RAISES, E_LOWERS };
 
-static void
-check_fields(lua_State *L, int idx, fields *f)
+/* A manager's steps (core.steps{...}): the field names and the write
+ * options bound once, so that each step takes only what varies: (coll,
+ * id, op [, version]) for the steps on documents, (txcoll, id, ...) for
+ * those on the transaction.  Owned by the userdata; freed by __gc. */
+typedef struct {
+	fields f;      /* the names, copies owned by the object */
+	bson_t *wopts; /* {writeConcern: ...}; NULL until set up */
+} mtx_steps;
+
+#define MTX_STEPS_MT "mongotx.Steps"
+
+static mtx_steps *
+check_steps(lua_State *L)
 {
-	luaL_checktype(L, idx, LUA_TTABLE);
-	lua_getfield(L, idx, "marker");
-	lua_getfield(L, idx, "version");
-	lua_getfield(L, idx, "removing");
-	lua_getfield(L, idx, "held");
-	lua_getfield(L, idx, "placeholder");
-	f->marker = luaL_checkstring(L, -5); /* kept alive by the table */
-	f->version = luaL_checkstring(L, -4);
-	f->removing = luaL_checkstring(L, -3);
-	f->held = luaL_checkstring(L, -2);
-	f->placeholder = luaL_checkstring(L, -1);
-	lua_pop(L, 5);
+	mtx_steps *s = (mtx_steps *)luaL_checkudata(L, 1, MTX_STEPS_MT);
+
+	luaL_argcheck(L, s->wopts != NULL, 1, "steps not set up");
+	return s;
+}
+
+/* A step's write options: a copy of the bound ones (a step may add its
+ * own, such as upsert). */
+static bson_t *
+step_opts(lua_State *L, const mtx_steps *s)
+{
+	bson_t *opts = mtx_scratch(L);
+
+	bson_concat(opts, s->wopts);
+	return opts;
 }
 
 /* Appends {op: {removing: value}} ($set of the tid, or $unset). */
@@ -252,18 +266,6 @@ arg_collection(lua_State *L, int idx)
 	return mtx_collection_handle(L, mtx_check_collection(L, idx));
 }
 
-static bson_t *
-write_opts(lua_State *L, int idx)
-{
-	static const char *const names[] = {"write_concern", NULL};
-	bson_t *opts;
-
-	mtx_check_options(L, idx, names);
-	opts = mtx_scratch(L);
-	mtx_opt_write_concern(L, idx, opts);
-	return opts;
-}
-
 /* Runs an update_one (update_many if `many`) at crash point `point`
  * (fault.c); sets *matched (an upsert counts as one), or
  * pushes nil, err and returns 2 (0 on success). */
@@ -422,7 +424,7 @@ build_apply(lua_State *L, int op, int kind, const bson_t *tid, int version,
 		lua_pop(L, 2);
 }
 
-/* apply(coll, tid, op, version|false, fields [, opts [, deadline]])
+/* steps:apply(coll, tid, op [, version|false [, deadline]])
  *   -> { applied = bool }
  * update/remove/assert: update_one of build_apply's filter and update.
  * insert: insert_one of op.doc with the marker set; a duplicate key is
@@ -430,20 +432,19 @@ build_apply(lua_State *L, int op, int kind, const bson_t *tid, int version,
 static int
 l_apply(lua_State *L)
 {
-	mongoc_collection_t *coll = arg_collection(L, 1);
+	mtx_steps *s = check_steps(L);
+	mongoc_collection_t *coll = arg_collection(L, 2);
 	bson_t *tid, *filter, *update, *opts;
-	fields f;
 	int64_t n = 0;
 	int kind, rc;
 
-	lua_settop(L, 7); /* absent optional arguments keep their slots */
-	tid = check_tid(L, 2);
-	luaL_checktype(L, 3, LUA_TTABLE);
-	check_fields(L, 5, &f);
-	kind = op_kind(L, 3);
-	opts = write_opts(L, 6);
+	lua_settop(L, 6); /* absent optional arguments keep their slots */
+	tid = check_tid(L, 3);
+	luaL_checktype(L, 4, LUA_TTABLE);
+	kind = op_kind(L, 4);
+	opts = step_opts(L, s);
 	if (kind == K_INSERT) {
-		bson_t *doc = build_insert(L, 3, tid, &f), *reply = mtx_scratch(L);
+		bson_t *doc = build_insert(L, 4, tid, &s->f), *reply = mtx_scratch(L);
 		bson_error_t err;
 		bool ok;
 
@@ -459,7 +460,7 @@ l_apply(lua_State *L)
 	}
 	filter = mtx_scratch(L);
 	update = mtx_scratch(L);
-	build_apply(L, 3, kind, tid, 4, lua_isnil(L, 7) ? 0 : 7, &f, filter, update);
+	build_apply(L, 4, kind, tid, 5, lua_isnil(L, 6) ? 0 : 6, &s->f, filter, update);
 	if ((rc = run_update(L, "apply", coll, filter, update, opts, 0, &n)))
 		return rc;
 	return push_bool_result(L, "applied", n);
@@ -468,11 +469,11 @@ l_apply(lua_State *L)
 /* The options of a batch: the write concern, unordered (one failing
  * request does not stop the others). */
 static bson_t *
-batch_opts(lua_State *L, int idx, int n)
+batch_opts(lua_State *L, const mtx_steps *s, int n)
 {
-	bson_t *opts = write_opts(L, idx);
+	bson_t *opts = step_opts(L, s);
 
-	luaL_argcheck(L, n > 0, 2, "at least one item");
+	luaL_argcheck(L, n > 0, 3, "at least one item");
 	BSON_APPEND_BOOL(opts, "ordered", false);
 	return opts;
 }
@@ -504,7 +505,7 @@ check_added(lua_State *L, bool ok, int i, const bson_error_t *err)
 }
 
 /* A batch of ops of one collection, as apply_many and finish_many take
- * it: (coll, items, fields [, opts]), items[i] = { tid, op, ... }. */
+ * it: (steps, coll, items), items[i] = { tid, op, ... }. */
 typedef struct {
 	mongoc_bulk_operation_t *bulk;
 	bson_t *tid, *filter, *update; /* reused for every item */
@@ -515,13 +516,14 @@ typedef struct {
 static void
 op_batch_open(lua_State *L, op_batch *b)
 {
-	mongoc_collection_t *coll = arg_collection(L, 1);
+	mtx_steps *s = check_steps(L);
+	mongoc_collection_t *coll = arg_collection(L, 2);
 
-	lua_settop(L, 4); /* absent optional arguments keep their slots */
-	luaL_checktype(L, 2, LUA_TTABLE);
-	check_fields(L, 3, &b->f);
-	b->n = (int)mtx_rawlen(L, 2);
-	b->bulk = new_bulk(L, coll, batch_opts(L, 4, b->n));
+	lua_settop(L, 3);
+	luaL_checktype(L, 3, LUA_TTABLE);
+	b->f = s->f;
+	b->n = (int)mtx_rawlen(L, 3);
+	b->bulk = new_bulk(L, coll, batch_opts(L, s, b->n));
 	b->tid = mtx_scratch(L);
 	b->filter = mtx_scratch(L);
 	b->update = mtx_scratch(L);
@@ -532,7 +534,7 @@ op_batch_open(lua_State *L, op_batch *b)
 static int
 op_batch_item(lua_State *L, op_batch *b, int i)
 {
-	int item = batch_item(L, 2, i);
+	int item = batch_item(L, 3, i);
 
 	item_tid(L, item, i, b->tid);
 	lua_getfield(L, item, "op");
@@ -543,7 +545,7 @@ op_batch_item(lua_State *L, op_batch *b, int i)
 	return lua_gettop(L);
 }
 
-/* apply_many(coll, items, fields [, opts]) -> bulk result (see
+/* steps:apply_many(coll, items) -> bulk result (see
  * coll:bulk_write) or nil, err.  items[i] = { tid, op, version, deadline }:
  * apply's writes for many ops of one collection in one unordered bulk
  * write.  MongoDB counts matches for the whole batch only: when
@@ -577,18 +579,21 @@ l_apply_many(lua_State *L)
 	return mtx_bulk_execute(L, b.bulk, "apply", b.n, 0);
 }
 
-/* The arguments finish, undo and fence share: (coll, tid, op, fields
- * [, opts]); returns the collection. */
+/* The arguments finish, undo and fence share: (steps, coll, tid, op),
+ * the op at OP_ARG; returns the collection. */
+#define OP_ARG 4
+
 static mongoc_collection_t *
 op_step_args(lua_State *L, bson_t **tid, fields *f, bson_t **opts)
 {
-	mongoc_collection_t *coll = arg_collection(L, 1);
+	mtx_steps *s = check_steps(L);
+	mongoc_collection_t *coll = arg_collection(L, 2);
 
-	lua_settop(L, 5); /* absent optional arguments keep their slots */
-	*tid = check_tid(L, 2);
-	luaL_checktype(L, 3, LUA_TTABLE);
-	check_fields(L, 4, f);
-	*opts = write_opts(L, 5);
+	lua_settop(L, OP_ARG);
+	*tid = check_tid(L, 3);
+	luaL_checktype(L, OP_ARG, LUA_TTABLE);
+	*f = s->f;
+	*opts = step_opts(L, s);
 	return coll;
 }
 
@@ -611,7 +616,7 @@ build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	return 0;
 }
 
-/* finish(coll, tid, op, fields [, opts]) -> { finished = bool }
+/* steps:finish(coll, tid, op) -> { finished = bool }
  * remove: delete_one {_id, marker: tid}; others: $pull marker and $inc
  * version where the marker is. */
 static int
@@ -626,7 +631,7 @@ l_finish(lua_State *L)
 	coll = op_step_args(L, &tid, &f, &opts);
 	filter = mtx_scratch(L);
 	update = mtx_scratch(L);
-	if (build_finish(L, 3, tid, &f, filter, update))
+	if (build_finish(L, OP_ARG, tid, &f, filter, update))
 		rc = run_delete(L, "finish", coll, filter, opts, &n);
 	else
 		rc = run_update(L, "finish", coll, filter, update, opts, 0, &n);
@@ -635,7 +640,7 @@ l_finish(lua_State *L)
 	return push_bool_result(L, "finished", n);
 }
 
-/* finish_many(coll, items, fields [, opts]) -> bulk result or nil, err.
+/* steps:finish_many(coll, items) -> bulk result or nil, err.
  * items[i] = { tid, op }: finish's writes for many ops of one collection
  * in one unordered bulk write. */
 static int
@@ -662,7 +667,7 @@ l_finish_many(lua_State *L)
 	return mtx_bulk_execute(L, b.bulk, "finish", b.n, 0);
 }
 
-/* undo(coll, tid, op, fields [, opts]) -> { undone = bool }
+/* steps:undo(coll, tid, op) -> { undone = bool }
  * Only where the marker shows the op was applied: insert deletes the
  * document, update applies op.undo, all others just pull the marker. */
 static int
@@ -675,8 +680,8 @@ l_undo(lua_State *L)
 	int rc, kind;
 
 	coll = op_step_args(L, &tid, &f, &opts);
-	kind = op_kind(L, 3);
-	filter = id_filter(L, 3);
+	kind = op_kind(L, OP_ARG);
+	filter = id_filter(L, OP_ARG);
 	append_marker_eq(filter, &f, tid);
 	if (kind == K_INSERT) {
 		if ((rc = run_delete(L, "undo", coll, filter, opts, &n)))
@@ -684,11 +689,11 @@ l_undo(lua_State *L)
 		return push_bool_result(L, "undone", n);
 	}
 	if (kind == K_UPDATE) {
-		lua_getfield(L, 3, "undo");
+		lua_getfield(L, OP_ARG, "undo");
 		undo = mtx_check_document(L, -1);
 	}
 	update = mtx_scratch(L);
-	merge_update(update, undo, &f, "$pull", tid, op_holds(L, 3, kind));
+	merge_update(update, undo, &f, "$pull", tid, op_holds(L, OP_ARG, kind));
 	if (kind == K_REMOVE)
 		append_removing(update, "$unset", &f, tid);
 	if ((rc = run_update(L, "undo", coll, filter, update, opts, 0, &n)))
@@ -696,7 +701,7 @@ l_undo(lua_State *L)
 	return push_bool_result(L, "undone", n);
 }
 
-/* fence(coll, tid, op, fields [, opts]) -> { fenced = bool }
+/* steps:fence(coll, tid, op) -> { fenced = bool }
  * A new owner's write to a document the transaction has not applied yet:
  * $inc version where the marker is absent, so that an apply a former owner
  * prepared can no longer match.  For an insert, a placeholder document
@@ -712,10 +717,10 @@ l_fence(lua_State *L)
 	int rc;
 
 	coll = op_step_args(L, &tid, &f, &opts);
-	filter = id_filter(L, 3);
+	filter = id_filter(L, OP_ARG);
 	append_marker_ne(filter, &f, tid);
 	update = mtx_scratch(L);
-	if (op_kind(L, 3) == K_INSERT) {
+	if (op_kind(L, OP_ARG) == K_INSERT) {
 		bson_t set;
 
 		bson_iter_t it;
@@ -786,89 +791,153 @@ transition_point(const char *to)
 }
 
 /* The rest of a transition's filter ({state: from [, epoch]}, after the
- * caller's _id) and its update {$set: {state: to, ...set}, $currentDate:
- * {lastModified: true}}; epoch and set are stack indices (nil: none). */
+ * caller's _id) and its update {$set: {state: to [, key: value]},
+ * $currentDate: {lastModified: true}}; epoch and value are stack indices
+ * (0 or nil: none). */
 static void
 build_transition(lua_State *L, const char *from, const char *to, int epoch,
-		 int set_idx, bson_t *filter, bson_t *update)
+		 const char *key, int value, bson_t *filter, bson_t *update)
 {
 	bson_t set, cd;
-	bson_iter_t it;
 
 	BSON_APPEND_UTF8(filter, "state", from);
-	if (!lua_isnil(L, epoch))
+	if (epoch && !lua_isnil(L, epoch))
 		mtx_append_value(L, epoch, filter, "epoch");
 	bson_append_document_begin(update, "$set", 4, &set);
 	BSON_APPEND_UTF8(&set, "state", to);
-	if (!lua_isnil(L, set_idx)) {
-		bson_t *extra = mtx_check_document(L, set_idx);
-
-		bson_iter_init(&it, extra);
-		while (bson_iter_next(&it))
-			bson_append_iter(&set, NULL, 0, &it);
-	}
+	if (value && !lua_isnil(L, value))
+		mtx_append_value(L, value, &set, key);
 	bson_append_document_end(update, &set);
 	bson_append_document_begin(update, "$currentDate", -1, &cd);
 	BSON_APPEND_BOOL(&cd, "lastModified", true);
 	bson_append_document_end(update, &cd);
 }
 
-/* transition(txcoll, tid, from, to [, epoch [, set [, opts]]])
- *   -> the transaction as moved, or false when it was not in `from` (at
- *   that epoch)
- * findAndModify {_id: tid, state: from [, epoch]} with {$set: {state: to,
- * ...set}, $currentDate: {lastModified: true}}, returning the new
- * document: the caller needs no read to learn where it stands. */
+/* Moves the transaction (id at stack index 3, transactions collection
+ * at 2) from `from` (at the epoch at stack index `epoch`, 0: any) to
+ * `to`, also setting key to the value at stack index `value` (0 or nil:
+ * nothing): findAndModify returning the new document, so the caller needs
+ * no read to learn where it stands.  Pushes it, or false when the
+ * transaction was not in `from` (at that epoch), or nil, err. */
 static int
-l_transition(lua_State *L)
+move(lua_State *L, const mtx_steps *s, const char *from, const char *to, int epoch,
+     const char *key, int value)
 {
-	mongoc_collection_t *coll = arg_collection(L, 1);
-	bson_t *tid, *filter, *update, *opts;
-	const char *from = luaL_checkstring(L, 3);
-	const char *to = luaL_checkstring(L, 4);
+	mongoc_collection_t *coll = arg_collection(L, 2);
+	bson_t *tid = check_tid(L, 3), *filter = mtx_scratch(L), *update = mtx_scratch(L);
 	bson_iter_t it;
 
-	lua_settop(L, 7); /* absent optional arguments keep their slots */
-	tid = check_tid(L, 2);
-	opts = write_opts(L, 7);
-	filter = mtx_scratch(L);
 	bson_iter_init_find(&it, tid, "t");
 	bson_append_iter(filter, "_id", 3, &it);
-	update = mtx_scratch(L);
-	build_transition(L, from, to, 5, 6, filter, update);
-	return find_and_modify(L, transition_point(to), coll, filter, update, opts);
+	build_transition(L, from, to, epoch, key, value, filter, update);
+	return find_and_modify(L, transition_point(to), coll, filter, update, step_opts(L, s));
 }
 
-/* transition_many(txcoll, tids, from, to [, epoch [, set [, opts]]])
- *   -> { moved = <count> }
- * One update_many {_id: {$in: tids}, state: from [, epoch]} moving every
- * listed transaction that is still in `from` (and at that epoch). */
+/* The same for many transactions (ids: a list at stack index 3) in one
+ * update_many; pushes { moved = <count> }. */
 static int
-l_transition_many(lua_State *L)
+move_many(lua_State *L, const mtx_steps *s, const char *from, const char *to, int epoch)
 {
-	mongoc_collection_t *coll = arg_collection(L, 1);
-	const char *from = luaL_checkstring(L, 3);
-	const char *to = luaL_checkstring(L, 4);
-	bson_t *filter, *update, *opts, id;
+	mongoc_collection_t *coll = arg_collection(L, 2);
+	bson_t *filter, *update, id;
 	int64_t n = 0;
 	int rc;
 
-	lua_settop(L, 7); /* absent optional arguments keep their slots */
-	luaL_checktype(L, 2, LUA_TTABLE);
-	luaL_argcheck(L, mtx_rawlen(L, 2) > 0, 2, "at least one id");
-	opts = write_opts(L, 7);
+	luaL_checktype(L, 3, LUA_TTABLE);
+	luaL_argcheck(L, mtx_rawlen(L, 3) > 0, 3, "at least one id");
 	filter = mtx_scratch(L);
 	bson_append_document_begin(filter, "_id", 3, &id);
-	mtx_append_value(L, 2, &id, "$in"); /* a sequence: an array */
+	mtx_append_value(L, 3, &id, "$in"); /* a sequence: an array */
 	bson_append_document_end(filter, &id);
 	update = mtx_scratch(L);
-	build_transition(L, from, to, 5, 6, filter, update);
-	if ((rc = run_update(L, transition_point(to), coll, filter, update, opts, 1, &n)))
+	build_transition(L, from, to, epoch, NULL, 0, filter, update);
+	if ((rc = run_update(L, transition_point(to), coll, filter, update, step_opts(L, s), 1,
+			     &n)))
 		return rc;
 	lua_createtable(L, 0, 1);
 	lua_pushinteger(L, (lua_Integer)n);
 	lua_setfield(L, -2, "moved");
 	return 1;
+}
+
+/* steps:commit(txcoll, tid, epoch): pending -> applied, the commit point,
+ * by the owner at that epoch. */
+static int
+l_commit(lua_State *L)
+{
+	mtx_steps *s = check_steps(L);
+
+	lua_settop(L, 4);
+	luaL_checkany(L, 4);
+	return move(L, s, "pending", "applied", 4, NULL, 0);
+}
+
+/* steps:commit_many(txcoll, tids, epoch) -> { moved = <count> } */
+static int
+l_commit_many(lua_State *L)
+{
+	mtx_steps *s = check_steps(L);
+
+	lua_settop(L, 4);
+	luaL_checkany(L, 4);
+	return move_many(L, s, "pending", "applied", 4);
+}
+
+/* steps:done(txcoll, tid): applied -> done, once every op is finished. */
+static int
+l_done(lua_State *L)
+{
+	lua_settop(L, 3);
+	return move(L, check_steps(L), "applied", "done", 0, NULL, 0);
+}
+
+/* steps:done_many(txcoll, tids) -> { moved = <count> } */
+static int
+l_done_many(lua_State *L)
+{
+	lua_settop(L, 3);
+	return move_many(L, check_steps(L), "applied", "done", 0);
+}
+
+/* steps:cancel(txcoll, tid, epoch [, reason]): pending -> canceling, by
+ * the owner at that epoch. */
+static int
+l_cancel(lua_State *L)
+{
+	mtx_steps *s = check_steps(L);
+
+	lua_settop(L, 5);
+	luaL_checkany(L, 4);
+	return move(L, s, "pending", "canceling", 4, "reason", 5);
+}
+
+/* steps:cancelled(txcoll, tid [, from [, epoch [, reason]]]): canceling
+ * (or, with from = "initial", a transaction never started, at that
+ * epoch) -> cancelled. */
+static int
+l_cancelled(lua_State *L)
+{
+	static const char *const froms[] = {"canceling", "initial", NULL};
+	mtx_steps *s = check_steps(L);
+	int from;
+
+	lua_settop(L, 6);
+	from = luaL_checkoption(L, 4, "canceling", froms);
+	return move(L, s, froms[from], "cancelled", 5, "reason", 6);
+}
+
+/* steps:renew(txcoll, tid, epoch, deadline): pending -> pending with a new
+ * deadline, by the owner at that epoch (an owner working past its
+ * deadline renews it before it applies again). */
+static int
+l_renew(lua_State *L)
+{
+	mtx_steps *s = check_steps(L);
+
+	lua_settop(L, 5);
+	luaL_checkany(L, 4);
+	luaL_checkany(L, 5);
+	return move(L, s, "pending", "pending", 4, "deadline", 5);
 }
 
 /* The upsert that creates the transaction `doc` (stack index): filter
@@ -901,26 +970,27 @@ build_create(lua_State *L, int idx, bson_t *filter, bson_t *update)
 	return bson_has_field(doc, "compensates") ? "compensate" : "create";
 }
 
-/* create(txcoll, doc [, opts]) -> { created = bool }
+/* steps:create(txcoll, doc) -> { created = bool }
  * build_create's upsert; repeating it fails on the _id and changes
  * nothing. */
 static int
 l_create(lua_State *L)
 {
-	mongoc_collection_t *coll = arg_collection(L, 1);
+	mtx_steps *s = check_steps(L);
+	mongoc_collection_t *coll = arg_collection(L, 2);
 	bson_t *filter, *update, *opts, *reply;
 	bson_iter_t it;
 	bson_error_t err;
 	const char *point;
 	bool ok;
 
-	lua_settop(L, 3); /* absent optional arguments keep their slots */
-	luaL_checktype(L, 2, LUA_TTABLE);
-	opts = write_opts(L, 3);
+	lua_settop(L, 3);
+	luaL_checktype(L, 3, LUA_TTABLE);
+	opts = step_opts(L, s);
 	BSON_APPEND_BOOL(opts, "upsert", true);
 	filter = mtx_scratch(L);
 	update = mtx_scratch(L);
-	point = build_create(L, 2, filter, update);
+	point = build_create(L, 3, filter, update);
 	reply = mtx_scratch(L);
 	mtx_fault(point, "before");
 	ok = mongoc_collection_update_one(coll, filter, update, opts, reply, &err);
@@ -935,7 +1005,7 @@ l_create(lua_State *L)
 				bson_iter_init_find(&it, reply, "upsertedId"));
 }
 
-/* create_many(txcoll, docs [, opts]) -> bulk result or nil, err
+/* steps:create_many(txcoll, docs) -> bulk result or nil, err
  * Inserts the transactions in one unordered bulk write: a duplicate key
  * (code 11000) in items[i] marks an id that exists already.  Unlike
  * create, the documents carry their own lastModified (an insert cannot
@@ -944,17 +1014,18 @@ l_create(lua_State *L)
 static int
 l_create_many(lua_State *L)
 {
-	mongoc_collection_t *coll = arg_collection(L, 1);
+	mtx_steps *s = check_steps(L);
+	mongoc_collection_t *coll = arg_collection(L, 2);
 	mongoc_bulk_operation_t *bulk;
 	bson_error_t err;
 	int i, n;
 
-	lua_settop(L, 3); /* absent optional arguments keep their slots */
-	luaL_checktype(L, 2, LUA_TTABLE);
-	n = (int)mtx_rawlen(L, 2);
-	bulk = new_bulk(L, coll, batch_opts(L, 3, n));
+	lua_settop(L, 3);
+	luaL_checktype(L, 3, LUA_TTABLE);
+	n = (int)mtx_rawlen(L, 3);
+	bulk = new_bulk(L, coll, batch_opts(L, s, n));
 	for (i = 1; i <= n; i++) {
-		int top = lua_gettop(L), item = batch_item(L, 2, i);
+		int top = lua_gettop(L), item = batch_item(L, 3, i);
 		bson_t *doc = mtx_check_document(L, item);
 
 		if (!bson_has_field(doc, "_id") || !bson_has_field(doc, "lastModified"))
@@ -966,7 +1037,7 @@ l_create_many(lua_State *L)
 	return mtx_bulk_execute(L, bulk, "create", n, 0);
 }
 
-/* claim(txcoll, tid, expect, set [, opts]) -> the claimed document or false
+/* steps:claim(txcoll, tid, expect, set) -> the claimed document or false
  * findAndModify {_id: tid, ...expect} with {$set: set, $inc: {epoch: 1,
  * attempts: 1}, $currentDate: {lastModified: true}}, returning the new
  * document.  expect carries what the claimer saw (state, epoch,
@@ -974,15 +1045,16 @@ l_create_many(lua_State *L)
 static int
 l_claim(lua_State *L)
 {
-	mongoc_collection_t *coll = arg_collection(L, 1);
+	mtx_steps *s = check_steps(L);
+	mongoc_collection_t *coll = arg_collection(L, 2);
 	bson_t *tid, *query, *expect, *set, *update, *opts, sub;
 	bson_iter_t it;
 
-	lua_settop(L, 5); /* absent optional arguments keep their slots */
-	tid = check_tid(L, 2);
-	expect = mtx_check_document(L, 3);
-	set = mtx_check_document(L, 4);
-	opts = write_opts(L, 5);
+	lua_settop(L, 5);
+	tid = check_tid(L, 3);
+	expect = mtx_check_document(L, 4);
+	set = mtx_check_document(L, 5);
+	opts = step_opts(L, s);
 	query = mtx_scratch(L);
 	bson_iter_init_find(&it, tid, "t");
 	bson_append_iter(query, "_id", 3, &it);
@@ -1028,26 +1100,90 @@ l_sleep(lua_State *L)
 	return 0;
 }
 
+/* __gc (and the only way) to free a Steps object. */
+static int
+l_steps_gc(lua_State *L)
+{
+	mtx_steps *s = (mtx_steps *)luaL_checkudata(L, 1, MTX_STEPS_MT);
+
+	bson_free((char *)s->f.marker);
+	bson_free((char *)s->f.version);
+	bson_free((char *)s->f.removing);
+	bson_free((char *)s->f.held);
+	bson_free((char *)s->f.placeholder);
+	if (s->wopts)
+		bson_destroy(s->wopts);
+	memset(s, 0, sizeof *s);
+	return 0;
+}
+
+/* core.steps{ marker, version, removing, held, placeholder [,
+ * write_concern] } -> a Steps object: the protocol's steps with those
+ * names and that write concern bound. */
+static int
+l_new_steps(lua_State *L)
+{
+	static const char *const names[] = {"marker", "version", "removing", "held",
+		"placeholder", "write_concern", NULL};
+	const char *field[5];
+	mtx_steps *s;
+	bson_t *opts;
+	int i;
+
+	luaL_checktype(L, 1, LUA_TTABLE);
+	mtx_check_options(L, 1, names);
+	for (i = 0; i < 5; i++) {
+		lua_getfield(L, 1, names[i]);
+		field[i] = luaL_checkstring(L, -1); /* kept alive by the table */
+		lua_pop(L, 1);
+	}
+	opts = mtx_scratch(L);
+	mtx_opt_write_concern(L, 1, opts);
+	/* the userdata first, empty, so that a failure below leaks nothing */
+	s = (mtx_steps *)lua_newuserdata(L, sizeof *s);
+	memset(s, 0, sizeof *s);
+	luaL_getmetatable(L, MTX_STEPS_MT);
+	lua_setmetatable(L, -2);
+	s->f.marker = bson_strdup(field[0]);
+	s->f.version = bson_strdup(field[1]);
+	s->f.removing = bson_strdup(field[2]);
+	s->f.held = bson_strdup(field[3]);
+	s->f.placeholder = bson_strdup(field[4]);
+	s->wopts = bson_copy(opts);
+	return 1;
+}
+
 int
 mtx_open_txn(lua_State *L)
 {
 	static const luaL_Reg steps[] = {
 		{"apply", l_apply},
 		{"apply_many", l_apply_many},
+		{"cancel", l_cancel},
+		{"cancelled", l_cancelled},
 		{"claim", l_claim},
+		{"commit", l_commit},
+		{"commit_many", l_commit_many},
 		{"create", l_create},
 		{"create_many", l_create_many},
+		{"done", l_done},
+		{"done_many", l_done_many},
 		{"fence", l_fence},
 		{"finish", l_finish},
 		{"finish_many", l_finish_many},
-		{"transition", l_transition},
-		{"transition_many", l_transition_many},
+		{"renew", l_renew},
 		{"undo", l_undo},
 		{NULL, NULL},
 	};
 
+	luaL_newmetatable(L, MTX_STEPS_MT);
+	lua_pushcfunction(L, l_steps_gc);
+	lua_setfield(L, -2, "__gc");
 	lua_newtable(L);
 	luaL_setfuncs(L, steps, 0);
+	lua_setfield(L, -2, "__index");
+	lua_pop(L, 1);
+	lua_pushcfunction(L, l_new_steps);
 	lua_setfield(L, -2, "steps");
 	lua_pushcfunction(L, l_monotonic_ms);
 	lua_setfield(L, -2, "monotonic_ms");

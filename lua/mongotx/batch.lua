@@ -33,7 +33,6 @@ local stored = require "mongotx.stored"
 local validate = require "mongotx.validate"
 local canon, id_key = validate.canon, validate.id_key
 
-local steps = core.steps
 local ipairs, pairs = ipairs, pairs
 local floor = math.floor
 
@@ -49,7 +48,7 @@ local function fail(e, err) e.err = e.err or err end
 local function create(eng, entries)
   local docs = {}
   for i, e in ipairs(entries) do docs[i] = e.doc end
-  local res, err = eng:retry("create", nil, steps.create_many, eng.tx, docs, eng.wopts)
+  local res, err = eng:many("create", eng.tx, docs)
   -- items say ok for a request a server never ran after an error
   -- (FerretDB stops there): then inserted counts fewer than the oks
   local oks = 0
@@ -80,7 +79,7 @@ end
 local function apply_items(eng, by_coll, order)
   for _, name in ipairs(order) do
     local items, coll = by_coll[name], eng:coll(name)
-    local res, err = eng:retry("apply", nil, steps.apply_many, coll, items, eng.fields, eng.wopts)
+    local res, err = eng:many("apply", coll, items)
     if not res then
       for _, item in ipairs(items) do fail(item.entry, err) end
     elseif res.ok and res.matched + res.inserted == #items then
@@ -172,8 +171,7 @@ end
 local function commit(eng, entries)
   local ids = {}
   for i, e in ipairs(entries) do ids[i] = e.T._id end
-  local res, err = eng:retry("commit", nil, steps.transition_many, eng.tx, ids, "pending",
-    "applied", 1, nil, eng.wopts)
+  local res, err = eng:many("commit", eng.tx, ids, 1)
   if res and res.moved == #ids then
     for _, e in ipairs(entries) do e.T.state = "applied" end
   else
@@ -219,12 +217,10 @@ function _M.finish(eng, list)
     end
   end
   for _, name in ipairs(order) do
-    local res, err = eng:retry("finish", nil, steps.finish_many, eng:coll(name), by_coll[name],
-      eng.fields, eng.wopts)
+    local res, err = eng:many("finish", eng:coll(name), by_coll[name])
     if not res then return nil, err end
   end
-  local res, err = eng:retry("done", nil, steps.transition_many, eng.tx, ids, "applied", "done",
-    nil, nil, eng.wopts)
+  local res, err = eng:many("done", eng.tx, ids)
   if not res then return nil, err end
   for _, T in ipairs(list) do
     T.state = "done"
@@ -243,7 +239,7 @@ local function settle(eng, e, deadline, versions)
     if not existing then
       -- a batch the server cut short: create this one alone
       local res
-      res, err = eng:step("create", T._id, eng.tx, e.doc, eng.wopts)
+      res, err = eng:step("create", T._id, eng.tx, e.doc)
       if not res then return fail(e, err) end
       existing = res.created and T or eng:get(T._id)
     end

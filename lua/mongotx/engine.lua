@@ -1,5 +1,6 @@
 -- The state machine: drives one transaction, or (with mongotx.batch) a
--- batch of them, through the protocol's steps (the C core's core.steps),
+-- batch of them, through the protocol's steps (a core.steps object bound
+-- to this engine's field names and write concern; csrc/txn.c),
 -- under the policies of mongotx.policy.  mongotx.manager (the API),
 -- mongotx.batch, mongotx.recovery and mongotx.stepwise use it through
 -- its methods and the fields of its context, declared in new() below;
@@ -18,10 +19,8 @@ local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local stored = require "mongotx.stored"
 
-local steps = core.steps
 local canon, id_key = validate.canon, validate.id_key
-local ipairs, pairs, tostring, setmetatable, select = ipairs, pairs, tostring, setmetatable,
-  select
+local ipairs, pairs, tostring, setmetatable = ipairs, pairs, tostring, setmetatable
 local format = string.format
 
 local _M = {}
@@ -53,10 +52,11 @@ local PLACEHOLDER = "txPlaceholder"
 -- transactions collection and `collection` its name, policy = the policy
 -- table, application, marker, version_field, write_concern, fencing
 -- ("auto", "deadline" or "version") }.  The engine adds `instance` (this engine's owner id),
--- `fields` (the names the C steps take), `vctx` (what validate needs:
--- the transactions collection and the fields ops may not touch) and
--- `wopts` (the write options of every step); all of these are read-only
--- for its users.
+-- `fields` (the names of the fields mongotx keeps on documents), `steps`
+-- (the C core's steps bound to those names and the write concern), `vctx`
+-- (what validate needs: the transactions collection and the fields ops
+-- may not touch) and `wopts` (the write options of its other writes); all
+-- of these are read-only for its users.
 function _M.new(ctx)
   local self = setmetatable({
     db = ctx.db,
@@ -72,6 +72,9 @@ function _M.new(ctx)
     vctx = { collection = ctx.collection,
              owned = { "_id", ctx.marker, ctx.version_field, REMOVING, HELD, PLACEHOLDER } },
     wopts = { write_concern = ctx.write_concern },
+    steps = core.steps { marker = ctx.marker, version = ctx.version_field,
+                         removing = REMOVING, held = HELD, placeholder = PLACEHOLDER,
+                         write_concern = ctx.write_concern },
     colls = {},         -- collection handles by name (coll)
     held = {},          -- key(id) -> epoch this engine holds (hold, holds)
     clock_offset = nil, -- server clock - monotonic clock, ms (clock)
@@ -117,21 +120,21 @@ function Engine:retry(step, id, fn, ...)
   end
 end
 
--- The protocol's name of a move to a state (the event a transition
--- reports, as the batched path does).
-local MOVE_EVENTS = { applied = "commit", done = "done", canceling = "cancel",
-                      cancelled = "cancelled", pending = "renew" }
-
--- Runs the C step `name` with retries; reports it to on_event under the
--- protocol's name of the step (a transition by the state it moves to).
+-- Runs step `name` of the transaction with this id (csrc/txn.c: create,
+-- claim, apply, commit, finish, done, cancel, undo, fence, cancelled,
+-- renew) with retries, and reports it to on_event under that name.
 function Engine:step(name, id, ...)
-  local res, err = self:retry(name, id, steps[name], ...)
-  if res ~= nil then
-    local event = name
-    if name == "transition" then event = MOVE_EVENTS[select(4, ...)] or name end
-    self:event(event, { id = id, result = res })
-  end
+  local steps = self.steps
+  local res, err = self:retry(name, id, steps[name], steps, ...)
+  if res ~= nil then self:event(name, { id = id, result = res }) end
   return res, err
+end
+
+-- Runs the batched form of step `name` (create, apply, commit, finish,
+-- done) with retries; the batch reports its own events.
+function Engine:many(name, ...)
+  local steps = self.steps
+  return self:retry(name, nil, steps[name .. "_many"], steps, ...)
 end
 
 function Engine:server_now()
@@ -273,7 +276,7 @@ function Engine:claim(T, set, now)
     end
     expect.deadline = { ["$lt"] = core.Date(now) }
   end
-  local doc, err = self:step("claim", T._id, self.tx, T._id, expect, set, self.wopts)
+  local doc, err = self:step("claim", T._id, self.tx, T._id, expect, set)
   if doc == nil then return nil, err end
   if doc then self.held[key(T._id)] = doc.epoch end
   return live(doc)
@@ -334,8 +337,7 @@ function Engine:apply_one(T, i, v)
   local coll = self:coll(op.collection)
   if v.deadline == nil and self:deadlines() then v.deadline = T.deadline end
   for _ = 1, MAX_CONTENTION do
-    local res, err = self:step("apply", T._id, coll, T._id, op, v.version, self.fields,
-      self.wopts, v.deadline)
+    local res, err = self:step("apply", T._id, coll, T._id, op, v.version, v.deadline)
     if not res then return nil, err end
     if res.applied then return true end
     -- Why not? Read the document, then (if its version moved) check
@@ -408,8 +410,7 @@ function Engine:renew(T)
   local deadline, err = self:new_deadline()
   if not deadline then return nil, err end
   local moved
-  moved, err = self:step("transition", T._id, self.tx, T._id, "pending", "pending", T.epoch,
-    { deadline = deadline }, self.wopts)
+  moved, err = self:step("renew", T._id, self.tx, T._id, T.epoch, deadline)
   if moved == nil then return nil, err end
   return moved and deadline
 end
@@ -441,7 +442,7 @@ function Engine:release(op, doc, tid)
     end
     if hop then
       local res
-      res, err = self:step("finish", H._id, coll, H._id, hop, self.fields, self.wopts)
+      res, err = self:step("finish", H._id, coll, H._id, hop)
       if not res then return nil, err end
       if res.finished then finished = finished + 1 end
     elseif matters[key(holder)] then
@@ -481,36 +482,35 @@ function Engine:apply_all(T, versions)
       end
     end
   end
-  return self:move(T, "pending", "applied", T.epoch)
+  return self:move(T, "commit", T.epoch)
 end
 
--- Moves T from state `from` (at `epoch`, when given) to `to`, setting
--- `set` too; returns T as it now is: as moved (the step returns it), or
--- as read when somebody else moved it first.
-function Engine:move(T, from, to, epoch, set)
-  local moved, err = self:step("transition", T._id, self.tx, T._id, from, to, epoch, set,
-    self.wopts)
+-- Runs the state-changing step `name` (commit, done, cancel, cancelled)
+-- on T with the step's further arguments; returns T as it now is: as
+-- moved (the step returns it), or as read when somebody else moved it
+-- first.
+function Engine:move(T, name, ...)
+  local moved, err = self:step(name, T._id, self.tx, T._id, ...)
   if moved == nil then return nil, err end
   if moved then return live(moved) end
   local now
   now, err = self:get(T._id)
   if now then return now end
-  return nil, err or errors.new("state", "no such transaction", { step = to, id = T._id })
+  return nil, err or errors.new("state", "no such transaction", { step = name, id = T._id })
 end
 
 -- pending (held) -> canceling, recording why.
 function Engine:cancel(T, reason)
-  return self:move(T, "pending", "canceling", T.epoch, { reason = reason })
+  return self:move(T, "cancel", T.epoch, reason)
 end
 
 -- applied -> done: pull every marker (delete removed documents), then done.
 function Engine:finish(T)
   for _, op in ipairs(T.ops) do
-    local res, err = self:step("finish", T._id, self:coll(op.collection), T._id, op,
-      self.fields, self.wopts)
+    local res, err = self:step("finish", T._id, self:coll(op.collection), T._id, op)
     if not res then return nil, err end
   end
-  return self:move(T, "applied", "done")
+  return self:move(T, "done")
 end
 
 -- Undoes op i of a canceling T where it was applied; after a takeover
@@ -520,13 +520,13 @@ function Engine:undo_op(T, i)
   local op, coll = T.ops[i], self:coll(T.ops[i].collection)
   local undone
   for _ = 1, 3 do
-    local res, err = self:step("undo", T._id, coll, T._id, op, self.fields, self.wopts)
+    local res, err = self:step("undo", T._id, coll, T._id, op)
     if not res then return nil, err end
     undone = undone or res
     -- an insert a former owner prepared would land after this undo
     -- deleted the document: fence it too (a placeholder takes the _id)
     if (T.epoch or 0) <= 1 or res.undone and op.kind ~= "insert" then break end
-    res, err = self:step("fence", T._id, coll, T._id, op, self.fields, self.wopts)
+    res, err = self:step("fence", T._id, coll, T._id, op)
     if not res then return nil, err end
     if res.fenced then break end
     -- the marker appeared between undo and fence: undo again
@@ -542,7 +542,7 @@ function Engine:unwind(T)
     local _, err = self:undo_op(T, i)
     if err then return nil, err end
   end
-  return self:move(T, "canceling", "cancelled")
+  return self:move(T, "cancelled")
 end
 
 local function cancelled_error(T)

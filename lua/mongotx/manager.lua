@@ -149,7 +149,7 @@ function Manager:begin(ops, opts, extra)
                 attempts = 0, meta = spec.meta }
   for k, v in pairs(extra or {}) do doc[k] = v end
   local res
-  res, err = self.engine:step("create", id, self.tx, doc, self.engine.wopts)
+  res, err = self.engine:step("create", id, self.tx, doc)
   if not res then return nil, err end
   if res.created then
     doc.ops = spec.ops
@@ -324,7 +324,7 @@ function Manager:rollback(t, reason)
   end
   reason = reason or "rolled back"
   if T.state == "initial" then
-    T, err = self.engine:move(T, "initial", "cancelled", T.epoch, { reason = reason })
+    T, err = self.engine:move(T, "cancelled", "initial", T.epoch, reason)
     if not T then return nil, err end
   elseif T.state == "pending" then
     if not self.engine:holds(T) then

@@ -35,8 +35,7 @@ local function recover_one(eng, T, now, me)
   local versions, err
   if T.state == "initial" and eng.policy.stale_initial(T) == "expire" then
     local moved
-    moved, err = eng:step("transition", T._id, eng.tx, T._id, "initial", "cancelled",
-      T.epoch, { reason = "expired" }, eng.wopts)
+    moved, err = eng:step("cancelled", T._id, eng.tx, T._id, "initial", T.epoch, "expired")
     if moved == nil then return nil, err end
     return moved and "cancelled" or "skipped"
   end

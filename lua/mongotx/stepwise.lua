@@ -39,10 +39,8 @@ local STEP_AFTER = {
   finish = { done = true }, done = { done = true },
   undo = { cancelled = true }, cancelled = { cancelled = true },
 }
-local TRANSITIONS = {
-  commit = { "pending", "applied" }, done = { "applied", "done" },
-  cancel = { "pending", "canceling" }, cancelled = { "canceling", "cancelled" },
-}
+-- The steps that move the transaction itself.
+local TRANSITIONS = { commit = true, done = true, cancel = true, cancelled = true }
 
 -- step("claim"): an initial transaction is anyone's; an active one held
 -- by this manager is returned as it is (claiming again would change its
@@ -106,8 +104,7 @@ function _M.step(eng, cache, name, T, i)
     if not ok then return nil, op_failure(T, i, why) end
     return { applied = true }
   elseif name == "finish" then
-    return eng:step("finish", T._id, eng:coll(op.collection), T._id, op, eng.fields,
-      eng.wopts)
+    return eng:step("finish", T._id, eng:coll(op.collection), T._id, op)
   elseif name == "undo" then
     -- done before (by this manager), or the transaction is cancelled: a
     -- repeat writes nothing (after a takeover an undo fences, and a
@@ -146,11 +143,13 @@ function _M.step(eng, cache, name, T, i)
       end
     end
   end
-  local m = TRANSITIONS[name]
   if name == "done" or name == "cancelled" then cache.versions[k] = nil end
   local moved
-  moved, err = eng:step("transition", T._id, eng.tx, T._id, m[1], m[2],
-    want == "pending" and T.epoch or nil, nil, eng.wopts)
+  if want == "pending" then -- commit, cancel: by the owner at its epoch
+    moved, err = eng:step(name, T._id, eng.tx, T._id, T.epoch)
+  else
+    moved, err = eng:step(name, T._id, eng.tx, T._id)
+  end
   if moved == nil then return nil, err end
   return { moved = moved and true or false }
 end
