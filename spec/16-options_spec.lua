@@ -258,4 +258,30 @@ describe("#server options", function()
       end
     end)
   end)
+
+  -- A misuse is reported at the line that made the call (error levels
+  -- through helpers and batch items, no tail call in between).
+  it("misuse raises at the caller's line", function()
+    local tm = assert(db:manager {})
+    local calls = {
+      function() local r = db:manager { bogus = 1 }; return r end,
+      function() local r = tm:transfer("accounts", "A", "B", 1, { bogus = 1 }); return r end,
+      function() local r = tm:begin({}, { bogus = 1 }); return r end,
+      function() local r = tm:transfer_many { { collection = "accounts", from = "A", to = "B",
+        amount = 1, bogus = 1 } }; return r end,
+      function() local r = tm:transfer_many { { collection = "accounts", from = "A", to = "B",
+        amount = 1, field = 5 } }; return r end,
+      function() local r = tm:commit_many { { ops = {}, bogus = 1 } }; return r end,
+      function() local r = tm:commit_many { { ops = {}, meta = 5 } }; return r end,
+      function() local r = tm:commit_many(5); return r end,
+      function() local r = tm:rollback({ _id = "x" }, 5); return r end,
+      function() local r = tm:prune { bogus = 1 }; return r end,
+      function() local r = tm:step("bogus", { _id = "x" }); return r end,
+    }
+    for i, call in ipairs(calls) do
+      local ok, msg = pcall(call)
+      assert.is_false(ok, "call " .. i .. " did not raise")
+      assert.truthy(tostring(msg):find("16%-options_spec%.lua:%d+:"), "call " .. i .. ": " .. tostring(msg))
+    end
+  end)
 end)

@@ -53,7 +53,8 @@ end
 -- db:manager{ collection, application, marker, version_field,
 -- write_concern, <policies of mongotx.policy> }
 function Database:manager(opts)
-  return manager.new(self, opts)
+  local tm, err = manager.new(self, opts) -- not a tail call: its errors name our caller
+  return tm, err
 end
 
 function Database:close()

@@ -30,9 +30,12 @@ Manager.__index = Manager
 
 local STATES = { "initial", "pending", "applied", "done", "canceling", "cancelled" }
 
--- Levels for error(): a misuse is reported at the caller of the public
--- method (CALLER), or at the caller of the method that called a helper.
-local CALLER, HELPER_CALLER = 2, 3
+-- Levels for error(), counted from the function that raises or passes
+-- the level on: a misuse is reported at the caller of the public method
+-- (CALLER from the method, HELPER_CALLER from a helper it calls,
+-- ITEM_CALLER from the check of a batch item, which batch_specs calls).
+-- The frames between must not be tail calls, which Lua drops.
+local CALLER, HELPER_CALLER, ITEM_CALLER = 2, 3, 4
 
 local manager_options = {
   collection = true, application = true, marker = true, version_field = true,
@@ -141,7 +144,7 @@ end
 -- opts.id, repeating begin is safe: the same ops return the existing
 -- transaction, other ops are an `idempotency` error.
 function Manager:begin(ops, opts, extra)
-  local spec, err = self:_spec(ops, opts, extra, "begin", 2)
+  local spec, err = self:_spec(ops, opts, extra, "begin", CALLER)
   if not spec then return nil, err end
   local id = spec.id
   if id == nil then id = core.ObjectId() end
@@ -207,7 +210,7 @@ end
 -- created pending and owned.  Returns it at `done` (or at `applied` with
 -- policy.finish = "deferred"), or nil, err.
 function Manager:run(ops, opts, extra)
-  local spec, err = self:_spec(ops, opts, extra, "run", 2)
+  local spec, err = self:_spec(ops, opts, extra, "run", CALLER)
   if not spec then return nil, err end
   local results, errs = self:_run_batch({ spec }, { false })
   if results[1] then return results[1] end
@@ -241,9 +244,9 @@ end
 
 function Manager:transfer(collection, from, to, amount, opts)
   local spec, err
-  opts, err = validate.options(opts, transfer_options, "transfer", 2)
+  opts, err = validate.options(opts, transfer_options, "transfer", CALLER)
   if not opts then return nil, err end
-  spec, err = self:_transfer_spec(collection, from, to, amount, opts, 2)
+  spec, err = self:_transfer_spec(collection, from, to, amount, opts, CALLER)
   if not spec then return nil, err end
   local results, errs = self:_run_batch({ spec }, { false })
   if results[1] then return results[1] end
@@ -253,10 +256,12 @@ end
 -- A batch of specs checked one by one: a bad one gets its error and is
 -- left out, nothing written for it; so does a repeated id.
 local function batch_specs(list, what, check)
-  if type(list) ~= "table" then error(what .. " takes a list", 3) end
+  if type(list) ~= "table" then error(what .. " takes a list", HELPER_CALLER) end
   local specs, errs, seen = {}, {}, {}
   for i = 1, #list do
-    if type(list[i]) ~= "table" then error(format("%s: item %d is not a table", what, i), 3) end
+    if type(list[i]) ~= "table" then
+      error(format("%s: item %d is not a table", what, i), HELPER_CALLER)
+    end
     local spec, err = check(list[i], i)
     if spec and spec.id ~= nil then
       local k = key(spec.id)
@@ -280,10 +285,17 @@ local many_options = { ops = true, id = true, meta = true }
 -- own transaction.
 function Manager:commit_many(list)
   return self:_run_batch(batch_specs(list, "commit_many", function(item, i)
-    if rawget(item, "ops") == nil then return self:_spec(item, nil, nil, "commit_many", 4) end
-    local opts, err = validate.options(item, many_options, "commit_many item " .. i, 5)
+    local spec, err
+    if rawget(item, "ops") == nil then
+      spec, err = self:_spec(item, nil, nil, "commit_many", ITEM_CALLER)
+      return spec, err
+    end
+    local opts
+    opts, err = validate.options(item, many_options, "commit_many item " .. i, ITEM_CALLER)
     if not opts then return nil, err end
-    return self:_spec(opts.ops, { id = opts.id, meta = opts.meta }, nil, "commit_many", 4)
+    spec, err = self:_spec(opts.ops, { id = opts.id, meta = opts.meta }, nil, "commit_many",
+      ITEM_CALLER)
+    return spec, err
   end))
 end
 
@@ -294,9 +306,13 @@ for k in pairs(transfer_options) do transfer_many_options[k] = true end
 -- [, field =, min =, id =, meta =] }; returns results, errs as commit_many.
 function Manager:transfer_many(list)
   return self:_run_batch(batch_specs(list, "transfer_many", function(item, i)
-    local opts, err = validate.options(item, transfer_many_options, "transfer_many item " .. i, 5)
+    local opts, err = validate.options(item, transfer_many_options, "transfer_many item " .. i,
+      ITEM_CALLER)
     if not opts then return nil, err end
-    return self:_transfer_spec(opts.collection, opts.from, opts.to, opts.amount, opts, 4)
+    local spec
+    spec, err = self:_transfer_spec(opts.collection, opts.from, opts.to, opts.amount, opts,
+      ITEM_CALLER)
+    return spec, err
   end))
 end
 
@@ -314,9 +330,9 @@ end
 -- pending -> canceling -> cancelled, undoing what was applied.  A
 -- transaction never started ends cancelled at once.
 function Manager:rollback(t, reason)
+  if reason ~= nil and type(reason) ~= "string" then error("reason must be a string", CALLER) end
   local T, err = self:_load(t, "rollback")
   if not T then return nil, err end
-  if reason ~= nil and type(reason) ~= "string" then error("reason must be a string", 2) end
   if reason ~= nil and #reason > options.MAX_REASON then
     return nil, errors.new("invalid", format("reason takes %d bytes, more than the %d that " ..
       "fit in the transaction document", #reason, options.MAX_REASON),
@@ -412,7 +428,7 @@ end
 -- opts.older_than seconds); returns how many.
 function Manager:prune(opts)
   local now, err
-  opts, err = validate.options(opts, { older_than = true }, "prune", 2)
+  opts, err = validate.options(opts, { older_than = true }, "prune", CALLER)
   if not opts then return nil, err end
   now, err = self.engine:server_now()
   if not now then return nil, err end
