@@ -315,15 +315,23 @@ static const char *const kinds[] = {"update", "insert", "remove", "assert",
 	NULL};
 enum { K_UPDATE, K_INSERT, K_REMOVE, K_ASSERT };
 
+/* op[field], one of names (def when absent), as its index in names. */
 static int
-op_kind(lua_State *L, int op)
+op_option(lua_State *L, int op, const char *field, const char *def,
+	  const char *const names[])
 {
 	int k;
 
-	lua_getfield(L, op, "kind");
-	k = luaL_checkoption(L, -1, "update", kinds);
+	lua_getfield(L, op, field);
+	k = luaL_checkoption(L, -1, def, names);
 	lua_pop(L, 1);
 	return k;
+}
+
+static int
+op_kind(lua_State *L, int op)
+{
+	return op_option(L, op, "kind", "update", kinds);
 }
 
 /* op.effect (see "Guards"); absent means the op may raise values. */
@@ -331,12 +339,8 @@ static int
 op_effect(lua_State *L, int op)
 {
 	static const char *const effects[] = {"raises", "lowers", NULL};
-	int e;
 
-	lua_getfield(L, op, "effect");
-	e = luaL_checkoption(L, -1, "raises", effects);
-	lua_pop(L, 1);
-	return e;
+	return op_option(L, op, "effect", "raises", effects);
 }
 
 static int

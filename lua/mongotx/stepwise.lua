@@ -71,54 +71,42 @@ local function step_claim(eng, cache, T, refuse)
   return claimed, err
 end
 
--- Step `name` (op i for apply, finish and undo) of T, as just loaded;
--- name and i are checked by the caller.  `cache` is what the caller's
--- steps remember: { versions = the versions read at its claims, undone =
--- the ops its undo steps did }, each by key(id).
-function _M.step(eng, cache, name, T, i)
-  local want, err = STEP_STATES[name]
-  local function refuse(code, message)
-    return nil, errors.new(code, message, { step = name, id = T._id })
-  end
+-- apply: op i, fenced by the versions read at this manager's claim (or
+-- read now, while it still holds T).
+local function step_apply(eng, cache, T, i, refuse)
   local k = key(T._id)
-  if name == "claim" then return step_claim(eng, cache, T, refuse) end
-  local op = T.ops[i]
-  local again = T.state ~= want and STEP_AFTER[name] and STEP_AFTER[name][T.state]
-  if again and TRANSITIONS[name] then return { moved = false } end
-  if T.state ~= want and not again then
-    return refuse("state", format("the transaction is %s, not %s", tostring(T.state), want))
+  local versions = cache.versions[k]
+  if not versions then
+    local err
+    versions, err = eng:confirmed_versions(T)
+    if versions == nil then return nil, err end
+    if not versions then return refuse("owned", "not held by this manager") end
+    cache.versions[k] = versions
   end
-  if want == "pending" and not eng:holds(T) then
-    return refuse("owned", "this manager does not hold the transaction: claim it first")
+  local ok, why = eng:apply_one(T, i, versions[i])
+  if ok == nil then return nil, why end
+  if not ok then return nil, op_failure(T, i, why) end
+  return { applied = true }
+end
+
+-- undo: op i, once.  Done before (by this manager), or the transaction
+-- is cancelled: a repeat writes nothing (after a takeover an undo
+-- fences, and a second fence would write again).
+local function step_undo(eng, cache, T, i)
+  local k = key(T._id)
+  local undone = cache.undone[k] or {}
+  if T.state == "cancelled" or undone[i] then return { undone = false } end
+  local res, err = eng:undo_op(T, i)
+  if res then
+    undone[i] = true
+    cache.undone[k] = undone
   end
-  if name == "apply" then
-    local versions = cache.versions[k]
-    if not versions then
-      versions, err = eng:confirmed_versions(T)
-      if versions == nil then return nil, err end
-      if not versions then return refuse("owned", "not held by this manager") end
-      cache.versions[k] = versions
-    end
-    local ok, why = eng:apply_one(T, i, versions[i])
-    if ok == nil then return nil, why end
-    if not ok then return nil, op_failure(T, i, why) end
-    return { applied = true }
-  elseif name == "finish" then
-    return eng:step("finish", T._id, eng:coll(op.collection), T._id, op)
-  elseif name == "undo" then
-    -- done before (by this manager), or the transaction is cancelled: a
-    -- repeat writes nothing (after a takeover an undo fences, and a
-    -- second fence would write again)
-    local undone = cache.undone[k] or {}
-    if T.state == "cancelled" or undone[i] then return { undone = false } end
-    local res
-    res, err = eng:undo_op(T, i)
-    if res then
-      undone[i] = true
-      cache.undone[k] = undone
-    end
-    return res, err
-  end
+  return res, err
+end
+
+-- commit, done, cancel, cancelled: the move, once what it needs holds.
+local function step_move(eng, cache, name, T, refuse)
+  local k = key(T._id)
   -- after a takeover a former owner may still hold a prepared apply:
   -- cancelled needs every op undone (or fenced) by step("undo"), as the
   -- rollback does
@@ -133,8 +121,7 @@ function _M.step(eng, cache, name, T, i)
   end
   -- commit needs every op applied; done and cancelled every marker gone
   if name ~= "cancel" then
-    local versions
-    versions, err = eng:versions(T)
+    local versions, err = eng:versions(T)
     if not versions then return nil, err end
     for j, v in ipairs(versions) do
       if (name == "commit") ~= v.marked then
@@ -144,14 +131,41 @@ function _M.step(eng, cache, name, T, i)
     end
   end
   if name == "done" or name == "cancelled" then cache.versions[k] = nil end
-  local moved
-  if want == "pending" then -- commit, cancel: by the owner at its epoch
+  local moved, err
+  if STEP_STATES[name] == "pending" then -- commit, cancel: by the owner at its epoch
     moved, err = eng:step(name, T._id, eng.tx, T._id, T.epoch)
   else
     moved, err = eng:step(name, T._id, eng.tx, T._id)
   end
   if moved == nil then return nil, err end
   return { moved = moved and true or false }
+end
+
+-- Step `name` (op i for apply, finish and undo) of T, as just loaded;
+-- name and i are checked by the caller.  `cache` is what the caller's
+-- steps remember: { versions = the versions read at its claims, undone =
+-- the ops its undo steps did }, each by key(id).
+function _M.step(eng, cache, name, T, i)
+  local function refuse(code, message)
+    return nil, errors.new(code, message, { step = name, id = T._id })
+  end
+  if name == "claim" then return step_claim(eng, cache, T, refuse) end
+  local want = STEP_STATES[name]
+  local again = T.state ~= want and STEP_AFTER[name] and STEP_AFTER[name][T.state]
+  if again and TRANSITIONS[name] then return { moved = false } end
+  if T.state ~= want and not again then
+    return refuse("state", format("the transaction is %s, not %s", tostring(T.state), want))
+  end
+  if want == "pending" and not eng:holds(T) then
+    return refuse("owned", "this manager does not hold the transaction: claim it first")
+  end
+  if name == "apply" then return step_apply(eng, cache, T, i, refuse) end
+  if name == "undo" then return step_undo(eng, cache, T, i) end
+  if name == "finish" then
+    local op = T.ops[i]
+    return eng:step("finish", T._id, eng:coll(op.collection), T._id, op)
+  end
+  return step_move(eng, cache, name, T, refuse)
 end
 
 return _M
