@@ -68,6 +68,7 @@ build = {
     ["mongotx.engine"] = "lua/mongotx/engine.lua",
     ["mongotx.recovery"] = "lua/mongotx/recovery.lua",
     ["mongotx.stepwise"] = "lua/mongotx/stepwise.lua",
+    ["mongotx.pool"] = "lua/mongotx/pool.lua",
   },
 }
 

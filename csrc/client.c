@@ -1,12 +1,44 @@
-/* client.c: mongotx.Client, a connection pool of one to a MongoDB URI.
- * Lifetimes follow liolib.c: the userdata exists (closed) before the
- * libmongoc client does; close, __gc and __close are one idempotent
- * function; a closed client's methods raise "attempt to use a closed
- * client".  Cursors are destroyed before their client, since libmongoc
- * needs the client to kill a server-side cursor. */
+/* client.c: mongotx.Client, a connection pool of one to a MongoDB URI,
+ * or (connect with pool = true) a client taken from the process-wide pool
+ * of that URI until close.  Lifetimes follow liolib.c: the userdata exists
+ * (closed) before the libmongoc client does; close, __gc and __close are
+ * one idempotent function; a closed client's methods raise "attempt to use
+ * a closed client".  Cursors are destroyed before their client, since
+ * libmongoc needs the client to kill a server-side cursor. */
+#include <pthread.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "mongotx.h"
+
+/* ---- the process-wide pools ----
+ *
+ * One mongoc_client_pool_t (thread-safe) per URI and appname/TLS settings
+ * per process, shared by every Lua state of the process (nginx's worker
+ * and its worker-thread VMs), so that a process holds as many connections
+ * as it has calls in flight, not one per Lua state.  Sharing between Lua
+ * states is the point, so this is the one place where the core keeps
+ * state in C globals: a list under a mutex, whose entries live as long as
+ * the process.  Each entry remembers the process that made it: after a
+ * fork() the child makes its own (libmongoc's monitoring threads of the
+ * parent's pools did not follow it). */
+struct mtx_pool {
+	mtx_pool *next;
+	char *key;		    /* URI, appname and TLS settings */
+	pid_t pid;		    /* the process that made the pool */
+	mongoc_uri_t *uri;	    /* its write concern and read preference
+				       are what a pop starts from */
+	mongoc_client_pool_t *pool;
+	mtx_counters counters;	    /* of every client of the pool (atomic) */
+	int64_t in_use, peak, pops; /* clients out, most out at once, pops */
+};
+
+static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER;
+static mtx_pool *pools;
+
+#define MTX_ATOMIC_ADD(p, n) __atomic_add_fetch((p), (n), __ATOMIC_RELAXED)
+#define MTX_ATOMIC_GET(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+#define MTX_ATOMIC_SET(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
 
 mtx_client *
 mtx_check_client(lua_State *L, int idx)
@@ -29,7 +61,14 @@ client_close(lua_State *L)
 
 	while (c->cursors)
 		mtx_cursor_release(c->cursors);
-	if (c->client) {
+	if (c->client && c->pool) {
+		/* a client a forked child inherited is not its to give back */
+		if (c->pool->pid == getpid()) {
+			mongoc_client_pool_push(c->pool->pool, c->client);
+			MTX_ATOMIC_ADD(&c->pool->in_use, -1);
+		}
+		c->client = NULL;
+	} else if (c->client) {
 		mongoc_client_destroy(c->client);
 		c->client = NULL;
 	}
@@ -41,7 +80,9 @@ client_tostring(lua_State *L)
 {
 	mtx_client *c = mtx_check_client(L, 1);
 
-	if (c->client)
+	if (c->client && c->pool)
+		lua_pushfstring(L, "mongotx.Client (pooled, %p)", (void *)c);
+	else if (c->client)
 		lua_pushfstring(L, "mongotx.Client (%p)", (void *)c);
 	else
 		lua_pushliteral(L, "mongotx.Client (closed)");
@@ -128,6 +169,18 @@ count_command(const mongoc_apm_command_started_t *event)
 		mongoc_apm_command_started_get_command(event));
 }
 
+/* count_command for the clients of a pool, which run on many threads. */
+static void
+count_pooled_command(const mongoc_apm_command_started_t *event)
+{
+	mtx_pool *p = (mtx_pool *)mongoc_apm_command_started_get_context(event);
+
+	MTX_ATOMIC_ADD(&p->counters.commands, 1);
+	MTX_ATOMIC_ADD(&p->counters.writes, count_writes(
+		mongoc_apm_command_started_get_command_name(event),
+		mongoc_apm_command_started_get_command(event)));
+}
+
 static void
 watch_commands(mtx_client *c)
 {
@@ -138,24 +191,162 @@ watch_commands(mtx_client *c)
 	mongoc_apm_callbacks_destroy(cbs);
 }
 
-/* connect(uri [, { appname, write_concern, read_preference, tls }]).
+/* The key of a pool: the URI and what is set on the pool rather than on
+ * each client (appname, TLS), from the option values at 3 (appname) and 4
+ * (tls, checked).  The caller frees it. */
+static char *
+pool_key(lua_State *L, const char *uristr)
+{
+	static const char *const fields[] = {"ca_file", "pem_file",
+		"pem_password", "allow_invalid_certificates",
+		"allow_invalid_hostname", NULL};
+	bson_string_t *key = bson_string_new(uristr);
+	int i;
+
+	bson_string_append_c(key, '\n');
+	if (!lua_isnil(L, 3))
+		bson_string_append(key, lua_tostring(L, 3));
+	for (i = 0; !lua_isnil(L, 4) && fields[i]; i++) {
+		lua_getfield(L, 4, fields[i]);
+		bson_string_append_printf(key, "\n%s=", fields[i]);
+		if (lua_isboolean(L, -1))
+			bson_string_append(key, lua_toboolean(L, -1) ? "1" : "0");
+		else if (lua_isstring(L, -1))
+			bson_string_append(key, lua_tostring(L, -1));
+		lua_pop(L, 1);
+	}
+	return bson_string_free(key, false);
+}
+
+/* A new pool entry for uristr (NULL and err set when libmongoc refuses
+ * the URI) with the appname and TLS options given (each may be NULL). */
+static mtx_pool *
+new_pool(const char *uristr, char *key, const char *appname,
+	 const mongoc_ssl_opt_t *tls, bson_error_t *err)
+{
+	mongoc_apm_callbacks_t *cbs;
+	mtx_pool *p;
+	mongoc_uri_t *uri;
+
+	if (!(uri = mongoc_uri_new_with_error(uristr, err)))
+		return NULL;
+	p = (mtx_pool *)bson_malloc0(sizeof *p);
+	p->uri = uri;
+	if (!(p->pool = mongoc_client_pool_new_with_error(uri, err))) {
+		mongoc_uri_destroy(uri);
+		bson_free(p);
+		return NULL;
+	}
+	p->key = key;
+	p->pid = getpid();
+	mongoc_client_pool_set_error_api(p->pool, MONGOC_ERROR_API_VERSION_2);
+	cbs = mongoc_apm_callbacks_new();
+	mongoc_apm_set_command_started_cb(cbs, count_pooled_command);
+	mongoc_client_pool_set_apm_callbacks(p->pool, cbs, p); /* copies cbs */
+	mongoc_apm_callbacks_destroy(cbs);
+	if (appname)
+		mongoc_client_pool_set_appname(p->pool, appname);
+	if (tls)
+		mongoc_client_pool_set_ssl_opts(p->pool, tls); /* copies */
+	return p;
+}
+
+/* The pool of this process for the URI and the options at 3 (appname)
+ * and 4 (tls, checked), made on first use; NULL and err set when the URI
+ * is refused.  Everything is read from Lua before the lock is taken, so
+ * nothing can raise while it is held. */
+static mtx_pool *
+find_pool(lua_State *L, const char *uristr, bson_error_t *err)
+{
+	const char *appname = lua_tostring(L, 3);
+	mongoc_ssl_opt_t tls = *mongoc_ssl_opt_get_default();
+	char *key = pool_key(L, uristr);
+	pid_t pid = getpid();
+	mtx_pool *p;
+
+	lua_pushvalue(L, 4); /* the tls strings stay on the stack meanwhile */
+	if (!lua_isnil(L, 4)) {
+		tls.ca_file = tls_string(L, 4, "ca_file", "tls.ca_file");
+		tls.pem_file = tls_string(L, 4, "pem_file", "tls.pem_file");
+		tls.pem_pwd = tls_string(L, 4, "pem_password", "tls.pem_password");
+		tls.weak_cert_validation = tls_bool(L, 4,
+			"allow_invalid_certificates",
+			"tls.allow_invalid_certificates");
+		tls.allow_invalid_hostname = tls_bool(L, 4,
+			"allow_invalid_hostname", "tls.allow_invalid_hostname");
+	}
+	pthread_mutex_lock(&pools_lock);
+	for (p = pools; p; p = p->next)
+		if (p->pid == pid && strcmp(p->key, key) == 0)
+			break;
+	if (p) {
+		bson_free(key);
+	} else if ((p = new_pool(uristr, key, appname,
+				 lua_isnil(L, 4) ? NULL : &tls, err))) {
+		p->next = pools;
+		pools = p;
+	} else {
+		bson_free(key);
+	}
+	pthread_mutex_unlock(&pools_lock);
+	return p;
+}
+
+/* Takes a client of the pool for the closed client c (which then owns
+ * it): libmongoc's pop, which waits while maxPoolSize clients are out
+ * (at most waitQueueTimeoutMS when the URI sets it; then NULL). */
+static int
+pop_client(mtx_client *c, mtx_pool *p)
+{
+	int64_t out, peak;
+
+	c->pool = p;
+	if (!(c->client = mongoc_client_pool_pop(p->pool)))
+		return 0;
+	MTX_ATOMIC_ADD(&p->pops, 1);
+	out = MTX_ATOMIC_ADD(&p->in_use, 1);
+	peak = MTX_ATOMIC_GET(&p->peak);
+	while (out > peak && !__atomic_compare_exchange_n(&p->peak, &peak, out,
+		0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+		;
+	/* what the last holder set does not carry over */
+	mongoc_client_set_write_concern(c->client,
+					mongoc_uri_get_write_concern(p->uri));
+	mongoc_client_set_read_prefs(c->client,
+				     mongoc_uri_get_read_prefs_t(p->uri));
+	return 1;
+}
+
+/* connect(uri [, { appname, write_concern, read_preference, tls, pool }]).
  * Authentication, TLS, timeouts and the rest come in the URI as libmongoc
- * reads it; the options cover what a URI cannot say as well. */
+ * reads it; the options cover what a URI cannot say as well.  With pool =
+ * true the client is taken from this process's pool for the URI (made on
+ * first use; maxPoolSize in the URI sizes it, default 100) and given back
+ * by close() or __gc. */
 static int
 l_connect(lua_State *L)
 {
-	static const char *const names[] = {"appname", "read_preference",
-		"tls", "write_concern", NULL};
+	static const char *const names[] = {"appname", "pool",
+		"read_preference", "tls", "write_concern", NULL};
 	const char *uristr = luaL_checkstring(L, 1);
 	mtx_client *c;
+	mtx_pool *p;
 	mongoc_uri_t *uri;
 	mongoc_write_concern_t *wc;
 	mongoc_read_prefs_t *rp;
 	bson_error_t err;
 	const char *appname;
+	int pooled = 0;
 
 	mtx_check_options(L, 2, names);
 	lua_settop(L, 2);
+	if (!lua_isnil(L, 2)) {
+		lua_getfield(L, 2, "pool");
+		if (!lua_isnil(L, -1) && !lua_isboolean(L, -1))
+			mtx_option_error(L, -1, "pool", "a boolean");
+		pooled = lua_toboolean(L, -1);
+		lua_pop(L, 1);
+	}
 	if (!lua_isnil(L, 2)) {
 		lua_getfield(L, 2, "appname");
 		lua_getfield(L, 2, "tls");
@@ -177,9 +368,29 @@ l_connect(lua_State *L)
 	c->client = NULL;
 	c->cursors = NULL;
 	c->counters.commands = c->counters.writes = 0;
+	c->pool = NULL;
 	luaL_getmetatable(L, MTX_CLIENT_MT);
 	lua_setmetatable(L, -2);
 
+	if (pooled) {
+		if (!(p = find_pool(L, uristr, &err)))
+			return mtx_push_error(L, &err, NULL);
+		if (!pop_client(c, p))
+			return mtx_push_error_msg(L, "client", 0,
+				"no client of the pool came free within "
+				"waitQueueTimeoutMS");
+		/* from here on the userdata owns the client */
+		if ((wc = mtx_check_write_concern(L, 5))) {
+			mongoc_client_set_write_concern(c->client, wc);
+			mongoc_write_concern_destroy(wc);
+		}
+		if ((rp = mtx_check_read_prefs(L, 6))) {
+			mongoc_client_set_read_prefs(c->client, rp);
+			mongoc_read_prefs_destroy(rp);
+		}
+		lua_settop(L, 7);
+		return 1;
+	}
 	if (!(uri = mongoc_uri_new_with_error(uristr, &err)))
 		return mtx_push_error(L, &err, NULL);
 	c->client = mongoc_client_new_from_uri_with_error(uri, &err);
@@ -251,12 +462,15 @@ static int
 client_counters(lua_State *L)
 {
 	mtx_client *c = mtx_check_client(L, 1);
+	mtx_counters *n = &c->counters;
 
 	mtx_client_handle(L, c);
+	if (c->pool) /* a pool counts for all its clients (APM is per pool) */
+		n = &c->pool->counters;
 	lua_createtable(L, 0, 2);
-	lua_pushinteger(L, (lua_Integer)c->counters.commands);
+	lua_pushinteger(L, (lua_Integer)MTX_ATOMIC_GET(&n->commands));
 	lua_setfield(L, -2, "commands");
-	lua_pushinteger(L, (lua_Integer)c->counters.writes);
+	lua_pushinteger(L, (lua_Integer)MTX_ATOMIC_GET(&n->writes));
 	lua_setfield(L, -2, "writes");
 	return 1;
 }
@@ -265,10 +479,47 @@ static int
 client_reset_counters(lua_State *L)
 {
 	mtx_client *c = mtx_check_client(L, 1);
+	mtx_counters *n = &c->counters;
 
 	mtx_client_handle(L, c);
-	c->counters.commands = c->counters.writes = 0;
+	if (c->pool)
+		n = &c->pool->counters;
+	MTX_ATOMIC_SET(&n->commands, 0);
+	MTX_ATOMIC_SET(&n->writes, 0);
 	return 0;
+}
+
+/* client:pool() -> { id, pid, max_size, in_use, peak, pops } for a client
+ * of a pool (nil for another): the pool's identity (one per URI and
+ * options per process), maxPoolSize, clients out now, most clients out at
+ * once (libmongoc makes a client, and its connections, only when none is
+ * free, so this is how many it made) and pops so far. */
+static int
+client_pool(lua_State *L)
+{
+	mtx_client *c = mtx_check_client(L, 1);
+	mtx_pool *p = c->pool;
+
+	mtx_client_handle(L, c);
+	if (!p) {
+		lua_pushnil(L);
+		return 1;
+	}
+	lua_createtable(L, 0, 6);
+	lua_pushfstring(L, "%p", (void *)p);
+	lua_setfield(L, -2, "id");
+	lua_pushinteger(L, (lua_Integer)p->pid);
+	lua_setfield(L, -2, "pid");
+	lua_pushinteger(L, (lua_Integer)mongoc_uri_get_option_as_int32(
+		p->uri, MONGOC_URI_MAXPOOLSIZE, 100));
+	lua_setfield(L, -2, "max_size");
+	lua_pushinteger(L, (lua_Integer)MTX_ATOMIC_GET(&p->in_use));
+	lua_setfield(L, -2, "in_use");
+	lua_pushinteger(L, (lua_Integer)MTX_ATOMIC_GET(&p->peak));
+	lua_setfield(L, -2, "peak");
+	lua_pushinteger(L, (lua_Integer)MTX_ATOMIC_GET(&p->pops));
+	lua_setfield(L, -2, "pops");
+	return 1;
 }
 
 static int
@@ -307,6 +558,7 @@ mtx_open_client(lua_State *L)
 		{"collection", client_collection},
 		{"command", client_command},
 		{"counters", client_counters},
+		{"pool", client_pool},
 		{"reset_counters", client_reset_counters},
 		{"set_read_preference", client_set_read_preference},
 		{"set_write_concern", client_set_write_concern},

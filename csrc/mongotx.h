@@ -163,10 +163,15 @@ typedef struct {
 	int64_t writes;
 } mtx_counters;
 
+/* A process-wide pool of libmongoc clients (client.c, connect with
+ * pool = true). */
+typedef struct mtx_pool mtx_pool;
+
 typedef struct {
 	mongoc_client_t *client; /* NULL once closed */
 	mtx_cursor *cursors;	 /* open cursors: destroyed before the client */
 	mtx_counters counters;	 /* the APM context: the userdata never moves */
+	mtx_pool *pool;		 /* the pool client came from, or NULL */
 } mtx_client;
 
 MTX_HIDDEN mtx_client *mtx_check_client(lua_State *L, int idx);
