@@ -58,21 +58,21 @@ local cases = {
 -- Guard isolation (issue 8): T1 moves 10 from A to B, T2 10 from B to C
 -- with B's floor as its guard (min = 0); A, B and C start at 0 unless
 -- said otherwise.  T2 runs the moment T1's apply has reached B (B carries
--- T1's marker; before the fix T1's credit was then in B's balance, since
--- then a pure credit only reserves B until T1 finishes): from a hook on
--- T1's manager's step events, so the fast paths and the batches are
--- interleaved as well as the step-by-step ones.  For each way T1 can end
--- cancelled after its apply reached B (it cannot pay, is rolled back, or
--- recovery rolls it back; its credit a pure $inc, or one that also $sets
--- a field and so takes effect at its apply) and each way T2 can run (its
--- guard a floor, or "strict": a floor and another condition, which waits
--- for any open holder), B must never be seen below 0: T2's guard may not
--- pass on a credit that is then undone.  A probe reads the floored
--- accounts after every step event of every manager (the races' floor
--- observer: it sees every state between two writes), and check.lua checks
--- the end.  T1 committed but not finished (its marker still on B) is a
--- committed credit: T2 must then end done (its manager finishes T1's op on
--- B first), and T1 too.
+-- T1's marker; before the fix T1's credit was then in B's balance, free
+-- for T2's guard to read): from a hook on T1's manager's step events, so
+-- the fast paths and the batches are interleaved as well as the
+-- step-by-step ones (where the engine never lets T1's apply reach B
+-- before T1 ends, T2 runs after it, and the case says so).  For each way
+-- T1 can end cancelled (it cannot pay, is rolled back, or recovery rolls
+-- it back; its credit a pure $inc, or one that also $sets a field) and
+-- each way T2 can run (its guard a floor, or "strict": a floor and
+-- another condition, which waits for any open holder), B must never be
+-- seen below 0: T2's guard may not pass on a credit that is then undone.
+-- A probe reads the floored accounts after every step event of every
+-- manager (the races' floor observer: it sees every state between two
+-- writes), and check.lua checks the end.  T1 committed but not finished
+-- (its marker still on B) is a committed credit: T2 must then end done
+-- (its manager finishes T1's op on B first), and T1 too.
 
 local function inc(id, n, guarded)
   local op = { collection = "accounts", id = id, update = { ["$inc"] = { balance = n } } }
@@ -83,8 +83,8 @@ end
 local T1_OPS = { inc("A", -10, true), inc("B", 10) }          -- debit first
 local T1_CREDIT_FIRST = { inc("B", 10), inc("A", -10, true) }  -- credit first
 local T2_OPS = { inc("B", -10, true), inc("C", 10) }
--- a credit that also $sets a field: not a pure credit, so it takes effect
--- at its apply (and holds B until finished or undone)
+-- a credit that also $sets a field (not a pure $inc: an engine may treat
+-- it apart from a credit, as 96febb8 did)
 local SET_CREDIT = { collection = "accounts", id = "B",
   update = { ["$inc"] = { balance = 10 }, ["$set"] = { last = "T1" } },
   undo = { ["$inc"] = { balance = -10 }, ["$set"] = { last = "" } } }

@@ -14,7 +14,7 @@
 -- Paths, each with guarded debits: tm:transfer, begin+commit and tm:run
 -- of multi-collection transactions (a ledger insert, a token removal, an
 -- assert, a counter; the credit before or after the debit, and a third of
--- them a credit that also lowers another field, so it holds the account),
+-- them a credit that also lowers another field),
 -- tm:transfer_many and tm:commit_many batches, a transaction walked with
 -- tm:step that applies its credit, waits, and is rolled back
 -- (tm:rollback) or committed (its debit may then fail), and
@@ -91,9 +91,9 @@ local function credit(to, amount)
   return { collection = "accounts", id = to, update = { ["$inc"] = { balance = amount } } }
 end
 
--- A credit that also lowers `seq`: not a pure credit (README, Guards), so
--- it takes effect at its apply and holds the account (txHeld) until
--- finished or undone; guarded debits of the account wait (busy) meanwhile.
+-- A credit that also lowers `seq`: a mixed $inc, neither a pure credit
+-- nor a debit, which an engine may treat apart from both (96febb8 did:
+-- it held the account, txHeld, while plain credits waited for the finish).
 local function held_credit(to, amount)
   return { collection = "accounts", id = to,
            update = { ["$inc"] = { balance = amount, seq = -1 } } }
