@@ -85,7 +85,7 @@ FUZZ_SECONDS    ?= 600
 FUZZ_CI_SECONDS ?= 60
 FUZZ_HARNESSES  := bson_roundtrip lua_encode
 FUZZ_BINS       := $(patsubst %,$(BUILD)/fuzz/%,$(FUZZ_HARNESSES))
-FUZZ_SRC        := csrc/value.c csrc/encode.c csrc/decode.c csrc/scratch.c \
+FUZZ_SRC        := csrc/value.c csrc/encode.c csrc/decode.c csrc/ids.c csrc/scratch.c \
                    csrc/error.c fuzz/harness.c
 
 $(BUILD)/fuzz/%: fuzz/%.c $(FUZZ_SRC) fuzz/harness.h $(HDR)

@@ -21,6 +21,7 @@ fz_open(void)
 	mtx_open_scratch(L);
 	mtx_open_error(L);
 	mtx_open_bson(L);
+	mtx_open_ids(L);
 	fz_require(lua_gettop(L) == FZ_CORE, "opening the core left %d values",
 		   lua_gettop(L));
 	return L;

@@ -13,7 +13,9 @@
  * Every value left on the stack is given to core.encode (wrapped as { x = v }
  * when it is not a table) under lua_pcall.  It must either raise a message
  * (a string) or return BSON that is valid, no bigger than 16 MiB, decodes,
- * and re-encodes to the same bytes.  Without hand-made metatables the BSON
+ * and re-encodes to the same bytes.  core.id_key is given the value too: it
+ * must raise a message, refuse with one, or return a key and the id as
+ * sent, whose own key is the same.  Without hand-made metatables the BSON
  * must also be exact as fz_not_exact defines it (in particular no repeated
  * key: MongoDB would refuse it); a hand-made metatable may list a key twice
  * and is allowed to.  ASan/UBSan/LSan catch the rest.
@@ -350,6 +352,32 @@ step(program *pr, lua_State *L, int op)
 	}
 }
 
+/* core.id_key of the value at idx: a message, a refusal with one, or a
+ * key and the id as sent, which keys the same. */
+static void
+check_id_key(lua_State *L, int idx)
+{
+	const char *key, *again;
+
+	lua_pushvalue(L, idx);
+	if (fz_call(L, "id_key", 1, 2) != LUA_OK) {
+		lua_pop(L, 1);
+		return;
+	}
+	if (lua_isnil(L, -2)) {
+		fz_require(lua_type(L, -1) == LUA_TSTRING, "id_key refused without a message");
+		lua_pop(L, 2);
+		return;
+	}
+	key = lua_tostring(L, -2);
+	fz_require(key != NULL, "id_key returned a %s", luaL_typename(L, -2));
+	fz_require(fz_call(L, "id_key", 1, 2) == LUA_OK, "id_key of its own id raised");
+	again = lua_tostring(L, -2);
+	fz_require(again != NULL && strcmp(again, key) == 0,
+		   "the id as sent keys differently");
+	lua_pop(L, 3);
+}
+
 /* core.encode of the value at idx must raise a message or round-trip. */
 static void
 check_encode(program *pr, lua_State *L, int idx)
@@ -368,6 +396,7 @@ check_encode(program *pr, lua_State *L, int idx)
 	lua_pushvalue(L, -1);
 	fz_call(L, "type", 1, 1); /* may raise, as encode may */
 	lua_pop(L, 1);
+	check_id_key(L, idx);
 	if (fz_call(L, "encode", 1, 1) != LUA_OK) {
 		lua_pop(L, 1);
 		return;
