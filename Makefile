@@ -24,7 +24,7 @@ SPEC_ENV    = MONGOTX_CPATH="$(CURDIR)/$(BUILD)/?.so"
 SERVER     ?= memory
 WITH_SERVER = spec/support/with-server
 
-.PHONY: all setup test test-ferretdb test-luajit memcheck asan fuzz fuzz-ci demo bench bench-memory bench-valgrind torture torture-ci lint clean
+.PHONY: all setup test test-ferretdb test-luajit test-openresty memcheck asan fuzz fuzz-ci demo bench bench-memory bench-valgrind torture torture-ci lint clean
 
 all: $(SO)
 
@@ -51,6 +51,15 @@ test-ferretdb:
 test-luajit: setup
 	@$(MAKE) --no-print-directory all LUA=luajit LUA_PC=luajit BUILD=build/luajit
 	MONGOTX_CPATH="$(CURDIR)/build/luajit/?.so" $(WITH_SERVER) $(SERVER) -- spec/support/busted-luajit $(BUSTED_ARGS)
+
+# mongotx.resty in real nginx (README, "OpenResty"): Debian's nginx with
+# its Lua module, OpenResty's LuaJIT and the LuaJIT build; the spec starts
+# its own test server (it stops it with SIGSTOP) and nginx.  About 30 s.
+test-openresty:
+	@spec/support/setup.sh deps java openresty
+	@$(MAKE) --no-print-directory all LUA=luajit LUA_PC=luajit BUILD=build/luajit
+	MONGOTX_OPENRESTY=1 MONGOTX_CPATH="$(CURDIR)/build/luajit/?.so" spec/support/busted-luajit \
+	  $(or $(BUSTED_ARGS),spec/40-openresty_spec.lua)
 
 # The specs under valgrind: every leak or invalid access fails the run.
 # valgrind runs the interpreter itself (not the sh wrapper, which it would

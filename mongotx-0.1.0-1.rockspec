@@ -69,6 +69,7 @@ build = {
     ["mongotx.recovery"] = "lua/mongotx/recovery.lua",
     ["mongotx.stepwise"] = "lua/mongotx/stepwise.lua",
     ["mongotx.pool"] = "lua/mongotx/pool.lua",
+    ["mongotx.resty"] = "lua/mongotx/resty.lua",
   },
 }
 

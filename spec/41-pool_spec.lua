@@ -1,9 +1,13 @@
 -- The process-wide connection pools (core.connect with pool = true,
--- csrc/client.c) and the engine over them (mongotx.pool).
+-- csrc/client.c), the engine over them (mongotx.pool), and
+-- mongotx.resty's calls run in the calling Lua state (offload = false),
+-- which cross the same BSON boundary as calls run in nginx's worker
+-- threads (spec/40-openresty_spec.lua runs those).
 local helpers = require "spec.helpers"
 local core = helpers.core
 local mongotx = require "mongotx"
 local pool = require "mongotx.pool"
+local resty = require "mongotx.resty"
 
 local ERROR_MT = getmetatable(core.error({ code = "x" }))
 
@@ -141,5 +145,91 @@ describe("#server mongotx.pool", function()
     assert.are.equal("table", type(err))
     assert.has_error(function() pool.connect(helpers.uri(), { bogus = 1 }) end,
       "unknown option bogus for connect")
+  end)
+end)
+
+describe("#server mongotx.resty in the calling Lua state (offload = false)", function()
+  local name, db, tm, accounts
+
+  before_each(function()
+    name = helpers.db_name()
+    local plain = assert(mongotx.connect(helpers.uri(), { database = name }))
+    accounts = plain:collection("accounts")
+    assert(accounts:insert_many { { _id = "A", balance = 1000 }, { _id = "B", balance = 1000 } })
+    db = assert(resty.connect(helpers.uri(), { database = name, offload = false }))
+    tm = assert(db:manager { application = "resty" })
+  end)
+
+  local ops = {
+    { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -5 } } },
+    { collection = "accounts", id = "B", update = { ["$inc"] = { balance = 5 } } },
+  }
+
+  it("returns what require \"mongotx\" returns: BSON values, key order, nil, err", function()
+    local id = core.ObjectId()
+    local t = assert(tm:begin(ops, { id = id, meta = {
+      at = core.Date(1234), big = core.Int64("9007199254740993"), order = core.doc("z", 1, "a", 2),
+      none = core.null, list = core.array() } }))
+    assert.are.equal(id, t._id)
+    assert.are.equal("objectId", core.type(t._id))
+    assert.are.equal("date", core.type(t.meta.at))
+    assert.are.equal(1234, t.meta.at:value())
+    assert.are.equal(core.encode({ v = core.Int64("9007199254740993") }), core.encode({ v = t.meta.big }))
+    assert.are.equal(core.encode(core.doc("z", 1, "a", 2)), core.encode(t.meta.order))
+    assert.are.equal(core.null, t.meta.none)
+    assert.are.equal(core.encode({ l = core.array() }), core.encode({ l = t.meta.list }))
+    local done = assert(tm:commit(t))
+    assert.are.equal("done", done.state)
+    assert.are.equal(id, tm:get(id)._id)
+    local none, nerr = tm:get("no such id")
+    assert.is_nil(none)
+    assert.is_nil(nerr)
+    assert.are.same({ A = 995, B = 1005 }, (helpers.balances(accounts)))
+  end)
+
+  it("returns errors with their metatable and fields, also inside results", function()
+    local _, err = tm:transfer("accounts", "A", "B", 5000, { min = 0 })
+    assert.are.equal(ERROR_MT, getmetatable(err))
+    assert.are.equal("guard", err.code)
+    assert.matches("^mongotx: ", tostring(err))
+    local results, errs = tm:transfer_many {
+      { collection = "accounts", from = "A", to = "B", amount = 1 },
+      { collection = "accounts", from = "A", to = "B", amount = -1 },
+    }
+    assert.are.equal("done", results[1].state)
+    assert.is_false(results[2])
+    assert.is_false(errs[1])
+    assert.are.equal(ERROR_MT, getmetatable(errs[2]))
+    assert.are.equal("invalid", errs[2].code)
+    local report = assert(tm:recover())
+    assert.are.equal(0, report.failed)
+    assert.are.equal(1, tm:stats().done)
+  end)
+
+  it("raises a misuse at the caller, and refuses functions in a manager's options", function()
+    local ok, err = pcall(function()
+      local t = tm:transfer("accounts", "A", "B", 1, { bogus = 1 })
+      return t
+    end)
+    assert.is_false(ok)
+    assert.matches("^spec/41%-pool_spec%.lua:%d+: unknown option bogus for transfer", err)
+    assert.has_error(function() db:manager { may_recover = function() return true end } end)
+    local ok2, err2 = pcall(db.manager, db, { stale_pending = function() return "back" end })
+    assert.is_false(ok2)
+    assert.matches("policies = ", err2)
+    -- an argument BSON cannot carry is invalid, like a meta BSON cannot store
+    local _, bad = tm:begin(ops, { meta = { f = print } })
+    assert.are.equal("invalid", bad.code)
+  end)
+
+  it("takes policy functions from a module named by policies", function()
+    package.loaded["spec.support.test_policies"] = {
+      stale_pending = function() return "back" end, max_attempts = 7,
+    }
+    local tm2 = assert(db:manager { application = "resty-2", policies = "spec.support.test_policies" })
+    assert(tm2:transfer("accounts", "A", "B", 1))
+    local ok, err = pcall(db.manager, db, { policies = "spec.support.no_such_module" })
+    assert.is_false(ok)
+    assert.matches("policies module spec.support.no_such_module", err, 1, true)
   end)
 end)

@@ -36,11 +36,11 @@ FUZZ_PACKAGES=(clang libclang-rt-14-dev liblua5.4-dev libbson-dev libmongoc-dev 
 
 # nginx built --with-threads (ngx.run_worker_thread) and its Lua module
 # (lua-nginx-module 0.10.23), resty.core, cjson for the handlers, wrk for
-# make bench-openresty, and OpenResty's LuaJIT fork: the Lua module links
-# against libluajit2 and mongotx.core must be built against its headers
-# (apt removes Debian's luajit and libluajit-5.1-dev, which conflict).
+# make bench-openresty, curl for the specs, and OpenResty's LuaJIT fork: the
+# Lua module links against libluajit2 and mongotx.core is built against its
+# headers (apt removes Debian's luajit and libluajit-5.1-dev, which conflict).
 OPENRESTY_PACKAGES=(nginx libnginx-mod-http-lua lua-resty-core lua-cjson wrk
-  luajit2 libluajit2-5.1-dev)
+  luajit2 libluajit2-5.1-dev curl)
 
 installed() {
   [[ $(dpkg-query -W -f='${Status}' "$1" 2>/dev/null || true) == "install ok installed" ]]

@@ -1,0 +1,253 @@
+-- The handlers of examples/openresty/nginx.conf: a bank whose transfers
+-- are mongotx transactions, run by mongotx.resty in nginx's worker threads
+-- so that a slow database never holds the nginx worker.
+--
+--   POST /transfer   {"from": "A", "to": "B", "amount": 100}, header
+--                    Idempotency-Key (optional): a retry with the same key
+--                    returns the same transaction instead of a second one.
+--                    200 {"id", "state", "from", "to", "amount"}; 4xx/5xx
+--                    {"error": <name>, "message": <what>}.
+--   GET /tx/<id>     the transaction: 200 {...} or 404.
+--   init_worker()    the recovery timer (mongotx.resty.recovery): one
+--                    worker of the instance finishes what crashed workers
+--                    and disconnected clients left.
+--
+-- Bad input (malformed JSON, missing or unknown fields, amounts that are
+-- not whole positive numbers, a body over client_max_body_size, accounts
+-- that do not exist) gets a 4xx with a JSON error naming the problem, and
+-- nothing is written.  Amounts are whole numbers (cents); the debit is
+-- guarded with min = 0, so no account goes below zero.
+--
+-- Configuration: environment (nginx.conf's env directives) MONGOTX_URI
+-- and MONGOTX_DATABASE, or configure{...} from init_by_lua / init_worker.
+
+local cjson = require "cjson.safe"
+local resty = require "mongotx.resty"
+local core = require "mongotx.core"
+
+local ngx = ngx -- luacheck: ignore 113
+local type, pairs, tostring, floor = type, pairs, tostring, math.floor
+
+local _M = {}
+
+local config = {
+  uri = os.getenv("MONGOTX_URI") or "mongodb://127.0.0.1:27017/?serverSelectionTimeoutMS=5000",
+  database = os.getenv("MONGOTX_DATABASE") or "bank",
+  accounts = "accounts",
+  thread_pool = "mongotx",
+  wait = 5,                             -- seconds a call waits for a free thread (then 503)
+  manager = { application = "bank" },  -- db:manager's options (data only)
+  dict = "mongotx",                     -- lua_shared_dict for the recovery election
+  recovery = { every = 5, limit = 1000 },
+  max_amount = 2 ^ 53,                  -- exact in a double, and in BSON
+}
+
+-- configure{ key = value, ... }: replaces config's entries (a table value
+-- replaces the whole entry).
+function _M.configure(t)
+  for k, v in pairs(t) do config[k] = v end
+end
+
+-- One database handle and manager per worker process and mode (offload =
+-- false runs the calls in the worker itself: a blocking comparison).
+local handles = {}
+
+local function manager(offload)
+  local h = handles[offload]
+  if h then return h.db, h.tm end
+  local db, err = resty.connect(config.uri, { database = config.database, offload = offload,
+                                              thread_pool = config.thread_pool, wait = config.wait })
+  if not db then return nil, nil, err end
+  local tm
+  tm, err = db:manager(config.manager)
+  if not tm then return nil, nil, err end
+  handles[offload] = { db = db, tm = tm }
+  return db, tm
+end
+
+local function reply(status, body)
+  ngx.status = status
+  ngx.header["Content-Type"] = "application/json"
+  ngx.say(cjson.encode(body))
+end
+
+local function fail(status, name, message, extra)
+  local body = { error = name, message = message }
+  for k, v in pairs(extra or {}) do body[k] = v end
+  return reply(status, body)
+end
+
+-- A BSON value as JSON: ObjectIds as their hex, Dates as ISO 8601 UTC,
+-- other values of mongotx.core by their content.
+local function jsonable(v, depth)
+  depth = depth or 0
+  local t = type(v)
+  if t == "table" then
+    if depth > 20 then return "..." end
+    local out = {}
+    for k, x in pairs(v) do out[k] = jsonable(x, depth + 1) end
+    return out
+  elseif t == "userdata" and core.type(v) ~= "null" then
+    local kind = v:type()
+    if kind == "date" then
+      local ms = v:value()
+      return os.date("!%Y-%m-%dT%H:%M:%S", floor(ms / 1000)) .. string.format(".%03dZ", ms % 1000)
+    elseif kind == "objectId" or kind == "long" then
+      return v:value()
+    end
+    return tostring(v)
+  end
+  return v
+end
+
+local function id_json(id)
+  return jsonable(id)
+end
+
+local function tx_json(T)
+  return {
+    id = id_json(T._id), state = T.state, from = T.source, to = T.destination,
+    amount = T.value, reason = T.reason, lastModified = jsonable(T.lastModified),
+  }
+end
+
+local ACCOUNT = "^[%w%-_.]+$"
+local KEY = "^[%w%-_]+$"
+local FIELDS = { from = true, to = true, amount = true }
+
+-- The request's transfer, or nil, status, error name, message.
+local function parse_request()
+  if ngx.req.get_method() ~= "POST" then
+    return nil, 405, "method", "POST a JSON object to /transfer"
+  end
+  ngx.req.read_body()
+  local body = ngx.req.get_body_data()
+  if not body then
+    if ngx.req.get_body_file() then
+      return nil, 413, "too_large", "the body is larger than client_body_buffer_size"
+    end
+    return nil, 400, "no_body", 'the body must be a JSON object {"from", "to", "amount"}'
+  end
+  local req, jerr = cjson.decode(body)
+  if req == nil then return nil, 400, "malformed_json", "the body is not JSON: " .. tostring(jerr) end
+  if type(req) ~= "table" or req[1] ~= nil then
+    return nil, 400, "not_an_object", 'the body must be a JSON object {"from", "to", "amount"}'
+  end
+  for k in pairs(req) do
+    if not FIELDS[k] then
+      return nil, 400, "unknown_field", "unknown field " .. tostring(k) .. " (from, to, amount)"
+    end
+  end
+  for _, f in ipairs { "from", "to" } do
+    local v = req[f]
+    if v == nil then return nil, 400, "missing_field", "field " .. f .. " is missing" end
+    if type(v) ~= "string" or #v > 128 or not v:find(ACCOUNT) then
+      return nil, 400, "bad_account", "field " .. f .. " must be an account id " ..
+        "(1 to 128 letters, digits, '-', '_', '.')"
+    end
+  end
+  if req.from == req.to then return nil, 400, "same_account", "from and to are the same account" end
+  local amount = req.amount
+  if amount == nil then return nil, 400, "missing_field", "field amount is missing" end
+  if type(amount) ~= "number" then
+    return nil, 400, "bad_amount", "field amount must be a number, not a " ..
+      (amount == cjson.null and "null" or type(amount))
+  end
+  if amount ~= amount or amount <= 0 or amount > config.max_amount or floor(amount) ~= amount then
+    return nil, 400, "bad_amount", "field amount must be a whole number from 1 to " ..
+      string.format("%.0f", config.max_amount) .. ", not " .. tostring(amount)
+  end
+  local key = ngx.var.http_idempotency_key
+  if key ~= nil and (#key > 128 or not key:find(KEY)) then
+    return nil, 400, "bad_idempotency_key", "the Idempotency-Key header must be 1 to 128 " ..
+      "letters, digits, '-' or '_'"
+  end
+  return { from = req.from, to = req.to, amount = amount, key = key }
+end
+
+-- The HTTP answer to a transfer's error.
+local ERRORS = {
+  invalid = { 400, "invalid" },
+  guard = { 422, "insufficient_funds" },
+  missing = { 404, "unknown_account" },
+  idempotency = { 409, "idempotency_key_reused" },
+  overloaded = { 503, "overloaded" },
+  busy = { 503, "busy" },            -- the account is held by another open transfer
+  contention = { 503, "busy" },
+}
+
+local function transfer_error(err, req)
+  if type(err) == "table" and err.code == "guard" and req then
+    return fail(422, "insufficient_funds", string.format("account %s has less than %.0f",
+      req.from, req.amount))
+  end
+  local e = type(err) == "table" and ERRORS[err.code]
+  if e then return fail(e[1], e[2], err.message) end
+  if type(err) == "table" and err.code == "cancelled" then
+    return fail(409, "cancelled", err.message, { reason = err.reason })
+  end
+  local transient = type(err) == "table" and err.transient
+  ngx.log(ngx.ERR, "transfer: ", tostring(err))
+  return fail(transient and 503 or 500, transient and "unavailable" or "internal",
+    tostring(err))
+end
+
+-- POST /transfer (opts.offload = false: in the worker itself, blocking it).
+function _M.transfer(opts)
+  local offload = not (opts and opts.offload == false)
+  local req, status, name, message = parse_request()
+  if not req then return fail(status, name, message) end
+  local db, tm, err = manager(offload)
+  if not db then return transfer_error(err) end
+  -- unknown accounts are a 404 before anything is written
+  local found
+  found, err = db:find(config.accounts, { _id = { ["$in"] = { req.from, req.to } } },
+                       { projection = { _id = 1 } })
+  if not found then return transfer_error(err) end
+  if #found < 2 then
+    local seen = {}
+    for _, d in ipairs(found) do seen[d._id] = true end
+    local missing = not seen[req.from] and req.from or req.to
+    return fail(404, "unknown_account", "no account " .. missing, { account = missing })
+  end
+  local T
+  T, err = tm:transfer(config.accounts, req.from, req.to, req.amount,
+                       { min = 0, id = req.key })
+  if not T then return transfer_error(err, req) end
+  return reply(200, tx_json(T))
+end
+
+-- GET /tx/<id>: a 24-digit hex id is looked up as an ObjectId first.
+function _M.get_tx(id)
+  if ngx.req.get_method() ~= "GET" then return fail(405, "method", "GET /tx/<id>") end
+  if type(id) ~= "string" or #id > 128 or not id:find(KEY) then
+    return fail(400, "bad_id", "a transaction id is 1 to 128 letters, digits, '-' or '_'")
+  end
+  local _, tm, err = manager(true)
+  if not tm then return transfer_error(err) end
+  local T
+  if #id == 24 and id:find("^%x+$") then
+    T, err = tm:get(core.ObjectId(id))
+    if err then return transfer_error(err) end
+  end
+  if not T then
+    T, err = tm:get(id)
+    if err then return transfer_error(err) end
+  end
+  if not T then return fail(404, "unknown_transaction", "no transaction " .. id) end
+  return reply(200, tx_json(T))
+end
+
+-- init_worker_by_lua: the recovery timer (one worker of the instance runs
+-- it; see mongotx.resty.recovery).
+function _M.init_worker()
+  local r = config.recovery
+  if not r then return end
+  return resty.recovery {
+    uri = config.uri, connect = { database = config.database, thread_pool = config.thread_pool },
+    manager = config.manager, dict = config.dict, every = r.every, limit = r.limit,
+    on_report = r.on_report,
+  }
+end
+
+return _M

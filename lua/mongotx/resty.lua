@@ -1,0 +1,476 @@
+-- mongotx.resty: the engine's API for OpenResty handlers, without blocking
+-- the nginx worker.  Every call that can touch the network runs in a
+-- thread of an nginx thread_pool (ngx.run_worker_thread) while the
+-- handler's coroutine yields, on this worker process's pool of
+-- connections (mongotx.pool); a handler gets back exactly what
+-- require "mongotx" would return, nil, err included.
+--
+--   -- nginx.conf: thread_pool mongotx threads=8;  (main context)
+--   --             lua_worker_thread_vm_pool_size 16;  (http context)
+--   local resty = require "mongotx.resty"
+--   local db = assert(resty.connect(uri, { database = "bank" }))
+--   local tm = assert(db:manager{ application = "shop" })
+--   local t, err = tm:transfer("accounts", "A", "B", 100, { min = 0, id = key })
+--
+-- How a call crosses: ngx.run_worker_thread copies only plain values
+-- (no userdata, no metatables), so the arguments go as one BSON document
+-- (mongotx.core.encode) and the results come back as one, decoded on the
+-- worker side: ObjectIds, Dates, Int64s, key order and the error
+-- tables' metatable arrive as they left.  The thread side is thread()
+-- below: it keeps, per worker-thread VM, the pooled databases and managers
+-- made for each connect and db:manager (by their options), and runs every
+-- call on a client of the process's pool.
+--
+-- Limits (README, "OpenResty"): calls work where a handler may yield
+-- (rewrite, access, content, ngx.timer); options of db:manager must be
+-- data (policy functions come from a module named by `policies`); each
+-- worker-thread VM holds its own managers (each its own `instance`).
+
+local core = require "mongotx.core"
+local pool = require "mongotx.pool"
+
+local type, pairs, ipairs, select, tostring, error, pcall, setmetatable, getmetatable =
+  type, pairs, ipairs, select, tostring, error, pcall, setmetatable, getmetatable
+local format, min = string.format, math.min
+local encode, decode = core.encode, core.decode
+
+local _M = { _VERSION = core._VERSION }
+
+-- The thread_pool a call runs in unless connect's `thread_pool` says
+-- otherwise, and how long a call waits for a free worker-thread VM.
+_M.THREAD_POOL = "mongotx"
+_M.WAIT = 5
+
+local ERROR_MT = getmetatable(core.error({ code = "probe", message = "" }))
+local ERROR_MARK = "__mongotx_error"
+
+-- Values across the thread boundary ----------------------------------------
+
+-- Marks (or, with unmark, clears the mark of) every error table in v, so
+-- that the other side can give it the error metatable back.
+local function walk_errors(v, unmark, seen)
+  if type(v) ~= "table" or seen[v] then return end
+  seen[v] = true
+  if getmetatable(v) == ERROR_MT then v[ERROR_MARK] = (not unmark) or nil end
+  for _, x in pairs(v) do walk_errors(x, unmark, seen) end
+end
+
+-- n values as one BSON string: { n = n, ["1"] = v1, ... } (nils left out).
+-- Raises when a value cannot be encoded.
+local function pack(n, ...)
+  local t = { n = n }
+  for i = 1, n do
+    local v = select(i, ...)
+    if v ~= nil then t[tostring(i)] = v end
+  end
+  walk_errors(t, false, {})
+  local ok, bytes = pcall(encode, t)
+  walk_errors(t, true, {})
+  if not ok then error(bytes, 0) end
+  return bytes
+end
+
+-- Gives the error tables in v (decoded) their metatable back.
+local function restore_errors(v, depth)
+  if type(v) ~= "table" or depth > 100 then return v end
+  for k, x in pairs(v) do
+    if type(x) == "table" then v[k] = restore_errors(x, depth + 1) end
+  end
+  if v[ERROR_MARK] then
+    v[ERROR_MARK] = nil
+    return core.error(setmetatable(v, nil))
+  end
+  return v
+end
+
+local unpack = table.unpack or unpack -- luacheck: ignore 143
+
+-- The values of a pack()ed string.
+local function unpack_all(bytes)
+  local t = decode(bytes)
+  local out = {}
+  for i = 1, t.n do out[i] = restore_errors(t[tostring(i)], 0) end
+  return unpack(out, 1, t.n)
+end
+
+-- The thread side ----------------------------------------------------------
+
+-- Per Lua state (each worker-thread VM, or the worker itself with offload
+-- = false): the pooled databases and managers by their spec (the BSON of
+-- what made them).
+local dbs, managers = {}, {}
+
+local function policies_of(name)
+  local ok, mod = pcall(require, name)
+  if not ok then error(format("policies module %s: %s", name, mod), 0) end
+  if type(mod) ~= "table" then
+    error(format("policies module %s returned a %s, not a table", name, type(mod)), 0)
+  end
+  return mod
+end
+
+local function get_db(spec)
+  local db = dbs[spec]
+  if db then return db end
+  local s = decode(spec)
+  local err
+  db, err = pool.connect(s.uri, s.connect)
+  if db then dbs[spec] = db end
+  return db, err
+end
+
+local function get_manager(spec)
+  local tm = managers[spec]
+  if tm then return tm end
+  local s = decode(spec)
+  local db, err = get_db(s.db)
+  if not db then return nil, err end
+  local opts = s.manager
+  if opts and opts.policies ~= nil then
+    local extra = policies_of(opts.policies)
+    opts.policies = nil
+    for k, v in pairs(extra) do
+      if opts[k] == nil then opts[k] = v end
+    end
+  end
+  tm, err = db:manager(opts)
+  if tm then managers[spec] = tm end
+  return tm, err
+end
+
+local DB_CALLS = {}
+
+function DB_CALLS.find(db, collection, filter, opts)
+  local client, err = db:client()
+  if not client then return nil, err end
+  local ok, list, ferr = pcall(function()
+    return client:collection(db.name, collection):find_all(filter or {}, opts)
+  end)
+  client:close()
+  if not ok then error(list, 0) end
+  return list, ferr
+end
+
+function DB_CALLS.count(db, collection, filter)
+  local client, err = db:client()
+  if not client then return nil, err end
+  local ok, n, cerr = pcall(function()
+    return client:collection(db.name, collection):count(filter or {})
+  end)
+  client:close()
+  if not ok then error(n, 0) end
+  return n, cerr
+end
+
+-- The pool's figures, and `vm`: which Lua state ran the call.
+function DB_CALLS.pool(db)
+  local info, err = db:pool()
+  if info then info.vm = tostring(dbs):match("0x%x+") end
+  return info, err
+end
+
+local function pack_all(...)
+  return pack(select("#", ...), ...)
+end
+
+local METHOD = {}
+for _, m in ipairs(pool.METHODS) do METHOD[m] = true end
+
+local function run(kind, spec, method, args)
+  local a = decode(args)
+  local n = a.n
+  local list = {}
+  for i = 1, n do list[i] = a[tostring(i)] end
+  if kind == "connect" then
+    local db, err = get_db(spec)
+    return pack(2, db and true or nil, err)
+  elseif kind == "manager" then
+    local tm, err = get_manager(spec)
+    return pack(2, tm and { application = tm.application } or nil, err)
+  elseif kind == "db" then
+    local db, err = get_db(spec)
+    if not db then return pack(2, nil, err) end
+    return pack_all(DB_CALLS[method](db, unpack(list, 1, n)))
+  end
+  local tm, err = get_manager(spec)
+  if not tm then return pack(2, nil, err) end
+  if not METHOD[method] then error("no method " .. tostring(method), 0) end
+  return pack_all(tm[method](tm, unpack(list, 1, n)))
+end
+
+-- thread(kind, spec, method, args): what ngx.run_worker_thread runs in a
+-- worker-thread VM (and a worker runs itself with offload = false).
+-- Returns "ok" and the results pack()ed, or "raise" and the message of
+-- what the call raised (a misuse: a wrong argument type, an unknown
+-- option).
+function _M.thread(kind, spec, method, args)
+  local ok, res = pcall(run, kind, spec, method, args)
+  if ok then return "ok", res end
+  return "raise", type(res) == "string" and res or tostring(res)
+end
+
+-- The worker side ----------------------------------------------------------
+
+-- Messages of ngx.run_worker_thread that mean "wait and try again": every
+-- worker-thread VM is in a call (lua_worker_thread_vm_pool_size), or the
+-- thread pool's queue is full (thread_pool's max_queue).
+local BUSY = { ["no available Lua vm"] = true, ["ngx_thread_task_post failed"] = true }
+
+local function overloaded(self, why)
+  return nil, core.error({
+    code = "overloaded", transient = true, step = "resty",
+    message = format("no worker thread came free within %g s (%s: thread_pool %s, " ..
+      "lua_worker_thread_vm_pool_size); nothing was done", self.wait, why, self.thread_pool),
+  })
+end
+
+-- Re-raises what a call raised in the thread at `level` (of the caller
+-- of reraise), without the position in mongotx.resty or mongotx.pool the
+-- message got on the way.
+local function reraise(msg, level)
+  msg = msg:gsub("^[^\n]-mongotx/resty%.lua:%d+: ", ""):gsub("^[^\n]-mongotx/pool%.lua:%d+: ", "")
+  if msg:find("^[^\n]-:%d+: ") then error(msg, 0) end
+  error(msg, level + 1)
+end
+
+-- Runs thread(kind, spec, method, args...) in a worker thread (or here,
+-- with offload = false) and returns its results.  While every VM is busy
+-- it polls (1 ms, doubling up to 50 ms) for at most self.wait seconds,
+-- then returns an `overloaded` error.  A raise is reported `up` frames
+-- above call's caller (1 when the public method tail-calls call, so that
+-- it lands on the handler's line).
+local function call(self, up, kind, spec, method, ...)
+  local ok, args = pcall(pack, select("#", ...), ...)
+  if not ok then
+    return nil, core.error({ code = "invalid", step = method or kind,
+      message = "an argument cannot be sent to a worker thread: " .. tostring(args) })
+  end
+  local status, res
+  if not self.offload then
+    status, res = _M.thread(kind, spec, method, args)
+  else
+    local ngx = ngx -- luacheck: ignore 113
+    local started, delay = nil, 0.001
+    while true do
+      local done
+      done, status, res = ngx.run_worker_thread(self.thread_pool, "mongotx.resty", "thread",
+                                                kind, spec, method, args)
+      if done then break end
+      if not BUSY[status] then
+        if status == "thread_pool not found" then
+          status = format("thread_pool %s not found (nginx.conf: thread_pool %s threads=N; " ..
+                          "in the main context)", self.thread_pool, self.thread_pool)
+        end
+        error("mongotx.resty: " .. tostring(status), up + 1)
+      end
+      ngx.update_time()
+      started = started or ngx.now()
+      if ngx.now() - started >= self.wait then return overloaded(self, status) end
+      ngx.sleep(delay)
+      delay = min(delay * 2, 0.05)
+    end
+  end
+  if status == "raise" then reraise(res, up + 1) end
+  return unpack_all(res)
+end
+
+local Database = {}
+Database.__index = Database
+
+local Manager = {}
+Manager.__index = Manager
+
+local resty_options = { thread_pool = true, wait = true, offload = true }
+
+-- connect(uri [, opts]): opts are mongotx.connect's (database, appname,
+-- write_concern, read_preference, tls) plus thread_pool (default
+-- "mongotx"), wait (seconds a call waits for a free worker thread, default
+-- 5) and offload (false: run every call in the worker itself, blocking it,
+-- as require "mongotx" does; for comparisons).  Makes this worker
+-- process's pool for the URI on first use (in a worker thread).
+function _M.connect(uri, opts)
+  if type(uri) ~= "string" then error("uri must be a string", 2) end
+  if opts ~= nil and type(opts) ~= "table" then
+    error("options of connect must be a table, not " .. type(opts), 2)
+  end
+  local self = setmetatable({ thread_pool = _M.THREAD_POOL, wait = _M.WAIT, offload = true },
+                            Database)
+  local connect = {}
+  for k, v in pairs(opts or {}) do
+    if resty_options[k] then self[k] = v else connect[k] = v end
+  end
+  if type(self.thread_pool) ~= "string" then error("option thread_pool must be a string", 2) end
+  if type(self.wait) ~= "number" or self.wait ~= self.wait or self.wait < 0 then
+    error("option wait must be a number of seconds >= 0", 2)
+  end
+  if type(self.offload) ~= "boolean" then error("option offload must be a boolean", 2) end
+  self.spec = encode({ uri = uri, connect = connect })
+  local ok, err = call(self, 2, "connect", self.spec, nil)
+  if not ok then return nil, err end
+  return self
+end
+
+-- db:manager(opts): opts are db:manager's, as data: a function cannot
+-- reach a worker thread, so policies that are functions come from a
+-- module named by `policies` (a module that returns a table of them, which
+-- each worker-thread VM requires; options given here win).
+function Database:manager(opts)
+  if opts ~= nil and type(opts) ~= "table" then
+    error("options of manager must be a table, not " .. type(opts), 2)
+  end
+  for k, v in pairs(opts or {}) do
+    if type(v) == "function" then
+      error(format("option %s of manager is a function, which cannot reach a worker thread: " ..
+        "put it in a module and name the module with policies = \"<module>\"", tostring(k)), 2)
+    end
+  end
+  if opts and opts.policies ~= nil and type(opts.policies) ~= "string" then
+    error("option policies of manager must be a module name (a string)", 2)
+  end
+  local ok, spec = pcall(encode, { db = self.spec, manager = opts })
+  if not ok then error("options of manager must be BSON data: " .. tostring(spec), 2) end
+  local info, err = call(self, 2, "manager", spec, nil)
+  if not info then return nil, err end
+  return setmetatable({ db = self, spec = spec, application = info.application }, Manager)
+end
+
+-- db:find(collection, filter [, opts]) -> list, db:count(collection,
+-- filter) -> n: reads of any collection of the database (opts as the
+-- core's find_all), for handlers that check input before a transaction.
+function Database:find(collection, filter, opts)
+  if type(collection) ~= "string" then error("collection must be a string", 2) end
+  return call(self, 1, "db", self.spec, "find", collection, filter, opts)
+end
+
+function Database:count(collection, filter)
+  if type(collection) ~= "string" then error("collection must be a string", 2) end
+  return call(self, 1, "db", self.spec, "count", collection, filter)
+end
+
+-- db:pool() -> the figures of the pool of the worker process (or of the
+-- process, with offload = false) that the call ran on: mongotx.core's
+-- client:pool() (id, pid, max_size, in_use, peak, pops).
+function Database:pool()
+  return call(self, 1, "db", self.spec, "pool")
+end
+
+function Database.close() end -- the pool lives as long as the worker process
+
+-- tm:<method>(...) for every method of a manager but step (a stepwise
+-- walk holds versions in one manager, and calls land on any VM).
+for _, method in ipairs(pool.METHODS) do
+  if method ~= "step" then
+    Manager[method] = function(self, ...)
+      return call(self.db, 1, "call", self.spec, method, ...)
+    end
+  end
+end
+
+-- Recovery inside nginx ----------------------------------------------------
+
+local recovery_options = { uri = true, connect = true, manager = true, every = true,
+                           limit = true, dict = true, key = true, ttl = true,
+                           on_report = true }
+
+-- recovery{ uri, connect, manager, dict, every, limit, key, ttl,
+-- on_report }, for init_worker_by_lua: every `every` seconds (default 5)
+-- one worker of the nginx instance runs tm:recover{ limit = limit } in a
+-- worker thread, with the manager `manager` (db:manager's options) on
+-- resty.connect(uri, connect).  The worker is elected through the
+-- lua_shared_dict `dict`: the first to add `key` (default
+-- "mongotx:recovery:<application>") with a TTL of `ttl` seconds (default 3
+-- x every) holds it and renews it at every turn, so while it lives no
+-- other worker runs recovery, and when it dies (kill -9 included) its
+-- entry expires and the next worker to try takes over.  (Should a leader
+-- stall past its TTL, two workers may run one pass each at once; recovery
+-- is safe under that, claims being atomic.)  on_report(report, err, pid)
+-- is called in the leader after each pass.  Returns a handle with
+-- :stop() (this worker stops trying; a leader gives its turn up), or
+-- raises on a misuse.
+function _M.recovery(opts)
+  local ngx = ngx -- luacheck: ignore 113
+  if type(opts) ~= "table" then error("recovery takes a table of options", 2) end
+  for k in pairs(opts) do
+    if not recovery_options[k] then error("unknown option " .. tostring(k) .. " for recovery", 2) end
+  end
+  if type(opts.uri) ~= "string" then error("option uri of recovery must be a string", 2) end
+  local dict = type(opts.dict) == "string" and ngx.shared[opts.dict]
+  if not dict then
+    error("option dict of recovery must name a lua_shared_dict (nginx.conf: " ..
+          "lua_shared_dict <name> 1m;)", 2)
+  end
+  local every = opts.every or 5
+  if type(every) ~= "number" or every ~= every or every <= 0 then
+    error("option every of recovery must be a number of seconds > 0", 2)
+  end
+  local ttl = opts.ttl or 3 * every
+  if type(ttl) ~= "number" or ttl ~= ttl or ttl <= every then
+    error("option ttl of recovery must be a number of seconds > every", 2)
+  end
+  local mopts = opts.manager or {}
+  local key = opts.key or ("mongotx:recovery:" .. tostring(mopts.application or "mongotx"))
+  local me = tostring(ngx.worker.pid())
+  local tm, running, stopped
+
+  -- Is this worker the one (adding the key, or renewing its own)?
+  local function elected()
+    local ok, err = dict:add(key, me, ttl)
+    if ok then return true end
+    if err ~= "exists" then
+      ngx.log(ngx.ERR, "mongotx recovery: shared dict ", opts.dict, ": ", err)
+      return false
+    end
+    if dict:get(key) ~= me then return false end
+    dict:set(key, me, ttl)
+    return true
+  end
+
+  local function resign()
+    if dict:get(key) == me then dict:delete(key) end
+  end
+
+  local function pass()
+    if not tm then
+      local db, err = _M.connect(opts.uri, opts.connect)
+      if not db then return nil, err end
+      tm, err = db:manager(mopts)
+      if not tm then return nil, err end
+    end
+    return tm:recover({ limit = opts.limit })
+  end
+
+  local function tick(premature)
+    if premature or stopped then return resign() end
+    if running or not elected() then return end
+    running = true
+    local ok, report, err = pcall(pass)
+    running = false
+    if stopped then return resign() end
+    if dict:get(key) == me then dict:set(key, me, ttl) end -- a long pass keeps its turn
+    if not ok then
+      report, err = nil, report
+      ngx.log(ngx.ERR, "mongotx recovery: ", tostring(err))
+    elseif not report then
+      ngx.log(ngx.ERR, "mongotx recovery: ", tostring(err))
+    elseif report.done + report.cancelled + report.failed + report.parked > 0 then
+      ngx.log(ngx.NOTICE, format("mongotx recovery: %d done, %d cancelled, %d failed, %d parked",
+        report.done, report.cancelled, report.failed, report.parked))
+    end
+    if opts.on_report then
+      local cb_ok, cb_err = pcall(opts.on_report, report, err, me)
+      if not cb_ok then ngx.log(ngx.ERR, "mongotx recovery: on_report: ", tostring(cb_err)) end
+    end
+  end
+
+  local ok, err = ngx.timer.every(every, tick)
+  if not ok then error("mongotx recovery: ngx.timer.every: " .. tostring(err), 2) end
+  ngx.timer.at(0, tick)
+  return {
+    stop = function()
+      stopped = true
+      if not running then resign() end
+    end,
+  }
+end
+
+return _M
