@@ -24,7 +24,7 @@ SPEC_ENV    = MONGOTX_CPATH="$(CURDIR)/$(BUILD)/?.so"
 SERVER     ?= memory
 WITH_SERVER = spec/support/with-server
 
-.PHONY: all setup test test-ferretdb test-luajit test-openresty memcheck asan fuzz fuzz-ci demo bench bench-memory bench-valgrind torture torture-ci lint clean
+.PHONY: all setup test test-ferretdb test-luajit test-openresty memcheck asan fuzz fuzz-ci demo bench bench-openresty bench-memory bench-valgrind torture torture-ci lint clean
 
 all: $(SO)
 
@@ -138,6 +138,15 @@ bench-valgrind: setup
 	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- valgrind --error-exitcode=99 \
 	  --leak-check=full --errors-for-leak-kinds=definite \
 	  --suppressions=spec/support/valgrind.supp $(LUA) bench/memory.lua 10000
+
+# wrk against examples/openresty's transfer endpoint in nginx (bench/README.md,
+# "OpenResty"): 1 and 2 workers, 1, 4, 16 connections, offloaded and
+# direct; the database is checked after every run.  About 2 minutes
+# (BENCH_ARGS: --seconds, --accounts, --threads).  Figures, not a test.
+bench-openresty:
+	@spec/support/setup.sh deps java openresty
+	@$(MAKE) --no-print-directory all LUA=luajit LUA_PC=luajit BUILD=build/luajit
+	MONGOTX_CPATH="$(CURDIR)/build/luajit/?.so" luajit bench/openresty.lua $(BENCH_ARGS)
 
 # The torture suite (TESTING.md): crash points, kill -9 of workers, stalls,
 # server faults, and the hostile-input spec and fuzz-ci as rows of one

@@ -210,17 +210,21 @@ function Nginx:workers()
   return out
 end
 
+-- A new file name in the prefix (the files of every request apart).
+local function scratch(self, what)
+  self.files = (self.files or 0) + 1
+  return ("%s/logs/%s-%d"):format(self.prefix, what, self.files)
+end
+
 local function curl_command(self, method, path, body, opts)
   opts = opts or {}
-  local out = os.tmpname()
+  local out = scratch(self, "response")
   local args = { "curl -s -o " .. q(out), "-w '%{http_code} %{time_total}'", "-X", method,
                  "--max-time", tostring(opts.timeout or 30) }
   if body then
-    local file = os.tmpname()
+    local file = scratch(self, "request")
     writefile(file, body)
     args[#args + 1] = "-H 'Content-Type: application/json' --data-binary @" .. q(file)
-    self.files = self.files or {}
-    self.files[#self.files + 1] = file
   end
   for k, v in pairs(opts.headers or {}) do args[#args + 1] = "-H " .. q(k .. ": " .. v) end
   args[#args + 1] = q(self:url(path))
@@ -245,8 +249,7 @@ end
 -- request() would.
 function Nginx:spawn(method, path, body, opts)
   local cmd, out = curl_command(self, method, path, body, opts)
-  local res = os.tmpname()
-  os.remove(res) -- written when curl is done
+  local res = scratch(self, "result") -- written when curl is done
   execute("(" .. cmd .. " > " .. q(res .. ".tmp") .. " 2>/dev/null; mv " .. q(res .. ".tmp") ..
           " " .. q(res) .. ") &")
   return {
@@ -281,7 +284,6 @@ function Nginx:stop()
       if alive(w) then execute("kill -KILL " .. w .. " 2>/dev/null") end
     end
   end
-  for _, f in ipairs(self.files or {}) do os.remove(f) end
   if not os.getenv("MONGOTX_KEEP_NGINX") then execute("rm -rf " .. q(self.prefix)) end
 end
 
