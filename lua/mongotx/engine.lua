@@ -158,6 +158,14 @@ function Engine:get(id)
   return live(doc)
 end
 
+-- Makes this engine write through the transactions collection `tx` (of
+-- another client of the same deployment; ctx.db.client is that client
+-- too): the handles made from the old client are dropped.  mongotx.pool
+-- lends each call a client of its pool this way.
+function Engine:use(tx)
+  self.tx, self.colls = tx, {}
+end
+
 -- Marks T (its id) as held by this engine at `epoch`, or not (nil).
 function Engine:hold(id, epoch)
   self.held[key(id)] = epoch

@@ -80,6 +80,16 @@ function _M.new(db, opts)
   return self
 end
 
+-- Makes this manager's calls use `client` (a client of the same
+-- deployment, such as one lent by a pool: mongotx.pool) from now on; the
+-- handles made from its former client are dropped, so none is used from
+-- two threads.
+function Manager:use(client)
+  self.db.client = client
+  self.tx = client:collection(self.db.name, self.engine.vctx.collection)
+  self.engine:use(self.tx)
+end
+
 -- The transaction with this id, or nil.  The id goes into a query, so it
 -- is checked like a caller's id: {$gt = ""} must not find another one.
 function Manager:_get(id, step, level)

@@ -85,31 +85,21 @@ end
 
 function Database.close() end -- the pool lives as long as the process
 
--- Points slot's manager at client: the collections a manager keeps are
--- bound to the client they were made from (the manager's transactions
--- collection, the engine's handles by name), so they are made again from
--- this one.  A handle kept from another call would raise "attempt to use
--- a closed client" (its client was given back), never share a client
--- between threads.
+-- Points slot's manager at client (Manager:use): the handles it made
+-- from the client of another call are dropped, so a handle is never used
+-- from two threads; one kept by mistake would raise "attempt to use a
+-- closed client" (its client was given back).
 local function bind(slot, client)
-  local tm, eng = slot.tm, slot.tm.engine
-  slot.db.client = client
-  local tx = client:collection(slot.db.name, slot.collection)
-  tm.tx, eng.tx, eng.colls = tx, tx, {}
+  slot.tm:use(client)
 end
 
 -- A new slot, bound to client: a manager made as db:manager makes one.
 -- Raises (at the caller of db:manager) on a wrong option type.
 local function new_slot(db, opts, client)
-  local slot = { db = { client = client, name = db.name },
-                 collection = opts and opts.collection or "transactions" }
+  local slot = { db = { client = client, name = db.name } }
   local ok, tm, err = pcall(manager.new, slot.db, opts)
   if not ok then return nil, nil, tm end
   if not tm then return nil, err end
-  if type(tm.engine) ~= "table" or type(tm.engine.colls) ~= "table" or tm.tx == nil then
-    error("mongotx.pool: this mongotx.manager keeps its collections elsewhere " ..
-          "(manager.tx, engine.tx, engine.colls); update mongotx.pool's bind()")
-  end
   slot.tm = tm
   return slot
 end
