@@ -121,9 +121,19 @@ do_java() {
   say "mongo-java-server: ready (classpath in $CACHE/server.classpath)"
 }
 
+# Does the binary report FerretDB's pinned version?  Its output is read
+# whole first: `--version | grep -q` under pipefail fails when grep exits
+# at its match and the binary then dies of SIGPIPE (more often on a loaded
+# machine), which made set-up rebuild FerretDB, or give up, now and then.
+ferretdb_is_pinned() {
+  local out
+  out=$("$1" --version 2>/dev/null) || return 1
+  [[ $out == *"version: $FERRETDB_VERSION"$'\n'* || $out == *"version: $FERRETDB_VERSION" ]]
+}
+
 do_ferretdb() {
   local bin=$CACHE/bin/ferretdb
-  if [[ -x $bin ]] && "$bin" --version 2>/dev/null | grep -q "version: $FERRETDB_VERSION\b"; then
+  if [[ -x $bin ]] && ferretdb_is_pinned "$bin"; then
     say "FerretDB $FERRETDB_VERSION: present ($bin)"
     return
   fi
@@ -149,8 +159,7 @@ do_ferretdb() {
   (cd "$build" && go mod edit -replace github.com/FerretDB/FerretDB=./FerretDB)
   say "FerretDB $FERRETDB_VERSION: building with $(go version | cut -d' ' -f3) (about a minute)"
   (cd "$build" && GOFLAGS=-mod=mod GOBIN=$CACHE/bin go install github.com/FerretDB/FerretDB/cmd/ferretdb)
-  "$bin" --version | grep -q "version: $FERRETDB_VERSION\b" \
-    || die "built $bin but its --version is not $FERRETDB_VERSION"
+  ferretdb_is_pinned "$bin" || die "built $bin but its --version is not $FERRETDB_VERSION"
   say "FerretDB $FERRETDB_VERSION: ready ($bin)"
 }
 
@@ -180,7 +189,8 @@ do_openresty() {
   ((added)) && rm -f "$policy"
   local mod=/usr/lib/nginx/modules/ngx_http_lua_module.so
   [[ -f $mod ]] || die "no $mod (libnginx-mod-http-lua)"
-  nginx -V 2>&1 | grep -q -- '--with-threads' || die "nginx is not built --with-threads"
+  # read whole, not piped to grep -q (see ferretdb_is_pinned)
+  [[ $(nginx -V 2>&1) == *--with-threads* ]] || die "nginx is not built --with-threads"
   luajit -e 'assert(jit.version:find("LuaJIT 2.1"))' \
     || die "luajit does not run"
   luajit -e 'require "busted.runner"' 2>/dev/null \
