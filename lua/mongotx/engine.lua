@@ -464,7 +464,16 @@ end
 -- Returns the transaction's next document and, after a cancel, the error
 -- that explains it.
 function Engine:apply_all(T, versions)
-  for i in ipairs(T.ops) do
+  -- the guarded ops first: a transaction whose guard fails then has
+  -- nothing else applied to undo, and holds no document meanwhile
+  local order = {}
+  for i, op in ipairs(T.ops) do
+    if op.where then order[#order + 1] = i end
+  end
+  for i, op in ipairs(T.ops) do
+    if not op.where then order[#order + 1] = i end
+  end
+  for _, i in ipairs(order) do
     local v = versions[i]
     if not v.marked then
       local tries = 0
