@@ -150,8 +150,8 @@ bench-openresty:
 
 # The torture suite (TESTING.md): crash points, kill -9 of workers, stalls,
 # server faults, and the hostile-input spec and fuzz-ci as rows of one
-# summary table; fails on any violation.  torture takes about 16 minutes,
-# torture-ci (what CI runs) about 5.  TORTURE_ARGS: e.g. --only kills.
+# summary table; fails on any violation.  torture takes about 19 minutes,
+# torture-ci (what CI runs) about 6.  TORTURE_ARGS: e.g. --only kills.
 TORTURE = $(SPEC_ENV) MONGOTX_TORTURE_BUILD=$(BUILD) $(LUA) torture/run.lua
 torture:
 	@spec/support/setup.sh deps java ferretdb
