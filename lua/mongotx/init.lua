@@ -24,23 +24,13 @@ end
 local Database = {}
 Database.__index = Database
 
-local connect_options = { database = true, appname = true, write_concern = true,
-                          read_preference = true, tls = true }
-
 -- connect(uri [, { database, appname, write_concern, read_preference, tls }]):
 -- a database handle, or nil, err (an `invalid` one for an option's bad
 -- value, see mongotx.options).  The database is opts.database, else the
 -- one in the URI's path, else "test".
 function _M.connect(uri, opts)
-  if type(uri) ~= "string" then error("uri must be a string", 2) end
-  local why
-  opts, why = options.check(opts, connect_options, "connect", 2)
-  if not opts then return nil, why end
-  local name = opts.database or uri:match("^mongodb[^:]*://[^/]*/([^?]+)") or "test"
-  local core_opts = {}
-  for k, v in pairs(opts) do
-    if k ~= "database" then core_opts[k] = v end
-  end
+  local name, core_opts = options.connect_args(uri, opts, 2)
+  if not name then return nil, core_opts end
   local client, err = core.connect(uri, core_opts)
   if not client then return nil, err end
   return setmetatable({ client = client, name = name }, Database)

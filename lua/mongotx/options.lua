@@ -199,6 +199,25 @@ function _M.check(opts, names, what, level)
   return opts
 end
 
+local connect_options = { database = true, appname = true, write_concern = true,
+                          read_preference = true, tls = true }
+
+-- What connect(uri, opts) needs of its arguments, for mongotx.connect and
+-- mongotx.pool alike: the database's name (opts.database, else the URI's
+-- path, else "test") and the C core's options (the rest).  A wrong type
+-- raises at `level`; a bad value returns nil, err.
+function _M.connect_args(uri, opts, level)
+  if type(uri) ~= "string" then error("uri must be a string", level + 1) end
+  local why
+  opts, why = _M.check(opts, connect_options, "connect", level + 1)
+  if not opts then return nil, why end
+  local core_opts = {}
+  for k, v in pairs(opts) do
+    if k ~= "database" then core_opts[k] = v end
+  end
+  return opts.database or uri:match("^mongodb[^:]*://[^/]*/([^?]+)") or "test", core_opts
+end
+
 -- What a transaction's ops and meta may take of its 16 MiB document,
 -- leaving the rest to its state, owner, ids and the like (the same room
 -- validate.ops leaves for the ops alone).  A rollback's reason gets as

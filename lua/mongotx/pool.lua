@@ -30,10 +30,6 @@ local unpack = table.unpack or unpack -- luacheck: ignore 143
 
 local _M = { _VERSION = core._VERSION }
 
--- What the core takes besides the database name (mongotx.connect's options).
-local connect_options = { database = true, appname = true, write_concern = true,
-                          read_preference = true, tls = true }
-
 -- The manager's methods, each run on a slot bound to a client of the pool.
 _M.METHODS = { "begin", "commit", "run", "transfer", "commit_many", "transfer_many",
                "finish", "rollback", "compensate", "recover", "prune", "get", "find",
@@ -50,15 +46,9 @@ Pooled.__index = Pooled
 -- raises, a bad value is nil, err), and takes and gives back one client,
 -- which makes the pool on first use and reports a URI libmongoc refuses.
 function _M.connect(uri, opts)
-  if type(uri) ~= "string" then error("uri must be a string", 2) end
-  local why
-  opts, why = options.check(opts, connect_options, "connect", 2)
-  if not opts then return nil, why end
-  local name = opts.database or uri:match("^mongodb[^:]*://[^/]*/([^?]+)") or "test"
-  local core_opts = { pool = true }
-  for k, v in pairs(opts) do
-    if k ~= "database" then core_opts[k] = v end
-  end
+  local name, core_opts = options.connect_args(uri, opts, 2)
+  if not name then return nil, core_opts end
+  core_opts.pool = true
   local client, err = core.connect(uri, core_opts)
   if not client then return nil, err end
   client:close()
