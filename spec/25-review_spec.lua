@@ -93,8 +93,9 @@ describe("#server review", function()
   end)
 
   -- Class 9: the recipe applies B's credit at once; the stalled owner
-  -- resumes, finds T applied and finishes it, and its finish applies the
-  -- credit (op.effect at_finish) a second time.
+  -- resumes, finds T applied and finishes it.  When credits were applied
+  -- at the finish (96febb8, reverted in 47224e4), that finish applied the
+  -- credit a second time.
   it("a stalled owner does not credit twice after a recipe recovery", function()
     local tm = assert(db:manager{ application = "owner", lease = 1 })
     local t = assert(tm:begin(transfer_ops(100)))
@@ -107,15 +108,16 @@ describe("#server review", function()
     assert.equal(1100, doc("B").balance)
   end)
 
-  -- Class 9 (exactly once): the owner reserved B's credit (marker only);
-  -- the recipe reads the marker as "applied", commits and pulls it, and
-  -- the credit is never applied.  A lost 100, B got nothing.
+  -- Class 9 (exactly once): the owner applied B's credit, then stalled;
+  -- the recipe reads the marker as "applied", commits and pulls it.  When
+  -- a credit's apply only reserved its document (96febb8, reverted in
+  -- 47224e4), the credit was never applied: A lost 100, B got nothing.
   it("a reserved credit is not lost to a recipe recovery", function()
     local tm = assert(db:manager{ application = "owner", lease = 1 })
     local t = assert(tm:begin(transfer_ops(100)))
     assert(tm:step("claim", t))
     assert(tm:step("apply", t, 1))
-    assert(tm:step("apply", t, 2)) -- reserves B; the owner stalls here
+    assert(tm:step("apply", t, 2)) -- B's credit; the owner stalls here
     core.sleep(1.2)
     local ops = { { "A", -100 }, { "B", 100 } }
     recipe_apply(t._id, ops)
