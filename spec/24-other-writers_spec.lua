@@ -27,26 +27,6 @@ describe("#server #concurrency other writers", function()
     return
   end
 
-  -- The tutorial's recovery of a pending transaction, as a writer that
-  -- does not know mongotx would run it: apply each op where the marker is
-  -- absent, commit, pull the markers, done.  No txVersion, no epoch.
-  local function tutorial_recovery(db, tid, ops)
-    local accounts, txs = db:collection("accounts"), db:collection("transactions")
-    for _, op in ipairs(ops) do
-      assert(accounts:update_one({ _id = op[1], pendingTransactions = { ["$ne"] = tid } },
-        { ["$inc"] = { balance = op[2] }, ["$push"] = { pendingTransactions = tid } }))
-    end
-    local res = assert(txs:update_one({ _id = tid, state = "pending" },
-      { ["$set"] = { state = "applied" }, ["$currentDate"] = { lastModified = true } }))
-    assert.equal(1, res.matched)
-    for _, op in ipairs(ops) do
-      assert(accounts:update_one({ _id = op[1], pendingTransactions = tid },
-        { ["$pull"] = { pendingTransactions = tid } }))
-    end
-    assert(txs:update_one({ _id = tid, state = "applied" },
-      { ["$set"] = { state = "done" }, ["$currentDate"] = { lastModified = true } }))
-  end
-
   it("a stalled owner does not apply again after a tutorial-style recovery", function()
     local dbname = helpers.db_name()
     local db = assert(mongotx.connect(helpers.uri(), { database = dbname }))
@@ -64,7 +44,10 @@ describe("#server #concurrency other writers", function()
 
     local T = assert(db:collection("transactions"):find_one({}))
     assert.equal("pending", T.state)
-    tutorial_recovery(db, T._id, { { "A", -100 }, { "B", 100 } })
+    -- the tutorial's recovery, by a writer that knows nothing of mongotx
+    local ops = { { "A", -100 }, { "B", 100 } }
+    helpers.recipe_apply(db, T._id, ops)
+    helpers.recipe_finish(db, T._id, ops)
 
     helpers.signal(pid, "CONT")
     assert.is_true(helpers.wait_exit(pid, 20), "the worker did not finish")

@@ -30,24 +30,9 @@ describe("#server review", function()
     }
   end
 
-  -- The tutorial's recipe (spec/24-other-writers_spec.lua), in parts.
-  local function recipe_apply(tid, ops)
-    for _, op in ipairs(ops) do
-      assert(accounts:update_one({ _id = op[1], pendingTransactions = { ["$ne"] = tid } },
-        { ["$inc"] = { balance = op[2] }, ["$push"] = { pendingTransactions = tid } }))
-    end
-    local res = assert(txs:update_one({ _id = tid, state = "pending" },
-      { ["$set"] = { state = "applied" }, ["$currentDate"] = { lastModified = true } }))
-    assert.equal(1, res.matched)
-  end
-  local function recipe_finish(tid, ops)
-    for _, op in ipairs(ops) do
-      assert(accounts:update_one({ _id = op[1], pendingTransactions = tid },
-        { ["$pull"] = { pendingTransactions = tid } }))
-    end
-    assert(txs:update_one({ _id = tid, state = "applied" },
-      { ["$set"] = { state = "done" }, ["$currentDate"] = { lastModified = true } }))
-  end
+  -- The tutorial's recipe, in parts (spec/helpers.lua).
+  local function recipe_apply(tid, ops) helpers.recipe_apply(db, tid, ops) end
+  local function recipe_finish(tid, ops) helpers.recipe_finish(db, tid, ops) end
 
   -- Class 4/5: options are checked through pairs() but used through
   -- plain indexing, so a metatable shows the check one table and the

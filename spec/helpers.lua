@@ -210,6 +210,32 @@ function helpers.read_file(path)
   return s
 end
 
+-- The tutorial's recovery of a pending transaction `tid`, as a writer
+-- that knows nothing of mongotx would run it (PyMongo, the mongo shell:
+-- no txVersion, no epoch) on db's accounts and transactions: apply each
+-- op ({ account, amount }) where the marker is absent and commit ...
+function helpers.recipe_apply(db, tid, ops)
+  local accounts, txs = db:collection("accounts"), db:collection("transactions")
+  for _, op in ipairs(ops) do
+    assert(accounts:update_one({ _id = op[1], pendingTransactions = { ["$ne"] = tid } },
+      { ["$inc"] = { balance = op[2] }, ["$push"] = { pendingTransactions = tid } }))
+  end
+  local res = assert(txs:update_one({ _id = tid, state = "pending" },
+    { ["$set"] = { state = "applied" }, ["$currentDate"] = { lastModified = true } }))
+  luassert.are.equal(1, res.matched)
+end
+
+-- ... then pull the markers and move it to done.
+function helpers.recipe_finish(db, tid, ops)
+  local accounts, txs = db:collection("accounts"), db:collection("transactions")
+  for _, op in ipairs(ops) do
+    assert(accounts:update_one({ _id = op[1], pendingTransactions = tid },
+      { ["$pull"] = { pendingTransactions = tid } }))
+  end
+  assert(txs:update_one({ _id = tid, state = "applied" },
+    { ["$set"] = { state = "done" }, ["$currentDate"] = { lastModified = true } }))
+end
+
 math.randomseed(os.time() + tonumber(tostring({}):match("0x(%x+)") or "0", 16) % 100000)
 
 return helpers

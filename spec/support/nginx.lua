@@ -31,36 +31,11 @@
 
 local M = {}
 
-local function q(s)
-  return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
-end
-
-local function execute(cmd)
-  local a, how, code = os.execute(cmd)
-  if type(a) == "number" then
-    if a % 256 ~= 0 then return 128 + a % 256 end
-    return math.floor(a / 256)
-  end
-  if how == "signal" then return 128 + code end
-  return code or (a and 0 or 1)
-end
-M.execute = execute
-
-local function capture(cmd)
-  local f = assert(io.popen(cmd, "r"))
-  local out = f:read("*a")
-  f:close()
-  return out
-end
-
-local function readfile(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("*a")
-  f:close()
-  return s
-end
-M.readfile = readfile
+-- The shell and file helpers the test servers use (spec/support/server.lua).
+local server = require "spec.support.server"
+local q, execute, capture, readfile = server.quote, server.execute, server.capture, server.readfile
+local sleep, free_port, alive = server.sleep, server.free_port, server.alive
+M.execute, M.readfile, M.alive = execute, readfile, alive
 
 local function writefile(path, s)
   local f = assert(io.open(path, "wb"))
@@ -68,26 +43,11 @@ local function writefile(path, s)
   f:close()
 end
 
-local function sleep(s) execute("sleep " .. s) end
-
-local function free_port()
-  local out = capture("python3 -c 'import socket;s=socket.socket();"
-    .. "s.bind((\"127.0.0.1\",0));print(s.getsockname()[1])' 2>/dev/null")
-  return tonumber(out:match("%d+"))
-end
-
 -- This Lua process's pid (/proc/self is the reader itself).
 local function my_pid()
   local stat = readfile("/proc/self/stat")
   return tonumber(stat and stat:match("^(%d+)"))
 end
-
-local function alive(pid)
-  local stat = readfile("/proc/" .. pid .. "/stat")
-  local state = stat and stat:match("%) (%a)")
-  return state ~= nil and state ~= "Z"
-end
-M.alive = alive
 
 -- The repository's root: the specs and the benchmark run from it.
 local ROOT = capture("pwd"):gsub("%s+$", "")

@@ -59,6 +59,7 @@ local function capture(cmd)
   f:close()
   return out
 end
+M.capture = capture
 
 local function readfile(path)
   local f = io.open(path, "rb")
@@ -67,6 +68,7 @@ local function readfile(path)
   f:close()
   return s
 end
+M.readfile = readfile
 
 local function exists(path)
   local f = io.open(path, "rb")
@@ -92,6 +94,7 @@ end
 local function sleep(sec)
   execute("sleep " .. sec)
 end
+M.sleep = sleep
 
 -- true while pid exists and is not a zombie
 local function alive(pid)
@@ -107,6 +110,7 @@ local function free_port()
     .. "s.bind((\"127.0.0.1\",0));print(s.getsockname()[1])' 2>/dev/null")
   return tonumber(out:match("%d+"))
 end
+M.free_port = free_port
 
 -- shell code: wait until pid itself listens on 127.0.0.1:port (its fds
 -- include the LISTEN socket of /proc/net/tcp), or exit 3 when pid dies
