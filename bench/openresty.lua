@@ -36,12 +36,7 @@ end
 
 local BALANCE = 1000000000
 
-local function capture(cmd)
-  local f = assert(io.popen(cmd, "r"))
-  local out = f:read("*a")
-  f:close()
-  return out
-end
+local capture = server.capture
 
 local srv = assert(server.start { kind = "memory" })
 local client = assert(core.connect(srv.uri))

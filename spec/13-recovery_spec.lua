@@ -319,17 +319,24 @@ describe("#server recovery", function()
       assert.are.equal(2, txs:count({}))
     end)
 
-    it("removes the placeholder a rolled-back takeover left for an insert", function()
+    -- t-1 debits A and inserts o-1; its owner applies the debit only (the
+    -- insert is left for it to land later) and stalls; recovery rolls it
+    -- back, fencing o-1 with a placeholder.  Returns orders and the report.
+    local function rolled_back_insert()
       local orders = db:collection("orders")
       local t = assert(tm:begin({
         { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -5 } } },
         { collection = "orders", id = "o-1", doc = { item = "x" } },
       }, { id = "t-1" }))
       assert(tm:step("claim", t))
-      assert(tm:step("apply", t, 1)) -- the insert is left for a former owner to land
+      assert(tm:step("apply", t, 1))
       age()
-      local r = recoverer { stale_pending = function() return "back" end }
-      assert.are.same(report { examined = 1, cancelled = 1 }, r:recover())
+      return orders, recoverer({ stale_pending = function() return "back" end }):recover()
+    end
+
+    it("removes the placeholder a rolled-back takeover left for an insert", function()
+      local orders, r = rolled_back_insert()
+      assert.are.same(report { examined = 1, cancelled = 1 }, r)
       -- the takeover fenced o-1 with a placeholder that names the transaction
       local placeholder = assert(orders:find_one({ _id = "o-1" }))
       assert.are.equal("t-1", placeholder.txPlaceholder)
@@ -349,15 +356,7 @@ describe("#server recovery", function()
     end)
 
     it("leaves a placeholder that mongotx wrote to since", function()
-      local orders = db:collection("orders")
-      local t = assert(tm:begin({
-        { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -5 } } },
-        { collection = "orders", id = "o-1", doc = { item = "x" } },
-      }, { id = "t-1" }))
-      assert(tm:step("claim", t))
-      assert(tm:step("apply", t, 1))
-      age()
-      recoverer({ stale_pending = function() return "back" end }):recover()
+      local orders = rolled_back_insert()
       -- a later transaction updates what is now a document of orders
       assert(tm:run({ { collection = "orders", id = "o-1",
         update = { ["$set"] = { item = "y" } }, undo = { ["$unset"] = { item = true } } } }))

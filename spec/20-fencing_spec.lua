@@ -4,7 +4,6 @@
 -- must reject that apply, even though the markers are gone by then.
 
 local helpers = require "spec.helpers"
-local mongotx = require "mongotx"
 
 local reason = helpers.no_concurrency()
 
@@ -15,19 +14,8 @@ describe("#server #concurrency fencing a stalled owner", function()
   end
 
   local function scenario(direction)
-    local dbname = helpers.db_name()
-    local db = assert(mongotx.connect(helpers.uri(), { database = dbname }))
+    local db, worker = helpers.stalled_owner()
     local accounts = db:collection("accounts")
-    assert(accounts:insert_many {
-      { _id = "A", balance = 1000, pendingTransactions = mongotx.array() },
-      { _id = "B", balance = 1000, pendingTransactions = mongotx.array() },
-    })
-    local ready = os.tmpname()
-    os.remove(ready)
-    local pid, out = helpers.spawn_worker("stall", helpers.uri(), dbname, ready, 3, "A", "B", 100)
-    assert.is_true(helpers.wait_file(ready, 20), "the worker never reached its first apply")
-    helpers.signal(pid, "STOP")
-    mongotx.core.sleep(1.5) -- past the worker's 1 s lease: others may take over
 
     -- the worker applied op 1 (A) and holds a prepared apply of op 2 (B)
     local tm = assert(db:manager {
@@ -37,12 +25,7 @@ describe("#server #concurrency fencing a stalled owner", function()
     local report = assert(tm:recover())
     assert.equal(1, report.examined)
 
-    helpers.signal(pid, "CONT")
-    assert.is_true(helpers.wait_exit(pid, 20), "the worker did not finish")
-    local worker_said = helpers.read_file(out)
-    os.remove(out)
-    os.remove(ready)
-    return db, accounts, tm, report, worker_said
+    return db, accounts, tm, report, helpers.resume_owner(worker)
   end
 
   it("rolled forward by the new owner: the resumed apply does not repeat", function()

@@ -13,7 +13,6 @@
 -- and runs the tutorial's recovery with plain updates; the worker resumes.
 
 local helpers = require "spec.helpers"
-local mongotx = require "mongotx"
 
 local reason = helpers.no_concurrency()
 if not reason and helpers.server_kind() == "ferretdb" then
@@ -28,19 +27,9 @@ describe("#server #concurrency other writers", function()
   end
 
   it("a stalled owner does not apply again after a tutorial-style recovery", function()
-    local dbname = helpers.db_name()
-    local db = assert(mongotx.connect(helpers.uri(), { database = dbname }))
+    -- stopped past its 1 s lease, as the recipe's staleness threshold
+    local db, worker = helpers.stalled_owner()
     local accounts = db:collection("accounts")
-    assert(accounts:insert_many {
-      { _id = "A", balance = 1000, pendingTransactions = mongotx.array() },
-      { _id = "B", balance = 1000, pendingTransactions = mongotx.array() },
-    })
-    local ready = os.tmpname()
-    os.remove(ready)
-    local pid, out = helpers.spawn_worker("stall", helpers.uri(), dbname, ready, 3, "A", "B", 100)
-    assert.is_true(helpers.wait_file(ready, 20), "the worker never reached its first apply")
-    helpers.signal(pid, "STOP")
-    mongotx.core.sleep(1.5) -- past the worker's 1 s lease, as the recipe's threshold
 
     local T = assert(db:collection("transactions"):find_one({}))
     assert.equal("pending", T.state)
@@ -49,11 +38,7 @@ describe("#server #concurrency other writers", function()
     helpers.recipe_apply(db, T._id, ops)
     helpers.recipe_finish(db, T._id, ops)
 
-    helpers.signal(pid, "CONT")
-    assert.is_true(helpers.wait_exit(pid, 20), "the worker did not finish")
-    local said = helpers.read_file(out)
-    os.remove(out)
-    os.remove(ready)
+    local said = helpers.resume_owner(worker)
 
     -- op 2 (B's credit) was applied once, by the other writer: the
     -- worker's prepared apply missed its deadline and was not renewed

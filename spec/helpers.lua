@@ -210,6 +210,38 @@ function helpers.read_file(path)
   return s
 end
 
+-- A fresh database with accounts A and B (1000 each) and a worker
+-- (spec/support/worker.lua stall, lease 1 s) moving 100 from A to B that
+-- is stopped (SIGSTOP) after its first apply and left so past its lease.
+-- Returns the database handle and the worker: { pid, out, ready }.
+function helpers.stalled_owner()
+  local dbname = helpers.db_name()
+  local mongotx = require "mongotx"
+  local db = assert(mongotx.connect(helpers.uri(), { database = dbname }))
+  assert(db:collection("accounts"):insert_many {
+    { _id = "A", balance = 1000, pendingTransactions = mongotx.array() },
+    { _id = "B", balance = 1000, pendingTransactions = mongotx.array() },
+  })
+  local ready = os.tmpname()
+  os.remove(ready)
+  local pid, out = helpers.spawn_worker("stall", helpers.uri(), dbname, ready, 3, "A", "B", 100)
+  luassert.is_true(helpers.wait_file(ready, 20), "the worker never reached its first apply")
+  helpers.signal(pid, "STOP")
+  core.sleep(1.5) -- past the worker's 1 s lease: others may take over
+  return db, { pid = pid, out = out, ready = ready }
+end
+
+-- Continues a stalled_owner's worker (SIGCONT) and returns what it
+-- printed once it exited.
+function helpers.resume_owner(w)
+  helpers.signal(w.pid, "CONT")
+  luassert.is_true(helpers.wait_exit(w.pid, 20), "the worker did not finish")
+  local said = helpers.read_file(w.out)
+  os.remove(w.out)
+  os.remove(w.ready)
+  return said
+end
+
 -- The tutorial's recovery of a pending transaction `tid`, as a writer
 -- that knows nothing of mongotx would run it (PyMongo, the mongo shell:
 -- no txVersion, no epoch) on db's accounts and transactions: apply each
