@@ -98,10 +98,28 @@ l_fault(lua_State *L)
 	return 0;
 }
 
+/* core.crash_point(point, "before" | "after"): pass a named point from
+ * Lua, for the modules whose writes are issued from Lua (mongotx.queue,
+ * mongotx.ledger, ...), so the torture suite can crash them the same way. */
+static int
+l_crash_point(lua_State *L)
+{
+	const char *point = luaL_checkstring(L, 1);
+	const char *when = luaL_checkstring(L, 2);
+
+	luaL_argcheck(L, strlen(point) < sizeof fault.point, 1, "name too long");
+	luaL_argcheck(L, strcmp(when, "before") == 0 || strcmp(when, "after") == 0,
+		      2, "want \"before\" or \"after\"");
+	mtx_fault(point, when);
+	return 0;
+}
+
 int
 mtx_open_fault(lua_State *L)
 {
 	lua_pushcfunction(L, l_fault);
 	lua_setfield(L, -2, "fault");
+	lua_pushcfunction(L, l_crash_point);
+	lua_setfield(L, -2, "crash_point");
 	return 0;
 }

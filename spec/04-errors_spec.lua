@@ -420,4 +420,42 @@ describe("errors", function()
       db:close()
     end)
   end)
+
+  -- Crash points (csrc/fault.c): the torture suite's way to end a process
+  -- at a named write.  core.crash_point lets modules written in Lua carry
+  -- points too; a child process shows that it traces and crashes there.
+  describe("crash points", function()
+    local function run(body)
+      local pid, out, script = helpers.spawn_script(string.format([[
+        package.cpath = %q .. ";" .. package.cpath
+        local core = require "mongotx.core"
+        %s
+        io.stdout:write("reached the end\n")
+      ]], os.getenv("MONGOTX_CPATH") or "./build/lua54/?.so", body))
+      assert.is_true(helpers.wait_exit(pid, 10))
+      local output = helpers.read_file(out)
+      os.remove(out)
+      os.remove(script)
+      return output
+    end
+
+    it("core.crash_point ends the process at the armed point, and only there", function()
+      local output = run([[
+        core.crash_point("q.claim", "before")   -- not armed: passes
+        core.fault("q.claim:after:2")
+        core.crash_point("q.claim", "after")    -- first time: passes
+        io.stdout:write("after the first\n"); io.stdout:flush()
+        core.crash_point("q.claim", "after")    -- second: ends here
+      ]])
+      assert.matches("after the first", output)
+      assert.matches("fault injected", output)
+      assert.not_matches("reached the end", output)
+    end)
+
+    it("core.crash_point refuses a bad moment or name", function()
+      assert.has_error(function() core.crash_point("x", "during") end)
+      assert.has_error(function() core.crash_point(string.rep("x", 64), "before") end)
+      assert.has_error(function() core.crash_point(nil, "before") end)
+    end)
+  end)
 end)
