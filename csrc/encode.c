@@ -215,6 +215,18 @@ encode_array_items(encoder *e, int idx, bson_t *b, lua_Integer n, int types)
 	}
 }
 
+/* Is s plain ASCII (valid UTF-8 without asking libbson, the common case)? */
+static int
+is_ascii(const char *s, size_t len)
+{
+	size_t i;
+
+	for (i = 0; i < len; i++)
+		if ((unsigned char)s[i] & 0x80)
+			return 0;
+	return 1;
+}
+
 /* Encodes the field whose key is at -2 and value at -1. */
 static void
 encode_field(encoder *e, bson_t *b, int types)
@@ -232,7 +244,7 @@ encode_field(encoder *e, bson_t *b, int types)
 		encode_fail(e, "a key containing a NUL byte");
 	/* bson_validate refuses a key that is not UTF-8, so core.decode could
 	 * not read back what this wrote (found by fuzz/lua_encode.c) */
-	if (!bson_utf8_validate(key, len, false))
+	if (!is_ascii(key, len) && !bson_utf8_validate(key, len, false))
 		encode_fail(e, "a key that is not valid UTF-8");
 	if (types) {
 		lua_pushvalue(L, -2);
