@@ -92,8 +92,18 @@ local function key(id) return id_key(id) or canon(id) end
 
 local live, has_marker = stored.live, stored.has_marker
 
+-- The default on_event does nothing: a batch's events (five per
+-- transaction) then cost no table and no call.
+local quiet = require("mongotx.policy").on_event
+
 function Engine:event(name, info)
   pcall(self.policy.on_event, name, info)
+end
+
+-- event(name, { id = id }), when anyone listens.
+function Engine:event_id(name, id)
+  local on_event = self.policy.on_event
+  if on_event ~= quiet then pcall(on_event, name, { id = id }) end
 end
 
 function Engine:coll(name)
@@ -126,7 +136,9 @@ end
 function Engine:step(name, id, ...)
   local steps = self.steps
   local res, err = self:retry(name, id, steps[name], steps, ...)
-  if res ~= nil then self:event(name, { id = id, result = res }) end
+  if res ~= nil and self.policy.on_event ~= quiet then
+    self:event(name, { id = id, result = res })
+  end
   return res, err
 end
 
