@@ -215,15 +215,16 @@ encode_array_items(encoder *e, int idx, bson_t *b, lua_Integer n, int types)
 	}
 }
 
-/* Is s plain ASCII (valid UTF-8 without asking libbson, the common case)? */
-static int
-is_ascii(const char *s, size_t len)
+/* bson_utf8_validate, but plain ASCII (the common case) without asking
+ * libbson: 4% of a batch's client instructions went there. */
+int
+mtx_utf8_valid(const char *s, size_t len)
 {
 	size_t i;
 
 	for (i = 0; i < len; i++)
 		if ((unsigned char)s[i] & 0x80)
-			return 0;
+			return bson_utf8_validate(s, len, false);
 	return 1;
 }
 
@@ -244,7 +245,7 @@ encode_field(encoder *e, bson_t *b, int types)
 		encode_fail(e, "a key containing a NUL byte");
 	/* bson_validate refuses a key that is not UTF-8, so core.decode could
 	 * not read back what this wrote (found by fuzz/lua_encode.c) */
-	if (!is_ascii(key, len) && !bson_utf8_validate(key, len, false))
+	if (!mtx_utf8_valid(key, len))
 		encode_fail(e, "a key that is not valid UTF-8");
 	if (types) {
 		lua_pushvalue(L, -2);
