@@ -435,7 +435,7 @@ encode_value(encoder *e, int idx, bson_t *b, const char *key, int keylen,
 }
 
 static bson_t *
-check_document(lua_State *L, int idx, int with_id)
+check_document(lua_State *L, int idx, int with_id, int reused)
 {
 	encoder e;
 	bson_t *b;
@@ -449,7 +449,7 @@ check_document(lua_State *L, int idx, int with_id)
 	lua_pop(L, 1);
 	if (kind && strcmp(kind, "array") == 0)
 		luaL_argerror(L, idx, "a document, not an array");
-	b = mtx_scratch(L);
+	b = reused ? mtx_scratch_take(L) : mtx_scratch(L);
 	e.L = L;
 	e.depth = 0;
 	e.tables[0] = lua_topointer(L, idx);
@@ -481,13 +481,19 @@ check_document(lua_State *L, int idx, int with_id)
 bson_t *
 mtx_check_document(lua_State *L, int idx)
 {
-	return check_document(L, idx, 0);
+	return check_document(L, idx, 0, 0);
+}
+
+bson_t *
+mtx_check_document_reused(lua_State *L, int idx)
+{
+	return check_document(L, idx, 0, 1);
 }
 
 bson_t *
 mtx_check_insert(lua_State *L, int idx)
 {
-	return check_document(L, idx, 1);
+	return check_document(L, idx, 1, 0);
 }
 
 bson_t *
@@ -510,7 +516,7 @@ mtx_check_ordered(lua_State *L, int idx)
 		}
 	}
 	lua_pop(L, 1);
-	return check_document(L, idx, 0);
+	return check_document(L, idx, 0, 0);
 }
 
 void
@@ -541,8 +547,9 @@ mtx_plain_is_array(lua_State *L, int idx)
 int
 mtx_l_encode(lua_State *L)
 {
-	bson_t *b = mtx_check_document(L, 1);
+	bson_t *b = mtx_check_document_reused(L, 1);
 
 	lua_pushlstring(L, (const char *)bson_get_data(b), b->len);
+	mtx_scratch_give(L, -2);
 	return 1;
 }

@@ -236,6 +236,7 @@ l_id_key(lua_State *L)
 	bson_iter_t it;
 	keybuf kb = {NULL, 0, 0};
 	const char *why;
+	int at;
 
 	luaL_checkany(L, 1);
 	if (lua_isnil(L, 1)) {
@@ -245,7 +246,8 @@ l_id_key(lua_State *L)
 	}
 	if (quick_key(L))
 		return 2;
-	holder = mtx_scratch(L);
+	holder = mtx_scratch_take(L);
+	at = lua_gettop(L);
 	mtx_append_value(L, 1, holder, "v");
 	/* the value's bytes: the holder less its length, type, "v" and end */
 	if (holder->len - 8 > MAX_ID_BYTES) {
@@ -263,6 +265,7 @@ l_id_key(lua_State *L)
 	}
 	lua_pushlstring(L, (const char *)*kb.slot, kb.len);
 	mtx_push_iter(L, &it);
+	mtx_scratch_give(L, at);
 	return 2;
 }
 
