@@ -215,7 +215,6 @@ machine.minutes = round((os.time() - started) / 60, 1)
 
 -- The table -------------------------------------------------------------------
 
-
 local function fmt(x, d)
   if x == nil then return "" end
   return tostring(round(x, d or 0)):gsub("%.0$", "")
@@ -230,7 +229,7 @@ local function label(e)
   return s
 end
 
--- The row of `key` at entry e's latency level, and its summary.
+-- The summary of `key`'s row at `level` (nil: loopback), and the row.
 local function at(key, level)
   local r = by_key[level and key .. "@" .. level.key or key]
   return r and r.sum, r
