@@ -82,8 +82,10 @@ function _M.start(uri)
   local f = io.open(BIN, "rb")
   if not f then return nil, "toxiproxy is not set up: run spec/support/setup.sh toxiproxy" end
   f:close()
-  local upstream = uri:match("^mongodb://([^/?,]+)")
-  if not upstream then return nil, "toxiproxy: no single host:port in " .. uri end
+  local upstream = uri:match("^mongodb://([^/?]+)")
+  if not upstream or upstream:find(",", 1, true) or upstream:find("@", 1, true) then
+    return nil, "toxiproxy: not one host:port without credentials in " .. uri
+  end
   local port = server.free_port()
   if not port then return nil, "toxiproxy: cannot pick a free port (python3 missing?)" end
   local dir = capture("mktemp -d \"${TMPDIR:-/tmp}/mongotx-toxiproxy.XXXXXX\""):gsub("%s+$", "")
@@ -110,7 +112,7 @@ function _M.start(uri)
     return nil, err
   end
   local listen = created:match('"listen"%s*:%s*"([^"]+)"')
-  self.uri = uri:gsub("^mongodb://[^/?,]+", "mongodb://" .. listen, 1)
+  self.uri = uri:gsub("^mongodb://[^/?]+", "mongodb://" .. listen, 1)
   return self
 end
 

@@ -176,7 +176,7 @@ local function at_levels()
   local proxy, err = latency.start(uri)
   if not proxy then
     failures = failures + 1
-    io.stderr:write("bench: ", err, "\n")
+    io.stderr:write("bench: ", err, " (--loopback-only runs without toxiproxy)\n")
     return
   end
   print(("bench: toxiproxy %s in front of the server at %s"):format(proxy.version, proxy.uri))
@@ -270,7 +270,9 @@ local function target_lines()
   local function ratio(key, base, want, level)
     local a, ra = at(key, level)
     local b, rb = at(base, level)
-    local name = ("%s ≥ %s × %s"):format(ra and label(ra.entry) or key, want, rb and label(rb.entry) or base)
+    local at_level = level and ", +" .. level.label or ""
+    local name = ("%s ≥ %s × %s"):format(ra and label(ra.entry) or key .. at_level, want,
+      rb and label(rb.entry) or base .. at_level)
     if not (a and b) then
       return check(name, nil, want, (ra or rb) and (ra or rb).status or "not run")
     end
