@@ -146,6 +146,11 @@ describe("#server tm:each", function()
       local opts = { id = "j", key = by_account }
       assert.has_error(function() tm:each(items, "pay", opts) end,
         "each: fn must be a function, not a string")
+      local _, where = pcall(function() tm:each(items, pay, { id = "j", key = by_account, size = 1 }) end)
+      assert.matches("17%-each_spec%.lua:%d+: unknown option size for each", where,
+        "the caller's line is named")
+      _, where = pcall(function() tm:each(items, function() return "x" end, opts) end)
+      assert.matches("17%-each_spec%.lua:%d+: each: fn returned", where)
       assert.has_error(function() tm:each(items, pay, { id = "j" }) end,
         "each: option key (a function) is required")
       assert.has_error(function() tm:each(items, pay, { id = 7, key = by_account }) end,

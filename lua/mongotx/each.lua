@@ -214,7 +214,11 @@ local function read_batch(report, job, next_item, opts, seen)
   while size < opts.batch do
     local item, err = next_item()
     if item == nil then
-      if err then return nil, errors.wrap(err, "each") end
+      if err then
+        err = errors.wrap(err, "each")
+        err.report = report
+        return nil, err
+      end
       break
     end
     size = size + 1
@@ -315,7 +319,11 @@ function _M.run(tm, source, fn, opts, level)
     if entries == nil then return nil, err end
     if not entries then break end
     local new, flying = earlier(tm, report, entries)
-    if not new then return nil, errors.wrap(flying, "each") end
+    if not new then
+      err = errors.wrap(flying, "each")
+      err.report = report
+      return nil, err
+    end
     local todo
     todo, err = prepare(tm, report, new, fn, level + 1)
     if not todo then return nil, err end
