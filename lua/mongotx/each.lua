@@ -78,9 +78,7 @@ end
 -- another).
 local function key_text(k)
   local t = type(k)
-  if t == "number" and k == k and k ~= math.huge and k ~= -math.huge then
-    return core.id_key(k)
-  elseif t == "string" then
+  if t == "string" or (t == "number" and k == k and k ~= math.huge and k ~= -math.huge) then
     return core.id_key(k)
   end
   return nil, format("the key must be a string or a finite number, not %s",
