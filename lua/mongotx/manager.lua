@@ -1,7 +1,8 @@
 -- The transaction manager: the API a caller sees (begin, commit, run,
 -- transfer, commit_many, transfer_many, finish, rollback, compensate,
--- recover, prune, get, find, stats, step).  It checks what callers pass
--- (mongotx.validate, mongotx.options) and holds the policies; the state
+-- recover, prune, get, find, stats, backlog, inspect, unpark, step).  It
+-- checks what callers pass (mongotx.validate, mongotx.options) and holds
+-- the policies; the state
 -- machine that drives transactions through the protocol's steps is
 -- mongotx.engine (with mongotx.batch for batches), recovery is
 -- mongotx.recovery and the stepwise API mongotx.stepwise.
