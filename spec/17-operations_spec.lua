@@ -78,9 +78,10 @@ describe("#server operator calls", function()
     local none, err = tm:inspect({ ["$gt"] = "" })
     assert.is_nil(none)
     assert.are.equal("invalid", err.code)
-    -- a hand-edited op id that is a query must not be used as one
+    -- a hand-edited op id that would match many documents (a Regex) must
+    -- not be used in a query
     assert(txs:insert_one({ _id = "bad", state = "pending",
-      ops = { { collection = "accounts", id = { ["$gt"] = "" }, kind = "update" } } }))
+      ops = { { collection = "accounts", id = mongotx.Regex(".*"), kind = "update" } } }))
     local B, bdocs, why = tm:inspect("bad")
     assert.are.equal("bad", B._id)
     assert.are.same({}, bdocs)
