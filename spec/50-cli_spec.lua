@@ -377,7 +377,7 @@ describe("#server the mongotx command", function()
           end
           args[i] = a
         end
-        local code, out, err = cli(table.unpack(args))
+        local code, out, err = cli((table.unpack or unpack)(args))
         if path then os.remove(path) end
         local what = table.concat(case[1], " ")
         assert.are.equal(case[2], code, what .. ": " .. err)

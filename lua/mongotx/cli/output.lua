@@ -8,6 +8,7 @@
 -- {"$date": "...Z"}, {"$binary": ...}); an Int64 is a plain number.
 
 local core = require "mongotx.core"
+local args = require "mongotx.cli.args"
 
 local type, ipairs, tostring, select = type, ipairs, tostring, select
 local getmetatable, setmetatable = getmetatable, setmetatable
@@ -143,7 +144,7 @@ function _M.id_text(id)
   if kind == "long" then return "long:" .. tostring(id:value()) end
   if type(id) == "number" then return number(id) end
   if type(id) == "string" then
-    if require("mongotx.cli.args").plain_string(id) then return id end
+    if args.plain_string(id) then return id end
     return "str:" .. id
   end
   return tostring(id)
