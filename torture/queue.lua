@@ -70,12 +70,12 @@ function M.scenario(q, targets)
 end
 
 -- Finishes a queue after crashes: pushes the scenario's jobs again (a
--- caller retrying its push, idempotent by id), waits out the leases, then
--- works until nothing is left.
+-- caller retrying its push, idempotent by id), waits out the leases of
+-- running jobs, then works until nothing is left.
 function M.finish(q, targets)
   assert(q:push("effect", { n = 1 }, { id = "job-1" }))
   assert(q:push("effect", { n = 2 }, { id = "job-2", priority = -1 }))
-  core.sleep(M.LEASE + 0.2)
+  if q.jobs:find_one({ state = "running" }) then core.sleep(M.LEASE + 0.2) end
   local stats, err = q:work({ effect = M.effect(targets) }, { idle = 0 })
   assert(stats and not err, tostring(err))
   return stats
@@ -190,7 +190,7 @@ function M.crashpoints(ctx)
 end
 
 M.WORKERS = 4
-M.JOBS_PER_ROUND = 10
+M.JOBS_PER_ROUND = 30
 
 function M.kills(ctx)
   local seconds = ctx.seconds or (ctx.full and 120 or 20)
@@ -202,8 +202,10 @@ function M.kills(ctx)
   local workers, n, jobs = {}, 0, 0
   local function spawn()
     n = n + 1
-    workers[#workers + 1] = proc.spawn({ "work", ctx.uri, name, "w" .. n, stop_file }, nil,
+    local c = proc.spawn({ "work", ctx.uri, name, "w" .. n, stop_file }, nil,
       "torture/queue_worker.lua")
+    c.name = "w" .. n
+    workers[#workers + 1] = c
   end
   local function push(count)
     for _ = 1, count do
@@ -226,17 +228,23 @@ function M.kills(ctx)
   while core.monotonic_ms() < stop do
     push(M.JOBS_PER_ROUND)
     core.sleep(0.2 + math.random() * 0.4)
+    -- a worker once stopped is not killed: its output says how many of
+    -- its calls were fenced
     local live = {}
     for _, c in ipairs(workers) do
-      if not proc.status(c) then live[#live + 1] = c end
+      if not proc.status(c) and not c.stopped then live[#live + 1] = c end
     end
     local w = live[math.random(#live)]
-    if math.random(3) == 1 then
-      -- past its lease: its job is requeued and taken by another worker
+    if math.random(3) == 1 and #live > 2 and q.jobs:find_one({ state = "running",
+        worker = w.name }) then
+      -- holding a job, past its lease: the job is requeued and taken by
+      -- another worker, and this one's done or fail must be fenced
       helpers.signal(w.pid, "STOP")
       core.sleep(2 * M.LEASE + math.random())
       helpers.signal(w.pid, "CONT")
+      w.stopped = true
       stops = stops + 1
+      spawn()
     else
       helpers.signal(w.pid, "KILL")
       kills = kills + 1

@@ -5,7 +5,8 @@
 --   queue_worker.lua finish <uri> <db>     push the scenario's jobs again,
 --       wait out the leases and work until the queue is empty
 --   queue_worker.lua work <uri> <db> <name> <stop-file>   a worker loop
---       until the stop file exists, then until the queue is drained;
+--       (jobs taking a few ms) until the stop file exists, then until the
+--       queue is drained;
 --       prints "fenced <n>" (its done or fail calls refused) at the end
 --
 -- Output is one line per fact, flushed at once.
@@ -27,7 +28,16 @@ elseif mode == "finish" then
   tq.finish(q, targets)
 elseif mode == "work" then
   local worker, stop_file = arg[4], arg[5]
-  local handlers = { effect = tq.effect(targets) }
+  -- a job takes a few ms before and after its effect, so that workers
+  -- are stopped or killed while holding jobs, on either side of it
+  local effect = tq.effect(targets)
+  local sleep = require("mongotx").core.sleep
+  local handlers = { effect = function(job)
+    sleep(math.random() * 0.03)
+    local res, err = effect(job)
+    sleep(math.random() * 0.03)
+    return res, err
+  end }
   local busy = assert(q:work(handlers, { worker = worker, idle = 1e6, poll = 0.05,
     stop = function() return exists(stop_file) end }))
   local drain = assert(q:work(handlers, { worker = worker, idle = tq.LEASE + 1, poll = 0.1 }))

@@ -313,7 +313,8 @@ function Queue:fail(job, err)
 end
 
 -- requeue_stale(): the running jobs whose lease expired (by the server's
--- clock) become ready at once, or dead when they had max_attempts claims.
+-- clock) become ready at once (keeping their ts: they have waited
+-- longest), or dead when they had max_attempts claims.
 -- Returns { requeued = n, dead = n }, or nil, err.  Safe to run anywhere,
 -- any time, by many processes: each change is one conditional write.
 function Queue:requeue_stale()
@@ -328,7 +329,7 @@ function Queue:requeue_stale()
       ["$unset"] = { lease_until = "" } }, self.wopts)
   if not dead then return nil, err end
   requeued, err = self:write("requeue", self.jobs.update_many, expired,
-    { ["$set"] = { state = "ready", ts = now, error = "lease expired" },
+    { ["$set"] = { state = "ready", error = "lease expired" },
       ["$unset"] = { lease_until = "" } }, self.wopts)
   if not requeued then return nil, err end
   return { requeued = requeued.modified or requeued.matched, dead = dead.modified or dead.matched }
