@@ -119,22 +119,8 @@ function M.check(jobs, targets, final)
   return bad
 end
 
-local function trace_points(path)
-  local seen, list = {}, {}
-  local f = io.open(path)
-  if not f then return list end
-  for line in f:lines() do
-    local point, when = line:match("^(queue%.%S+) (%S+)$")
-    if point then
-      local k = point .. ":" .. when
-      seen[k] = (seen[k] or 0) + 1
-      list[#list + 1] = k .. ":" .. seen[k]
-    end
-  end
-  f:close()
-  return list
-end
-M.trace_points = trace_points
+-- "<point>:<when>:<n>" for each point a traced run passed
+M.trace_points = require("torture.crashpoints").trace_points
 
 local function child(args, env, seconds)
   local c = proc.spawn(args, env, "torture/queue_worker.lua")
@@ -180,7 +166,7 @@ function M.crashpoints(ctx)
     ctx.say("  queue %-28s %s", fault or "clean", #bad == 0 and how or "VIOLATION")
   end
   case(nil)
-  local points = trace_points(trace)
+  local points = M.trace_points(trace)
   os.remove(trace)
   for _, p in ipairs(points) do
     if ctx.full or p:match(":1$") then case(p) end
