@@ -88,6 +88,9 @@ local STATES = { ready = true, running = true, done = true, dead = true }
 -- violations (empty when it holds).
 function M.check(jobs, targets, final)
   local bad = {}
+  -- jobs first: a job seen done had its effect written before, so the
+  -- target read after shows it (the other order races with workers)
+  local list = assert(jobs:find_all({}))
   local target = targets:find_one({ _id = M.TARGET })
   if not target then return { "the target document is missing" } end
   local seen = {}
@@ -98,7 +101,6 @@ function M.check(jobs, targets, final)
   if target.n ~= #target.jobs then
     bad[#bad + 1] = ("counter %s but %d ids on the target"):format(tostring(target.n), #target.jobs)
   end
-  local list = assert(jobs:find_all({}))
   local known = {}
   for _, j in ipairs(list) do
     known[j._id] = true

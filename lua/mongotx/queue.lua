@@ -67,6 +67,12 @@ local function invalid(step, message)
   return nil, errors.new("invalid", message, { step = step })
 end
 
+-- A validation error (validate names its own step) as this call's.
+local function refused(err, step)
+  err.step = step
+  return nil, err
+end
+
 -- A ready job's place in the claim order; the index serves the claim's
 -- filter and sort.
 local CLAIM_ORDER = core.doc("state", 1, "priority", -1, "ts", 1)
@@ -122,7 +128,7 @@ local function job_ref(job, step)
     error(step .. " expects a job returned by claim (a table with _id and epoch)", HELPER_CALLER)
   end
   local id, why = validate.check_id(rawget(job, "_id"))
-  if id == nil then return nil, errors.wrap(why, step) end
+  if id == nil then return refused(why, step) end
   return id, rawget(job, "epoch")
 end
 
@@ -171,7 +177,7 @@ function Queue:push(kind, details, opts)
     id = core.ObjectId()
   else
     id, why = validate.check_id(id)
-    if id == nil then return nil, errors.wrap(why, "push") end
+    if id == nil then return refused(why, "push") end
   end
   local now, err = self.clock:now()
   if not now then return nil, err end
@@ -196,7 +202,7 @@ end
 -- raw.  Returns the filter's value, or nil, err.
 local function claim_types(types, step)
   if types == nil then return nil end
-  if type(types) ~= "table" then error(step .. ": types must be a list of strings", HELPER_CALLER + 1) end
+  if type(types) ~= "table" then error(step .. ": types must be a list of strings", HELPER_CALLER) end
   local n, list = rawlen(types), {}
   if n == 0 then return false, errors.new("invalid", step .. ": types is an empty list", { step = step }) end
   for i = 1, n do
@@ -338,7 +344,7 @@ end
 -- The job with this id, or nil; nil, err.
 function Queue:get(id)
   local sent, why = validate.check_id(id)
-  if sent == nil then return nil, errors.wrap(why, "get") end
+  if sent == nil then return refused(why, "get") end
   local doc, err = self.jobs:find_one({ _id = sent })
   if err then return nil, errors.wrap(err, "get", id) end
   return doc
