@@ -138,6 +138,11 @@ local checks = {
   types = typed("table"),
   max_jobs = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
   stop = typed("function"),
+  -- each (mongotx.each)
+  batch = typed("number", "a whole number from 1 to 100000", whole(1, 100000)),
+  key = typed("function"),
+  progress = typed("function"),
+  wait = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
 }
 checks.version_field = checks.marker
 checks.lease, checks.retention = checks.stale_after, checks.stale_after

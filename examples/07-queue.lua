@@ -7,7 +7,7 @@
 -- and marks it done.  A worker that dies leaves its job running until its
 -- lease expires; requeue_stale() then gives it to another worker.
 --
---   MONGOTX_TEST_URI=mongodb://host:27017 lua5.4 examples/06-queue.lua
+--   MONGOTX_TEST_URI=mongodb://host:27017 lua5.4 examples/07-queue.lua
 --
 -- Run from the repository root; MONGOTX_CPATH says where mongotx/core.so
 -- is (default ./build/lua54/?.so).  Uses the database mongotx_demo and
