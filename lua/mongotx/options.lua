@@ -132,6 +132,7 @@ local checks = {
   -- recover, prune
   limit = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
   older_than = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
+  dry_run = typed("boolean"),
   -- mongotx.queue: push, work
   priority = typed("number", "a whole number from -1000000 to 1000000", whole(-1e6, 1e6)),
   worker = typed("string", "a non-empty string", function(v) return v ~= "" end),
