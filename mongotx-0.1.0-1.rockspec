@@ -70,6 +70,8 @@ build = {
     ["mongotx.stepwise"] = "lua/mongotx/stepwise.lua",
     ["mongotx.pool"] = "lua/mongotx/pool.lua",
     ["mongotx.resty"] = "lua/mongotx/resty.lua",
+    ["mongotx.clock"] = "lua/mongotx/clock.lua",
+    ["mongotx.ledger"] = "lua/mongotx/ledger.lua",
   },
 }
 

@@ -134,6 +134,7 @@ local checks = {
   older_than = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
 }
 checks.version_field = checks.marker
+checks.accounts = checks.collection -- db:ledger's heads (mongotx.ledger)
 checks.lease, checks.retention = checks.stale_after, checks.stale_after
 -- Any other policy (the functions) only needs the type of its default.
 for k, v in pairs(default_policy) do
