@@ -14,6 +14,8 @@
 --   kills        random kill -9 of workers      torture/kills.lua
 --   races        fixed two-manager interleavings torture/races.lua
 --   stalls       SIGSTOP past the lease          torture/stalls.lua
+--   ledger       mongotx.ledger: its crash points, then random kill -9 of
+--                workers moving money with min = 0  torture/ledger.lua
 --   server       server kill -9, durability, connection drop
 --                                                torture/server_faults.lua
 --   hostile      busted spec/30-hostile_spec.lua (a teammate's)
@@ -88,6 +90,8 @@ local sections = {
       return with_server("memory", require("torture.races").run) end },
   { name = "stalls", run = function()
       return with_server("memory", require("torture.stalls").run) end },
+  { name = "ledger", run = function()
+      return with_server("memory", require("torture.ledger").run) end },
   { name = "server", run = function()
       return with_server(nil, require("torture.server_faults").run) end },
   { name = "hostile", run = function()
