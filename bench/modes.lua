@@ -247,6 +247,57 @@ _M.commit_many = { label = "tm:commit_many", run = many("commit_many") }
 _M.transfer_many = { label = "tm:transfer_many", run = many("transfer_many") }
 _M.transfer_many_guarded = { label = "tm:transfer_many min=0", run = many("transfer_many", 0) }
 
+-- ledger: mongotx.ledger transfers (one inserted entry each), one per
+-- call or ctx.batch per transfer_many, unguarded like tm:transfer.  The
+-- committer then runs (not timed) and every moved account's cached
+-- balance must equal what the completed transfers moved, reconciled from
+-- the first entry for twenty of them.
+local function ledger(ctx)
+  local db = bank.open(ctx.uri, "ledger" .. (ctx.batch or 1), 0)
+  local L = assert(db:ledger {})
+  local from, to = bank.plan(ctx.accounts, ctx.n, ctx.batch)
+  local batch = ctx.batch or 1
+  local sample, moved = timed(db, ctx.n, function(lat, moved)
+    local ok = 0
+    for first = 1, #from, batch do
+      local last = math.min(first + batch - 1, #from)
+      local t = now()
+      local done = {}
+      if batch == 1 then
+        done[first] = L:transfer(from[first], to[first], 1) ~= nil
+      else
+        local list = {}
+        for i = first, last do list[#list + 1] = { from = from[i], to = to[i], amount = 1 } end
+        local res = assert(L:transfer_many(list))
+        for k in ipairs(list) do done[first + k - 1] = res[k] ~= false end
+      end
+      local per = (now() - t) / (last - first + 1)
+      for i = first, last do
+        lat[i] = per
+        if done[i] then ok = ok + 1; move(moved, from[i], to[i]) end
+      end
+    end
+    return ok
+  end)
+  repeat local r = assert(L:commit { limit = 100000 }) until r.uncommitted == 0
+  local heads = {}
+  for _, h in ipairs(assert(db:collection("ledger_accounts"):find_all({}))) do heads[h._id] = h end
+  local checked = 0
+  for account, delta in pairs(moved) do
+    assert(heads[account] and heads[account].balance == delta, "ledger balance of " .. account)
+    if checked < 20 then
+      local r = assert(L:reconcile(account))
+      assert(r.ok and r.balance == delta, "ledger reconcile of " .. account)
+      checked = checked + 1
+    end
+  end
+  bank.drop(db)
+  return sample
+end
+
+_M.ledger = { label = "ledger:transfer", run = ledger }
+_M.ledger_many = { label = "ledger:transfer_many", run = ledger }
+
 -- recovery: ctx.n transactions left in state initial by an application
 -- that is gone (tm:begin without commit), then the time one manager
 -- (stale_after = 0, lease = 0) takes to recover all of them.  Latency is

@@ -63,6 +63,9 @@ for _, b in ipairs { { 1, 1000, 5 }, { 10, 1000, 5 }, { 100, 3000, 5 }, { 1000, 
                       runs = b[3] }
 end
 plan[#plan + 1] = { key = "transfer_many100", mode = modes.transfer_many, batch = 100, n = 3000 }
+-- mongotx.ledger beside them (issue 12): one entry per transfer
+plan[#plan + 1] = { key = "ledger", mode = modes.ledger, n = 1000 }
+plan[#plan + 1] = { key = "ledger_many100", mode = modes.ledger_many, batch = 100, n = 3000 }
 -- guarded (min = 0): on 10 000 accounts, and hot: 10 accounts, each
 -- debited and credited about ten times within every batch of 100
 plan[#plan + 1] = { key = "transfer_many100_guarded", mode = modes.transfer_many_guarded,

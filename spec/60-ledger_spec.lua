@@ -65,6 +65,33 @@ describe("#server mongotx.ledger", function()
     assert.are.equal(0, heads:count({}))
   end)
 
+  it_ledger("a transfer whose accounts the ledger knows is one insert, checked by the index", function()
+    assert(L:post({ { account = "A", value = 100 } }))
+    assert(L:transfer("A", "B", 1))
+    db.client:reset_counters()
+    assert(L:transfer("A", "B", 1))
+    local c = db.client:counters()
+    assert.are.same({ 1, 1 }, { c.commands, c.writes })
+    -- another ledger (another process) moved A: this one's memory is stale,
+    -- its insert at seqId 4 meets the other's and it reads A before retrying
+    local other = assert(db:ledger {})
+    assert(other:transfer("A", "C", 50, { min = 0 }))
+    local ok, err = L:transfer("A", "B", 49, { min = 0 })
+    assert.is_nil(ok)
+    assert.are.same({ "guard", 48, 4 }, { err.code, err.balance, err.seqId })
+    local t = assert(L:transfer("A", "B", 48, { min = 0 }))
+    assert.are.same({ { "A", -48, 5 }, { "B", 48, 3 } }, seqs(t))
+    -- a ledger that knows nothing guesses from the heads the committer keeps
+    assert(L:commit())
+    local fresh = assert(db:ledger {})
+    db.client:reset_counters()
+    assert(fresh:transfer("B", "C", 1))
+    -- the heads, the server's clock (a new ledger's first reading), the insert
+    assert.are.same({ 3, 1 }, { db.client:counters().commands, db.client:counters().writes })
+    assert.are.same({ 0, 5 }, { L:balance("A") })
+    reconciled { "A", "B", "C" }
+  end)
+
   it_ledger("a guard is checked at the seqId taken and a refused transfer writes nothing", function()
     assert(L:post({ { account = "A", value = 50 } }))
     local before = helpers.db_dump(db.client, db.name)
@@ -393,6 +420,9 @@ describe("#server mongotx.ledger crash points", function()
       local L = assert(db:ledger {})
       assert(L:post({ { account = "A", value = 100 } }))
       local pid, out, script = child(name, string.format([[
+        -- reads first, so that the first insert lands (a guess from
+        -- nothing would meet A's deposit at seqId 1 and try again)
+        for _, a in ipairs { "A", "B", "C" } do assert(L:balance(a)) end
         require("mongotx.core").fault(%q)
         if %q == "ledger.insert_many" then
           L:transfer_many({ { from = "A", to = "B", amount = 10 }, { from = "B", to = "C", amount = 4 } })

@@ -16,6 +16,14 @@
 -- a guard (`min`, no overdraft) checked against the balance read at the
 -- number taken cannot be passed twice on one balance.
 --
+-- The same gap-free numbering lets a writer skip the read: when seqId
+-- s + 1 is free, no entry above s exists, so the balance at s (from the
+-- account's head, or remembered from this ledger's last write or read of
+-- the account; entries never change) is the balance at the number taken.
+-- A transfer first inserts at the remembered numbers (one round trip, or
+-- two with a read of the heads) and reads the accounts' entries only when
+-- the insert finds a number taken or the remembered balance fails a guard.
+--
 -- An account's balance is the cache of its head (an `accounts` document
 -- { _id = account, seq, balance }, the seed's account cache) plus the
 -- values of the entries after it.  The committer (commit) walks each
@@ -53,6 +61,10 @@ local CALLER, HELPER_CALLER = 2, 3
 -- before it gives up with `contention`.
 local DEFAULT_RETRIES = 100
 
+-- How many accounts a ledger remembers the last (seqId, balance) of; the
+-- memory starts afresh when it is full.
+local MAX_KNOWN = 100000
+
 -- At most this many changes in one entry, and transfers in one batch.
 local MAX_CHANGES, MAX_BATCH = 1000, 10000
 
@@ -87,6 +99,7 @@ function _M.new(db, opts)
     wopts = { write_concern = opts.write_concern or { w = "majority", j = true } },
     retries = opts.retries or DEFAULT_RETRIES,
     timer = clock.new(db),
+    known = {}, n_known = 0, -- id_key(account) -> { seq, balance } (remember)
   }, Ledger)
   local ok, err = self.entries:create_index(core.doc("changes.account", 1, "changes.seqId", 1),
                                             { unique = true })
@@ -217,6 +230,44 @@ function Ledger:_read(views)
       if t.entry.state == "VALID" then v.balance = v.balance + t.change.value end
     end
   end
+  self:remember(views)
+  return true
+end
+
+-- Notes the (seq, balance) of these views as the last known of their
+-- accounts.
+function Ledger:remember(views)
+  local known = self.known
+  for _, v in ipairs(views) do
+    if not known[v.key] then
+      if self.n_known >= MAX_KNOWN then known, self.n_known = {}, 0; self.known = known end
+      self.n_known = self.n_known + 1
+    end
+    known[v.key] = { v.seq, v.balance }
+  end
+end
+
+-- Fills the views from what this ledger remembers and, for the accounts
+-- it knows nothing of, from their heads (one read; none when it knows
+-- them all): a guess the unique index checks (see the top of the file).
+function Ledger:_guess(views)
+  local ids, by_key = {}, {}
+  for _, v in ipairs(views) do
+    local k = self.known[v.key]
+    if k then
+      v.seq, v.balance = k[1], k[2]
+    else
+      v.seq, v.balance = 0, 0
+      ids[#ids + 1], by_key[v.key] = v.account, v
+    end
+  end
+  if #ids == 0 then return true end
+  local heads, err = self.accounts:find_all({ _id = { ["$in"] = ids } })
+  if not heads then return nil, err end
+  for _, h in ipairs(heads) do
+    local v = by_key[id_key(h._id)]
+    if v then v.seq, v.balance = h.seq, h.balance end
+  end
   return true
 end
 
@@ -286,28 +337,40 @@ end
 function Ledger:_post(changes, opts, step)
   local views = {}
   for i, c in ipairs(changes) do views[i] = { account = c.account, key = c.key } end
-  for _ = 0, self.retries do
-    local ok, err = self:_read(views)
+  local taken, read = 0, false
+  while true do
+    local ok, err
+    if read then ok, err = self:_read(views) else ok, err = self:_guess(views) end
     if not ok then return nil, errors.wrap(err, step) end
     local now
     now, err = self.timer:now()
     if not now then return nil, err end
     local entry
     entry, err = build_entry(changes, views, opts, now, step)
-    if not entry then return nil, err end
-    crash_point("ledger.insert", "before")
-    local res
-    res, err = self.entries:insert_one(entry, self.wopts)
-    crash_point("ledger.insert", "after")
-    if res then return entry end
-    if err.server_code ~= 11000 then return nil, errors.wrap(err, step, entry._id) end
-    if opts.id ~= nil then
-      local existing, why = self:_existing(opts.id, changes, step)
-      if existing or why then return existing, why end
+    if entry then
+      crash_point("ledger.insert", "before")
+      local res
+      res, err = self.entries:insert_one(entry, self.wopts)
+      crash_point("ledger.insert", "after")
+      if res then
+        self:remember(views)
+        return entry
+      end
+      if err.server_code ~= 11000 then return nil, errors.wrap(err, step, entry._id) end
+      if opts.id ~= nil then
+        local existing, why = self:_existing(opts.id, changes, step)
+        if existing or why then return existing, why end
+      end
+      taken = taken + 1
+      if taken > self.retries then
+        return nil, errors.new("contention", format("the seqIds were taken by other " ..
+          "writers %d times in a row", taken), { step = step })
+      end
+    elseif read then
+      return nil, err -- a guard, on what the database holds
     end
+    read = true -- a number taken, or a guard on a guess: read the accounts
   end
-  return nil, errors.new("contention", format("the seqIds were taken by other writers %d " ..
-    "times in a row", self.retries + 1), { step = step })
 end
 
 -- post(changes [, { id, min }]): one entry moving change.value on each
@@ -410,15 +473,16 @@ end
 
 function Ledger:_post_many(items, opts)
   local results, errs = {}, {}
-  local from, tries = 1, 0
+  local from, taken, read = 1, 0, false
   while from <= #items do
     local views, by_key = views_of(items, from)
-    local ok, err = self:_read(views)
+    local ok, err
+    if read then ok, err = self:_read(views) else ok, err = self:_guess(views) end
     if not ok then return nil, errors.wrap(err, "transfer_many") end
     local now
     now, err = self.timer:now()
     if not now then return nil, err end
-    local batch, where = {}, {}
+    local batch, where, refused = {}, {}, false
     for i = from, #items do
       local mine = {}
       for k, c in ipairs(items[i]) do mine[k] = by_key[c.key] end
@@ -427,34 +491,41 @@ function Ledger:_post_many(items, opts)
         batch[#batch + 1], where[#batch + 1] = { op = "insert", doc = entry }, i
         results[i] = entry
       else
-        results[i], errs[i] = false, why
+        results[i], errs[i], refused = false, why, true
       end
     end
-    if #batch == 0 then break end
-    crash_point("ledger.insert_many", "before")
-    local res
-    res, err = self.entries:bulk_write(batch, { ordered = true, write_concern = self.wopts.write_concern })
-    crash_point("ledger.insert_many", "after")
-    if not res then return nil, errors.wrap(err, "transfer_many") end
-    from = #items + 1
-    for k, item in ipairs(res.items) do
-      if not item.ok then
-        if item.server_code ~= 11000 and item.executed ~= false then
-          return nil, errors.new("server", item.message or "insert failed",
-            { step = "transfer_many", server_code = item.server_code })
+    if refused and not read then
+      read = true -- a guard refused on a guess: read the accounts, then decide
+    elseif #batch == 0 then
+      break
+    else
+      crash_point("ledger.insert_many", "before")
+      local res
+      res, err = self.entries:bulk_write(batch, { ordered = true,
+                                                  write_concern = self.wopts.write_concern })
+      crash_point("ledger.insert_many", "after")
+      if not res then return nil, errors.wrap(err, "transfer_many") end
+      from = #items + 1
+      for k, item in ipairs(res.items) do
+        if not item.ok then
+          if item.server_code ~= 11000 and item.executed ~= false then
+            return nil, errors.new("server", item.message or "insert failed",
+              { step = "transfer_many", server_code = item.server_code })
+          end
+          from = where[k] -- this one and the rest: again after a read
+          break
         end
-        from = where[k] -- this one and the rest: again after a new read
-        break
       end
-    end
-    if from <= #items then
-      tries = tries + 1
-      if tries > self.retries then
-        for i = from, #items do
-          results[i], errs[i] = false, errors.new("contention", "the seqIds were taken by " ..
-            "other writers too many times", { step = "transfer_many" })
+      if from > #items then self:remember(views) end
+      if from <= #items then
+        read, taken = true, taken + 1
+        if taken > self.retries then
+          for i = from, #items do
+            results[i], errs[i] = false, errors.new("contention", "the seqIds were taken by " ..
+              "other writers too many times", { step = "transfer_many" })
+          end
+          break
         end
-        break
       end
     end
   end
@@ -547,8 +618,8 @@ function Ledger:commit(opts)
   end
   local report = { accounts = #accounts, cached = 0, uncommitted = 0 }
   for _, view in ipairs(accounts) do
-    local n, err = self:_commit_account(view)
-    if not n then return nil, errors.wrap(err, "commit") end
+    local n, why = self:_commit_account(view)
+    if not n then return nil, errors.wrap(why, "commit") end
     report.cached = report.cached + n
   end
   if seen and #seen > 0 then
