@@ -139,6 +139,22 @@ describe("#server mongotx.ledger", function()
     assert.are.equal(0, assert(L:commit { account = "A" }).cached)
   end)
 
+  it_ledger("a long uncommitted tail is read a seqId at a time, then the rest at once", function()
+    local other = assert(db:ledger {})
+    assert(other:post({ { account = "A", value = 1000 } }))
+    for i = 1, 19 do assert(other:transfer("A", "B" .. (i % 3), i)) end
+    -- L knows nothing of A: a full read after its guess at seqId 1 met the deposit
+    local t = assert(L:transfer("A", "C", 1, { min = 0 }))
+    assert.are.same({ { "A", -1, 21 }, { "C", 1, 1 } }, seqs(t))
+    local ok, err = L:transfer("A", "C", 810, { min = 0 })
+    assert.is_nil(ok)
+    assert.are.same({ "guard", 809, 21 }, { err.code, err.balance, err.seqId })
+    assert.are.same({ 809, 21 }, { L:balance("A") })
+    assert(L:commit())
+    assert.are.same({ { _id = "A", seq = 21, balance = 809 } }, heads:find_all({ _id = "A" }))
+    reconciled { "A", "B0", "B1", "B2", "C" }
+  end)
+
   it_ledger("reconcile finds a cache that disagrees with the entries", function()
     assert(L:post({ { account = "A", value = 100 } }))
     assert(L:transfer("A", "B", 40))

@@ -79,10 +79,6 @@ local function invalid(message, step)
   return nil, errors.new("invalid", message, { step = step })
 end
 
-local function elem(account, seq)
-  return { changes = { ["$elemMatch"] = { account = account, seqId = seq } } }
-end
-
 -- db:ledger{ collection = "ledger", accounts = <collection> .. "_accounts",
 -- write_concern = { w = "majority", j = true }, retries = 100 }: creates
 -- the unique index on (changes.account, changes.seqId) and one on
@@ -193,40 +189,75 @@ local function change_of(entry, key)
   end
 end
 
--- What the database says of these accounts ({ account, key } tables),
--- in two reads: each account's head and the entries after it.  Fills
--- view.seq (the last seqId taken), view.balance (head + every valid
--- change after it) and view.tail (those changes with their entries, in
--- seqId order).
+-- Each account's entries after seq, read one seqId at a time by the
+-- whole key of the unique index (a lookup every server answers from the
+-- index; mongo-java-server scans the collection for anything else) while
+-- the tail is short, then the rest at once by $elemMatch (an index range
+-- on MongoDB).
+local WALK = 8
+
+-- The change of account `view` at seqId seq and its entry, or nil (the
+-- two path conditions may match two elements: the change is picked here).
+function Ledger:_at(view, seq)
+  local found, err = self.entries:find_all(core.doc("changes.account", view.account,
+                                                     "changes.seqId", seq))
+  if not found then return nil, err end
+  for _, e in ipairs(found) do
+    local c, at = change_of(e, view.key)
+    if c and c.seqId == seq then return { entry = e, change = c, at = at } end
+  end
+  return false
+end
+
+-- Appends the entries of `view` after view.seq to view.tail, in seqId
+-- order; true or nil, err.
+function Ledger:_tail(view)
+  for _ = 1, WALK do
+    local t, err = self:_at(view, view.seq + 1)
+    if t == nil then return nil, err end
+    if not t then return true end
+    view.tail[#view.tail + 1] = t
+    view.seq = view.seq + 1
+  end
+  local rest, err = self.entries:find_all({ changes = { ["$elemMatch"] = {
+    account = view.account, seqId = { ["$gt"] = view.seq } } } })
+  if not rest then return nil, err end
+  local more = {}
+  for _, e in ipairs(rest) do
+    local c, at = change_of(e, view.key)
+    if c and c.seqId > view.seq then more[#more + 1] = { entry = e, change = c, at = at } end
+  end
+  sort(more, function(a, b) return a.change.seqId < b.change.seqId end)
+  for _, t in ipairs(more) do
+    view.tail[#view.tail + 1] = t
+    view.seq = t.change.seqId
+  end
+  return true
+end
+
+-- What the database says of these accounts ({ account, key } tables):
+-- their heads in one read, then the entries after each.  Fills view.head
+-- and view.head_balance (the head, if any), view.seq (the last seqId
+-- taken), view.balance (head + every valid change after it) and
+-- view.tail (those changes with their entries, in seqId order).
 function Ledger:_read(views)
   local ids, by_key = {}, {}
   for i, v in ipairs(views) do
     ids[i], by_key[v.key] = v.account, v
-    v.seq, v.balance, v.tail = 0, 0, {}
+    v.seq, v.tail, v.head, v.head_balance = 0, {}, nil, nil
   end
   local heads, err = self.accounts:find_all({ _id = { ["$in"] = ids } })
   if not heads then return nil, err end
   for _, h in ipairs(heads) do
     local v = by_key[id_key(h._id)]
-    if v then v.seq, v.balance, v.head, v.head_balance = h.seq, h.balance, h.seq, h.balance end
-  end
-  local any = {}
-  for i, v in ipairs(views) do any[i] = elem(v.account, { ["$gt"] = v.seq }) end
-  local tail
-  tail, err = self.entries:find_all(#any == 1 and any[1] or { ["$or"] = any })
-  if not tail then return nil, err end
-  for _, e in ipairs(tail) do
-    for _, v in ipairs(views) do
-      local c, at = change_of(e, v.key)
-      if c and c.seqId > (v.head or 0) then
-        v.tail[#v.tail + 1] = { entry = e, change = c, at = at }
-      end
-    end
+    if v then v.seq, v.head, v.head_balance = h.seq, h.seq, h.balance end
   end
   for _, v in ipairs(views) do
-    sort(v.tail, function(a, b) return a.change.seqId < b.change.seqId end)
+    local ok
+    ok, err = self:_tail(v)
+    if not ok then return nil, err end
+    v.balance = v.head_balance or 0
     for _, t in ipairs(v.tail) do
-      v.seq = t.change.seqId
       if t.entry.state == "VALID" then v.balance = v.balance + t.change.value end
     end
   end
@@ -534,14 +565,14 @@ end
 
 -- The committer ------------------------------------------------------------
 
--- Caches the balances of one account's entries after its head, in seqId
+-- Caches the balances of one account's entries after its head (`view`,
+-- as _read left it), in seqId
 -- order: each change's cacheBal (a value every committer computes alike,
 -- so writing it twice is harmless), the
 -- entry's proc = COMMITTED once no change of it is left uncached, then
 -- the head.  Returns how many changes it cached; nil, err.
 function Ledger:_commit_account(view)
-  local ok, err = self:_read({ view })
-  if not ok then return nil, err end
+  local err
   local seq, balance = view.head or 0, view.head_balance or 0
   local cached, wc = 0, self.wopts
   for _, t in ipairs(view.tail) do
@@ -617,9 +648,14 @@ function Ledger:commit(opts)
     end
   end
   local report = { accounts = #accounts, cached = 0, uncommitted = 0 }
+  if #accounts == 0 then return report end
+  local ok
+  ok, err = self:_read(accounts)
+  if not ok then return nil, errors.wrap(err, "commit") end
   for _, view in ipairs(accounts) do
-    local n, why = self:_commit_account(view)
-    if not n then return nil, errors.wrap(why, "commit") end
+    local n
+    n, err = self:_commit_account(view)
+    if not n then return nil, errors.wrap(err, "commit") end
     report.cached = report.cached + n
   end
   if seen and #seen > 0 then
