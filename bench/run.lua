@@ -197,6 +197,11 @@ local function target_lines()
     cm_tps and raw and cm_tps / (raw.tps * BOUND), 0.8,
     cm_tps and raw and ("%s / (%s × 2/7 = %s) = %s"):format(fmt(cm_tps), fmt(raw.tps),
       fmt(raw.tps * BOUND), fmt(cm_tps / (raw.tps * BOUND), 2)) or missing)
+  local led, tr = by_key.ledger, by_key.transfer
+  local led_tps, tr_tps = led and led.sum and led.sum.tps, tr and tr.sum and tr.sum.tps
+  check("ledger:transfer ≥ 2 × tm:transfer", led_tps and tr_tps and led_tps / tr_tps, 2,
+    led_tps and tr_tps and ("%s / %s transfers/s = %s×"):format(fmt(led_tps), fmt(tr_tps),
+      fmt(led_tps / tr_tps, 2)) or "not run")
   local best, parts = nil, {}
   for _, key in ipairs { "transfer", "transfer_deferred", "begin_commit" } do
     local r = by_key[key]
