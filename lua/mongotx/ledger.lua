@@ -126,7 +126,7 @@ local function check_account(a, step, i)
   return sent, key
 end
 
-local post_options = { id = true, min = true }
+local post_options, guard_options = { id = true, min = true }, { min = true }
 
 -- The changes of a post as { account, key, value } (raw reads: a
 -- metatable cannot show the checks one table and the insert another), or
@@ -162,9 +162,11 @@ local function check_changes(changes, step)
   return out
 end
 
-local function check_post_options(opts, step, level)
+-- The options of post and transfer (post_options), reverse and
+-- transfer_many (guard_options: an id is per entry).
+local function check_post_options(opts, names, step, level)
   local err
-  opts, err = options.check(opts, post_options, step, level + 1)
+  opts, err = options.check(opts, names, step, level + 1)
   if not opts then return nil, err end
   if opts.min ~= nil then
     local ok
@@ -316,8 +318,9 @@ end
 -- Writing entries ----------------------------------------------------------
 
 -- The entry with this id, or nil; nil, err.
+-- (check_id, not check_tid: a counter-entry's id is a document.)
 function Ledger:get(id)
-  local sent, why = validate.check_tid(id)
+  local sent, why = check_id(id)
   if sent == nil then why.step = "get"; return nil, why end
   local doc, err = self.entries:find_one({ _id = sent })
   if err then return nil, errors.wrap(err, "get") end
@@ -412,7 +415,7 @@ end
 function Ledger:post(changes, opts)
   local norm, err = check_changes(changes, "post")
   if not norm then return nil, err end
-  opts, err = check_post_options(opts, "post", CALLER)
+  opts, err = check_post_options(opts, post_options, "post", CALLER)
   if not opts then return nil, err end
   return self:_post(norm, opts, "post")
 end
@@ -426,7 +429,7 @@ function Ledger:transfer(from, to, amount, opts)
   norm, err = check_changes({ { account = from, value = -amount }, { account = to, value = amount } },
                             "transfer")
   if not norm then return nil, err end
-  opts, err = check_post_options(opts, "transfer", CALLER)
+  opts, err = check_post_options(opts, post_options, "transfer", CALLER)
   if not opts then return nil, err end
   return self:_post(norm, opts, "transfer")
 end
@@ -437,15 +440,12 @@ end
 -- counter-entry.  Without min the reversal is not guarded: it corrects a
 -- mistake and must land.
 function Ledger:reverse(id, opts)
-  local entry, err = self:get(id)
-  if err then err.step = "reverse"; return nil, err end
-  opts, err = options.check(opts, { min = true }, "reverse", CALLER)
+  local err
+  opts, err = check_post_options(opts, guard_options, "reverse", CALLER)
   if not opts then return nil, err end
-  if opts.min ~= nil then
-    local ok
-    ok, err = validate.bound(opts.min, "min")
-    if not ok then err.step = "reverse"; return nil, err end
-  end
+  local entry
+  entry, err = self:get(id)
+  if err then err.step = "reverse"; return nil, err end
   if not entry then
     return nil, errors.new("state", "no such entry", { step = "reverse", id = id })
   end
@@ -469,7 +469,7 @@ function Ledger:transfer_many(list, opts)
     return invalid(format("a batch holds 1 to %d transfers, not %d", MAX_BATCH, n), "transfer_many")
   end
   local err
-  opts, err = check_post_options(opts, "transfer_many", CALLER)
+  opts, err = check_post_options(opts, guard_options, "transfer_many", CALLER)
   if not opts then return nil, err end
   local items = {}
   for i = 1, n do
