@@ -45,8 +45,9 @@ local clock = require "mongotx.clock"
 
 local canon, check_id, id_key = validate.canon, validate.check_id, validate.id_key
 local crash_point, null = core.crash_point, core.null
-local ipairs, type, next, rawget, rawlen, setmetatable, sort, tostring =
-  ipairs, type, next, rawget, rawlen, setmetatable, table.sort, tostring
+local rawlen = validate.rawlen
+local ipairs, type, next, rawget, setmetatable, sort, tostring =
+  ipairs, type, next, rawget, setmetatable, table.sort, tostring
 local floor, format = math.floor, string.format
 
 local _M = {}
