@@ -68,15 +68,7 @@ local function crash_matrix(ctx, r)
   assert(L:post({ { account = "A", value = 50 } }))
   local kind, out = run_child({ "scenario", ctx.uri, name }, { MONGOTX_FAULT_TRACE = trace })
   assert(kind == "ok", "the clean scenario failed: " .. out)
-  local seen, points = {}, {}
-  for line in io.lines(trace) do
-    local point, when = line:match("^(ledger%.%S+) (%S+)$")
-    if point then
-      local k = point .. ":" .. when
-      seen[k] = (seen[k] or 0) + 1
-      points[#points + 1] = k .. ":" .. seen[k]
-    end
-  end
+  local points = require("torture.crashpoints").trace_points(trace)
   os.remove(trace)
   db:close()
   for _, fault in ipairs(points) do

@@ -238,23 +238,32 @@ function Ledger:_tail(view)
   return true
 end
 
+-- Sets view.head and view.head_balance of these views from their
+-- accounts' heads (nil where there is none), in one read; true or nil, err.
+function Ledger:_heads(views)
+  local ids, by_key = {}, {}
+  for i, v in ipairs(views) do
+    ids[i], by_key[v.key] = v.account, v
+    v.head, v.head_balance = nil, nil
+  end
+  local heads, err = self.accounts:find_all({ _id = { ["$in"] = ids } })
+  if not heads then return nil, err end
+  for _, h in ipairs(heads) do
+    local v = by_key[id_key(h._id)]
+    if v then v.head, v.head_balance = h.seq, h.balance end
+  end
+  return true
+end
+
 -- What the database says of these accounts ({ account, key } tables):
 -- their heads in one read, then the entries after each.  Fills view.head
 -- and view.head_balance (the head, if any), view.seq (the last seqId
 -- taken), view.balance (head + every valid change after it) and
 -- view.tail (those changes with their entries, in seqId order).
 function Ledger:_read(views)
-  local ids, by_key = {}, {}
-  for i, v in ipairs(views) do
-    ids[i], by_key[v.key] = v.account, v
-    v.seq, v.tail, v.head, v.head_balance = 0, {}, nil, nil
-  end
-  local heads, err = self.accounts:find_all({ _id = { ["$in"] = ids } })
-  if not heads then return nil, err end
-  for _, h in ipairs(heads) do
-    local v = by_key[id_key(h._id)]
-    if v then v.seq, v.head, v.head_balance = h.seq, h.seq, h.balance end
-  end
+  local _, err = self:_heads(views)
+  if err then return nil, err end
+  for _, v in ipairs(views) do v.seq, v.tail = v.head or 0, {} end
   for _, v in ipairs(views) do
     local ok
     ok, err = self:_tail(v)
@@ -285,23 +294,15 @@ end
 -- it knows nothing of, from their heads (one read; none when it knows
 -- them all): a guess the unique index checks (see the top of the file).
 function Ledger:_guess(views)
-  local ids, by_key = {}, {}
+  local unknown = {}
   for _, v in ipairs(views) do
     local k = self.known[v.key]
-    if k then
-      v.seq, v.balance = k[1], k[2]
-    else
-      v.seq, v.balance = 0, 0
-      ids[#ids + 1], by_key[v.key] = v.account, v
-    end
+    if k then v.seq, v.balance = k[1], k[2] else unknown[#unknown + 1] = v end
   end
-  if #ids == 0 then return true end
-  local heads, err = self.accounts:find_all({ _id = { ["$in"] = ids } })
-  if not heads then return nil, err end
-  for _, h in ipairs(heads) do
-    local v = by_key[id_key(h._id)]
-    if v then v.seq, v.balance = h.seq, h.balance end
-  end
+  if #unknown == 0 then return true end
+  local ok, err = self:_heads(unknown)
+  if not ok then return nil, err end
+  for _, v in ipairs(unknown) do v.seq, v.balance = v.head or 0, v.head_balance or 0 end
   return true
 end
 
