@@ -363,14 +363,6 @@ local function child(name, body, ...)
   ]], os.getenv("MONGOTX_CPATH") or "./build/lua54/?.so", helpers.uri(), name, body), ...)
 end
 
-local function finish(pid, out, script, seconds)
-  assert.is_true(helpers.wait_exit(pid, seconds or 60))
-  local output = helpers.read_file(out)
-  os.remove(out)
-  os.remove(script)
-  return output
-end
-
 describe("#server #concurrency mongotx.ledger in several processes", function()
   local why = no_ledger or helpers.no_concurrency()
   if why then
@@ -404,7 +396,7 @@ describe("#server #concurrency mongotx.ledger in several processes", function()
           if b < lowest then lowest = b end
         end
       end
-      assert.matches("reached the end", finish(table.unpack(kid)))
+      assert.matches("reached the end", helpers.script_output(kid[1], kid[2], kid[3]))
     end
     assert.are.equal(0, lowest)
     assert(L:commit())
@@ -456,7 +448,7 @@ describe("#server mongotx.ledger crash points", function()
           assert(L:commit())
         end
       ]], p[1] .. ":" .. p[2] .. ":1", p[1]))
-      local output = finish(pid, out, script)
+      local output = helpers.script_output(pid, out, script)
       assert.matches("fault injected", output)
       assert.not_matches("reached the end", output)
       local entries = db:collection("ledger")
