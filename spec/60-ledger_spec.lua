@@ -335,6 +335,20 @@ describe("#server mongotx.ledger", function()
       assert.has_error(function() L:reverse("x", { id = "y" }) end, "unknown option id for reverse")
       assert.has_error(function() db:ledger { colection = "x" } end, "unknown option colection for ledger")
       assert.has_error(function() L:commit { acount = "A" } end)
+      -- each raise names the caller's line
+      for _, call in ipairs {
+        function() L:transfer("A", "B", "1") end,
+        function() L:transfer("A", "B", 1, { mni = 0 }) end,
+        function() L:post({ { account = "A", value = 1, seqId = 1 } }) end,
+        function() L:post({ "A" }) end,
+        function() L:transfer_many({ { from = "A", to = "B", amount = "1" } }) end,
+        function() L:commit { acount = "A" } end,
+        function() db:ledger { colection = "x" } end,
+      } do
+        local ok, msg = pcall(call)
+        assert.is_false(ok)
+        assert.matches("60%-ledger_spec%.lua:%d+:", msg)
+      end
       helpers.assert_dump_unchanged(before, db.client, db.name)
     end)
 

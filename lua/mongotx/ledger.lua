@@ -108,7 +108,7 @@ end
 -- Checks ------------------------------------------------------------------
 
 local function check_value(v, what, step, positive)
-  if type(v) ~= "number" then error(what .. " must be a number", HELPER_CALLER + 1) end
+  if type(v) ~= "number" then error(what .. " must be a number", HELPER_CALLER) end
   if v ~= v or v >= MAX_VALUE or v <= -MAX_VALUE or floor(v) ~= v then
     return invalid(format("%s must be a whole number within 2^53 (amounts are in the " ..
       "smallest unit), not %s", what, tostring(v)), step)
@@ -133,7 +133,7 @@ local post_options, guard_options = { id = true, min = true }, { min = true }
 -- metatable cannot show the checks one table and the insert another), or
 -- nil, err.
 local function check_changes(changes, step)
-  if type(changes) ~= "table" then error("changes must be a table", HELPER_CALLER + 1) end
+  if type(changes) ~= "table" then error("changes must be a table", HELPER_CALLER) end
   local n = rawlen(changes)
   if n == 0 or n > MAX_CHANGES then
     return invalid(format("an entry needs 1 to %d changes, not %d", MAX_CHANGES, n), step)
@@ -146,10 +146,10 @@ local function check_changes(changes, step)
   local out, seen = {}, {}
   for i = 1, n do
     local c = rawget(changes, i)
-    if type(c) ~= "table" then error(format("change %d must be a table", i), HELPER_CALLER + 1) end
+    if type(c) ~= "table" then error(format("change %d must be a table", i), HELPER_CALLER) end
     for k in next, c do
       if k ~= "account" and k ~= "value" then
-        error(format("change %d has an unknown field %s", i, tostring(k)), HELPER_CALLER + 1)
+        error(format("change %d has an unknown field %s", i, tostring(k)), HELPER_CALLER)
       end
     end
     local sent, key = check_account(rawget(c, "account"), step, i)
