@@ -132,6 +132,7 @@ local checks = {
   -- recover, prune
   limit = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
   older_than = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
+  dry_run = typed("boolean"),
   -- each (mongotx.each)
   batch = typed("number", "a whole number from 1 to 100000", whole(1, 100000)),
   key = typed("function"),
