@@ -1,34 +1,38 @@
--- The server's clock, for every module that stamps or compares times
--- (the engine's leases and deadlines, the ledger's entry times): the
--- server's, never the client's, which may be set wrong.
---
---   local c = clock.new(db)   -- db: a database handle (db.client is read per call,
---                             -- so a manager pointed at another client follows)
---   c:server_now()            -- ms since the epoch, read now (one isMaster)
---   c:now()                   -- the same, estimated from a reading a minute old at most
+-- The server's clock.  Deadlines, leases and the times a module stores
+-- are the server's, never the client's: clients' clocks disagree, the
+-- server's is the one every writer shares.  read() asks the server
+-- (isMaster's localTime); now() estimates it from the monotonic clock and
+-- an offset measured at most a minute ago, so that hot paths do not pay a
+-- round trip.  Users (the engine, mongotx.queue, ...) compare times with
+-- the server's clock in their filters, so an estimate a little off only
+-- moves a lease's end, never its safety.
 
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
+
+local setmetatable = setmetatable
 
 local _M = {}
 
 local Clock = {}
 Clock.__index = Clock
 
--- How old the reading behind an estimate may be: only the length of an
--- owner's window depends on the estimate, not safety (applies and claims
--- both compare deadlines with the server's clock).
+-- How old the measured offset may get before now() measures it again.
 local REFRESH_MS = 60000
 
+-- A clock of the server `db` (a database handle: its `client` is read at
+-- every call, so a manager moved to another client by mongotx.pool reads
+-- through that one).
 function _M.new(db)
   return setmetatable({
     db = db,
     offset = nil, -- server clock - monotonic clock, ms
-    at = nil,     -- monotonic ms when offset was measured
+    at = nil,     -- monotonic ms when the offset was measured
   }, Clock)
 end
 
-function Clock:server_now()
+-- The server's clock in ms since the epoch, asked now; nil, err.
+function Clock:read()
   local reply, err = self.db.client:command("admin", { isMaster = 1 })
   if not reply then return nil, errors.wrap(err, "clock") end
   if core.type(reply.localTime) ~= "date" then
@@ -37,10 +41,11 @@ function Clock:server_now()
   return reply.localTime:value()
 end
 
+-- The server's clock in ms, estimated; nil, err.
 function Clock:now()
   local before = core.monotonic_ms()
   if not self.offset or before - self.at > REFRESH_MS then
-    local now, err = self:server_now()
+    local now, err = self:read()
     if not now then return nil, err end
     local after = core.monotonic_ms()
     self.offset, self.at = now - (before + after) / 2, after
