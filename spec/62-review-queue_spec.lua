@@ -1,0 +1,110 @@
+-- An adversarial second read of mongotx.queue (issue 12, part 2): what a
+-- caller's edited job table, an odd error value or an odd policy does.
+-- Each case asserts what the jobs collection holds afterwards.
+
+local helpers = require "spec.helpers"
+local mongotx = require "mongotx"
+
+local nan = 0 / 0
+
+local function fresh(opts)
+  local db = assert(mongotx.connect(helpers.uri(), { database = helpers.db_name() }))
+  local o = { backoff = function() return 0 end }
+  for k, v in pairs(opts or {}) do o[k] = v end
+  return assert(db:queue(o)), db
+end
+
+local function job_doc(q, id)
+  return assert(q.jobs:find_one({ _id = id }))
+end
+
+describe("#server queue review", function()
+  local q, db
+
+  before_each(function() q, db = fresh({ max_attempts = 2 }) end)
+  after_each(function() db:close() end)
+
+  -- fn() returns nil and an `invalid` error of `step` and writes nothing
+  local function invalid(step, fn, msg)
+    local before = helpers.db_dump(db.client, db.name)
+    local res, err = fn()
+    assert.is_nil(res)
+    assert.is_table(err, "expected an error, got " .. tostring(err))
+    assert.are.equal("invalid", err.code, tostring(err))
+    assert.truthy(err.message:find(msg, 1, true), err.message)
+    assert.are.equal(step, err.step)
+    helpers.assert_dump_unchanged(before, db.client, db.name)
+  end
+
+  it("fail counts the claims the job holds, not an attempts field the caller edited", function()
+    assert(q:push("t", {}, { id = "j" }))
+    assert.are.equal("ready", assert(q:fail(assert(q:claim("w")), "first")))
+    local job = assert(q:claim("w"))
+    assert.are.equal(2, job.attempts)
+    -- with attempts edited down, the job must not get a third claim
+    job.attempts = 1
+    invalid("fail", function() return q:fail(job, "second") end, "attempts")
+    assert.are.same({ "running", 2 }, { job_doc(q, "j").state, job_doc(q, "j").attempts })
+    -- nor die early with attempts edited up, while it has claims left
+    assert(q:push("t", {}, { id = "k" }))
+    local k = assert(q:claim("w"))
+    k.attempts = 99
+    invalid("fail", function() return q:fail(k, "e") end, "attempts")
+    assert.are.equal("running", job_doc(q, "k").state)
+    -- the job as claimed fails as the policy says
+    job.attempts = 2
+    assert.are.equal("dead", assert(q:fail(job, "second")))
+    assert.are.equal("dead", job_doc(q, "j").state)
+  end)
+
+  it("a job table whose epoch is no claim number gets invalid, not a raise from inside", function()
+    assert(q:push("t", {}, { id = "j" }))
+    local job = assert(q:claim("w"))
+    for _, epoch in ipairs { 1.5, nan, 1 / 0, -1, 2 ^ 60 } do
+      local forged = { _id = "j", epoch = epoch, attempts = 1 }
+      invalid("heartbeat", function() return q:heartbeat(forged) end, "epoch")
+      invalid("done", function() return q:done(forged) end, "epoch")
+      invalid("fail", function() return q:fail(forged, "e") end, "epoch")
+    end
+    assert.are.same({ "running", 1 }, { job_doc(q, "j").state, job_doc(q, "j").epoch })
+    assert.is_true(q:done(job))
+  end)
+
+  it("fail stores any error value, even one whose tostring raises, and work goes on", function()
+    local odd = setmetatable({}, { __tostring = function() error("no text for this") end })
+    local notext = setmetatable({}, { __tostring = function() return {} end })
+    assert(q:push("t", {}, { id = "a" }))
+    assert.are.equal("ready", assert(q:fail(assert(q:claim("w")), odd)))
+    assert.are.equal("string", type(job_doc(q, "a").error))
+    assert(q:push("u", {}, { id = "b" }))
+    local stats, err = q:work({ t = function() error(odd) end, u = function() error(notext) end },
+      { max_jobs = 2 })
+    assert.is_nil(err)
+    assert.are.same({ done = 0, failed = 0, dead = 2, fenced = 0 }, stats)
+    assert.are.same({ "dead", "dead" }, { job_doc(q, "a").state, job_doc(q, "b").state })
+    assert.are.equal("string", type(job_doc(q, "b").error))
+  end)
+
+  it("db:queue refuses a lease of 0 seconds (every claim would expire at once)", function()
+    local name = helpers.db_name()
+    local other = assert(mongotx.connect(helpers.uri(), { database = name }))
+    local res, err = other:queue { lease = 0 }
+    assert.is_nil(res)
+    assert.are.equal("invalid", err.code)
+    assert.truthy(err.message:find("lease", 1, true), err.message)
+    assert.are.equal("", helpers.db_dump(other.client, name))
+    other:close()
+  end)
+
+  it("a heartbeat after the lease ended but before a requeue keeps the job (fencing is by epoch)", function()
+    db:close()
+    q, db = fresh({ lease = 0.2 })
+    assert(q:push("t", {}, { id = "j" }))
+    local job = assert(q:claim("w"))
+    mongotx.core.sleep(0.4)
+    assert(q:heartbeat(job))
+    assert.are.same({ requeued = 0, dead = 0 }, assert(q:requeue_stale()))
+    assert.is_true(q:done(job))
+    assert.are.same({ "done", 1 }, { job_doc(q, "j").state, job_doc(q, "j").epoch })
+  end)
+end)
