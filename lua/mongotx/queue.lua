@@ -85,6 +85,11 @@ function _M.new(db, opts)
   local why
   opts, why = validate.options(opts, queue_options, "queue", HELPER_CALLER)
   if not opts then return nil, why end
+  -- a lease of 0 ends at the claim: every running job would be requeued
+  -- (and run again) by the next requeue_stale, however alive its worker
+  if opts.lease == 0 then
+    return invalid("queue", "option lease of queue must be a number of seconds above 0, not 0")
+  end
   local policy = {}
   for k, v in next, _M.policy do
     if opts[k] ~= nil then policy[k] = opts[k] else policy[k] = v end
@@ -121,22 +126,33 @@ function Queue:write(step, fn, ...)
   return res
 end
 
+-- The largest epoch a job can reach: claims raise it by one, and a job
+-- has at most max_attempts (options.lua: a million) of them.
+local MAX_EPOCH = 2147483647
+
 -- A job table passed back by a caller: its id as it goes into a filter and
--- its epoch.  Not a job (no _id, no numeric epoch) raises.
+-- its epoch.  Not a job (no _id, no numeric epoch) raises; an epoch no
+-- claim gives (fractional, NaN, negative, huge) is `invalid`.
 local function job_ref(job, step)
   if type(job) ~= "table" or rawget(job, "_id") == nil or type(rawget(job, "epoch")) ~= "number" then
     error(step .. " expects a job returned by claim (a table with _id and epoch)", HELPER_CALLER)
   end
   local id, why = validate.check_id(rawget(job, "_id"))
   if id == nil then return refused(why, step) end
-  return id, rawget(job, "epoch")
+  local epoch = rawget(job, "epoch")
+  if not (epoch >= 0 and epoch <= MAX_EPOCH and floor(epoch) == epoch) then
+    return invalid(step, format("%s: the job's epoch must be a whole number from 0 to %d " ..
+      "(as claim returned it), not %s", step, MAX_EPOCH, tostring(epoch)))
+  end
+  return id, epoch
 end
 
--- The write of heartbeat, done or fail on the job held at `epoch`: true,
--- or false when the job is no longer held (fenced), or nil, err.
-function Queue:held_write(step, id, epoch, update)
+-- The write of heartbeat, done or fail on the job held at `epoch` (and,
+-- for fail, with `attempts` claims): true, or false when no job matched
+-- (fenced, or a caller's edited attempts), or nil, err.
+function Queue:held_write(step, id, epoch, update, attempts)
   local res, err = self:write(step, self.jobs.update_one,
-    { _id = id, epoch = epoch, state = "running" }, update, self.wopts)
+    { _id = id, epoch = epoch, state = "running", attempts = attempts }, update, self.wopts)
   if not res then return nil, err end
   return res.matched == 1
 end
@@ -280,11 +296,15 @@ end
 -- A failure as stored on the job: a string of at most 4 KiB.
 local MAX_ERROR = 4096
 
+-- The handler's error as text: its message when it is a table that has
+-- one, else tostring of it; a value whose __tostring raises or gives no
+-- string is named by its type (fail must record every failure).
 local function describe(err)
   local s = type(err) == "table" and rawget(err, "message") or err
-  s = tostring(s)
-  if #s > MAX_ERROR then s = s:sub(1, MAX_ERROR) end
-  return s
+  local ok, text = pcall(tostring, s)
+  if not ok or type(text) ~= "string" then text = "a " .. type(s) .. " with no text" end
+  if #text > MAX_ERROR then text = text:sub(1, MAX_ERROR) end
+  return text
 end
 
 -- fail(job, err): the handler of a job this worker holds failed with err
@@ -311,11 +331,20 @@ function Queue:fail(job, err)
     end
     set.state, set.ts = "ready", Date(floor(now + wait * 1000))
   end
+  -- the write is conditioned on the claims the job had, so that a job
+  -- table whose attempts were edited cannot keep a job from dying (or
+  -- kill it early): the decision above holds only for that count
   local held
-  held, why = self:held_write("fail", id, epoch, { ["$set"] = set, ["$unset"] = { lease_until = "" } })
+  held, why = self:held_write("fail", id, epoch, { ["$set"] = set, ["$unset"] = { lease_until = "" } },
+    attempts)
   if held == nil then return nil, why end
-  if not held then return self:fenced("fail", id, epoch) end
-  return set.state
+  if held then return set.state end
+  local doc = self.jobs:find_one({ _id = id, epoch = epoch, state = "running" })
+  if doc then
+    return invalid("fail", format("fail: the job's attempts (%s) are not those of its claim " ..
+      "(%s): pass the job as claim returned it", tostring(attempts), tostring(doc.attempts)))
+  end
+  return self:fenced("fail", id, epoch)
 end
 
 -- requeue_stale(): the running jobs whose lease expired (by the server's
