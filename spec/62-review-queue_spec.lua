@@ -4,6 +4,7 @@
 
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
+local tq = require "torture.queue"
 
 local nan = 0 / 0
 
@@ -107,5 +108,22 @@ describe("#server queue review", function()
     assert.are.same({ requeued = 0, dead = 0 }, assert(q:requeue_stale()))
     assert.is_true(q:done(job))
     assert.are.same({ "done", 1 }, { job_doc(q, "j").state, job_doc(q, "j").epoch })
+  end)
+
+  it("the torture check's re-reads cannot hide an effect applied twice", function()
+    local targets = db:collection("targets")
+    tq.prepare(targets)
+    assert(q:push("effect", {}, { id = "j" }))
+    local job = assert(q:claim("w"))
+    assert(tq.effect(targets)(job))
+    assert(q:done(job))
+    assert.are.same({}, tq.check(q.jobs, targets, false))
+    -- a second run that counted without the guard: n 2, one id
+    assert(targets:update_one({ _id = tq.TARGET }, { ["$inc"] = { n = 1 } }))
+    assert.are.same({ "counter 2 but 1 ids on the target" }, tq.check(q.jobs, targets, false))
+    -- one that added the id again as well
+    assert(targets:update_one({ _id = tq.TARGET }, { ["$push"] = { jobs = "j" } }))
+    assert.are.same({ "effect of j applied twice" }, tq.check(q.jobs, targets, false))
+    assert.are.same({ "effect of j applied twice" }, tq.check(q.jobs, targets, true))
   end)
 end)
