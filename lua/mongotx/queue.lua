@@ -310,8 +310,9 @@ end
 -- fail(job, err): the handler of a job this worker holds failed with err
 -- (kept on the job as a string).  With attempts left the job is ready
 -- again after backoff(attempts, err) seconds, else dead.  Returns the new
--- state ("ready" or "dead"), or nil and `fenced` (job requeued or taken)
--- or `policy` (backoff raised or returned no duration: nothing written).
+-- state ("ready" or "dead"), or nil and `fenced` (job requeued or taken),
+-- `invalid` (the job table's attempts are not its claim's) or `policy`
+-- (backoff raised or returned no duration): nothing written.
 function Queue:fail(job, err)
   local id, epoch = job_ref(job, "fail")
   if id == nil then return nil, epoch end
@@ -421,7 +422,8 @@ local work_options = { worker = true, types = true, idle = true, poll = true,
 -- claim; it polls every `poll` seconds, default 0.5), after `max_jobs`
 -- jobs, or when stop() returns true (asked before each claim).  Returns
 -- { done, failed, dead, fenced } counts, or those counts and err for a
--- database failure, which ends the loop.
+-- database failure or a backoff policy that failed, which ends the loop
+-- (that job stays running until its lease ends).
 function Queue:work(handlers, opts)
   if type(handlers) ~= "table" then error("work: handlers must be a table", CALLER) end
   local why
