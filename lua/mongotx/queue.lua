@@ -394,17 +394,21 @@ end
 
 -- Runs handler on a claimed job and records the outcome: "done",
 -- "failed" (ready again) or "dead"; nil, err (`fenced` when the job was
--- taken meanwhile).  A result that cannot be stored fails the job.
+-- taken meanwhile).  A result that cannot be stored fails the job, and so
+-- does nil or false with an error beside it.  The outcome is recorded
+-- with the claim's own reference to the job, so that a handler that edits
+-- its job table cannot finish another job (or break the loop).
 function Queue:run_one(handler, job)
+  local claimed = { _id = job._id, epoch = job.epoch, attempts = job.attempts }
   local ok, res, herr = pcall(handler, job, self)
   local state, err
-  if ok and (res ~= nil or herr == nil) then
-    state, err = self:done(job, res)
+  if ok and (res or herr == nil) then
+    state, err = self:done(claimed, res)
     if state then return "done" end
     if err.code ~= "invalid" then return nil, err end
     herr = err
   end
-  state, err = self:fail(job, ok and herr or res)
+  state, err = self:fail(claimed, ok and herr or res)
   if state == "ready" then return "failed" end
   return state, err
 end
@@ -414,8 +418,8 @@ local work_options = { worker = true, types = true, idle = true, poll = true,
 
 -- work(handlers [, { worker, types, idle, poll, max_jobs, stop }]): a
 -- worker loop.  handlers maps job types to function(job, queue) that
--- return a result (anything storable; nil counts as success) or nil, err,
--- or raise; the job is then done or failed.  The loop claims only the
+-- return a result (anything storable; nil counts as success) or nil (or
+-- false), err, or raise; the job is then done or failed.  The loop claims only the
 -- types of `types` (default: every type handlers has), runs
 -- requeue_stale() whenever it finds nothing to claim, and stops when the
 -- queue had nothing for `idle` seconds (default 0: at the first empty
