@@ -98,6 +98,18 @@ describe("#server queue review", function()
     other:close()
   end)
 
+  it("db:queue refuses unacknowledged writes (w = 0): claims and fencing need the replies", function()
+    local name = helpers.db_name()
+    local other = assert(mongotx.connect(helpers.uri(), { database = name }))
+    local res, err = other:queue { write_concern = { w = 0 } }
+    assert.is_nil(res)
+    assert.are.equal("invalid", err.code)
+    assert.truthy(err.message:find("write_concern.w", 1, true), err.message)
+    assert.are.equal("", helpers.db_dump(other.client, name))
+    assert(other:queue { write_concern = { w = 1 } })
+    other:close()
+  end)
+
   it("a heartbeat after the lease ended but before a requeue keeps the job (fencing is by epoch)", function()
     db:close()
     q, db = fresh({ lease = 0.2 })
