@@ -26,16 +26,7 @@ describe("#server queue review", function()
   after_each(function() db:close() end)
 
   -- fn() returns nil and an `invalid` error of `step` and writes nothing
-  local function invalid(step, fn, msg)
-    local before = helpers.db_dump(db.client, db.name)
-    local res, err = fn()
-    assert.is_nil(res)
-    assert.is_table(err, "expected an error, got " .. tostring(err))
-    assert.are.equal("invalid", err.code, tostring(err))
-    assert.truthy(err.message:find(msg, 1, true), err.message)
-    assert.are.equal(step, err.step)
-    helpers.assert_dump_unchanged(before, db.client, db.name)
-  end
+  local function invalid(step, fn, msg) helpers.assert_invalid(db, step, fn, msg) end
 
   it("fail counts the claims the job holds, not an attempts field the caller edited", function()
     assert(q:push("t", {}, { id = "j" }))
