@@ -344,4 +344,9 @@ function _M.run(eng, specs)
   return results, errs, committed
 end
 
+-- Batched recovery (mongotx.recovery) drives the transactions it claimed
+-- pending with the same apply, and settles the ones left behind the same
+-- way: entries { T, err, slow } as above.
+_M.apply, _M.settle = apply, settle
+
 return _M
