@@ -60,11 +60,14 @@ local function triage(eng, T, now, me)
   return "claim"
 end
 
+-- Why an op could not apply (Engine's op failures) and so T was cancelled.
+local CANCELLING = { cancelled = true, missing = true, guard = true, conflict = true,
+                     busy = true, removing = true, contention = true }
+
 -- A failure of driving T that ended with T cancelled (an op that could
 -- not apply): "cancelled"; nil, err otherwise.
 local function failed_or_cancelled(eng, T, err)
-  if err.code == "cancelled" or err.code == "missing" or err.code == "guard"
-      or err.code == "conflict" then
+  if CANCELLING[err.code] then
     local again = eng:get(T._id)
     if again and again.state == "cancelled" then return "cancelled" end
   end
@@ -427,7 +430,7 @@ function _M.recover(eng, limit, size)
       entries[#entries + 1] = { T = live(list[i]), was = list[i].state }
     end
     local ok, raised
-    if #entries == 1 and not os.getenv("MTX_FORCE_BATCH") then
+    if #entries == 1 then
       local e = entries[1]
       ok, raised, e.err = pcall(recover_one, eng, e.T, now, me)
       e.outcome = ok and raised or nil
