@@ -75,7 +75,13 @@ for _, accounts in ipairs { 10, 10000 } do
                         procs = procs, accounts = accounts, n = 800, runs = 3 }
   end
 end
-plan[#plan + 1] = { key = "recovery", mode = modes.recovery, n = 10000, runs = 3 }
+-- recovery of each kind, batched and one at a time (batch 1)
+for _, kind in ipairs { "initial", "pending", "applied", "canceling" } do
+  for _, batch in ipairs { 100, 1 } do
+    plan[#plan + 1] = { key = ("recover_%s%d"):format(kind, batch), mode = modes["recover_" .. kind],
+                        batch = batch, n = 10000, runs = 3 }
+  end
+end
 
 local full = not opts.only and opts.scale == 1 and not opts.accounts
 
@@ -147,7 +153,9 @@ end
 
 local function label(e)
   local s = e.mode.label
-  if e.batch and e.batch > 1 or e.key:match("^commit_many") then s = s .. " (batch " .. e.batch .. ")" end
+  if e.batch and e.batch > 1 or e.key:match("^commit_many") or e.key:match("^recover_") then
+    s = s .. " (batch " .. e.batch .. ")"
+  end
   if e.procs then s = ("%s %d on %d accounts"):format(s, e.procs, e.accounts)
   elseif e.accounts then s = ("%s on %d accounts"):format(s, e.accounts) end
   return s
@@ -210,6 +218,18 @@ local function target_lines()
     "and, deferred, the finisher every finish_batch calls: %s)")
     :format(best == nil and "not measured" or best <= 3 and "met" or "missed",
             table.concat(parts, "; "))
+  -- batched recovery (issue 11): ≥ 4 × one at a time, ≥ 0.5 × commit_many@100
+  for _, kind in ipairs { "initial", "pending", "applied", "canceling" } do
+    local b, one = by_key["recover_" .. kind .. "100"], by_key["recover_" .. kind .. "1"]
+    local btps, otps = b and b.sum and b.sum.tps, one and one.sum and one.sum.tps
+    check(("recover %s at batch 100 ≥ 4 × batch 1"):format(kind), btps and otps and btps / otps, 4,
+      btps and otps and ("%s / %s = %s×"):format(fmt(btps), fmt(otps), fmt(btps / otps, 2))
+      or "not run")
+    check(("recover %s at batch 100 ≥ 0.5 × commit_many at batch 100"):format(kind),
+      btps and cm_tps and btps / cm_tps, 0.5,
+      btps and cm_tps and ("%s / %s = %s×"):format(fmt(btps), fmt(cm_tps), fmt(btps / cm_tps, 2))
+      or missing)
+  end
   return table.concat(out, "\n")
 end
 
