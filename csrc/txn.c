@@ -589,9 +589,13 @@ op_step_args(lua_State *L, bson_t **tid, fields *f, bson_t **opts)
 	return coll;
 }
 
+/* What an op's write is: an update_one, a delete_one of its filter, or an
+ * update_one that upserts. */
+enum { OP_UPDATE, OP_DELETE, OP_UPSERT };
+
 /* The finish of op: filter {_id, marker: tid}; update $pull marker (and
  * `held`) and $inc version (unused for a remove, which deletes the
- * document).  Returns whether the op is a remove. */
+ * document: OP_DELETE), else OP_UPDATE. */
 static int
 build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	     bson_t *filter, bson_t *update)
@@ -603,9 +607,9 @@ build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	lua_pop(L, 1);
 	append_marker_eq(filter, f, tid);
 	if (kind == K_REMOVE)
-		return 1;
+		return OP_DELETE;
 	merge_update(update, NULL, f, "$pull", tid, op_holds(L, op, kind));
-	return 0;
+	return OP_UPDATE;
 }
 
 /* steps:finish(coll, tid, op) -> { finished = bool }
@@ -623,7 +627,7 @@ l_finish(lua_State *L)
 	coll = op_step_args(L, &tid, &f, &opts);
 	filter = mtx_scratch(L);
 	update = mtx_scratch(L);
-	if (build_finish(L, OP_ARG, tid, &f, filter, update))
+	if (build_finish(L, OP_ARG, tid, &f, filter, update) == OP_DELETE)
 		rc = run_delete(L, "finish", coll, filter, opts, &n);
 	else
 		rc = run_update(L, "finish", coll, filter, update, opts, 0, &n);
@@ -632,37 +636,54 @@ l_finish(lua_State *L)
 	return push_bool_result(L, "finished", n);
 }
 
+/* Builds an op's write into filter and update (build_finish, build_undo,
+ * build_fence); returns one of the enum above. */
+typedef int (*op_builder)(lua_State *L, int op, const bson_t *tid, const fields *f,
+			  bson_t *filter, bson_t *update);
+
+/* The writes `build` makes of a batch of ops of one collection (steps,
+ * coll, items), in one unordered bulk write at crash point `point`. */
+static int
+op_batch_run(lua_State *L, op_builder build, const char *point)
+{
+	op_batch b;
+	bson_error_t err;
+	bson_t *upsert;
+	int i;
+
+	op_batch_open(L, &b);
+	upsert = mtx_scratch(L);
+	BSON_APPEND_BOOL(upsert, "upsert", true);
+	for (i = 1; i <= b.n; i++) {
+		int top = lua_gettop(L), op = op_batch_item(L, &b, i);
+		int how = build(L, op, b.tid, &b.f, b.filter, b.update);
+		bool ok;
+
+		if (how == OP_DELETE)
+			ok = mongoc_bulk_operation_remove_one_with_opts(b.bulk, b.filter,
+									NULL, &err);
+		else
+			ok = mongoc_bulk_operation_update_one_with_opts(
+				b.bulk, b.filter, b.update, how == OP_UPSERT ? upsert : NULL, &err);
+		check_added(L, ok, i, &err);
+		lua_settop(L, top);
+	}
+	return mtx_bulk_execute(L, b.bulk, point, b.n, 0);
+}
+
 /* steps:finish_many(coll, items) -> bulk result or nil, err.
  * items[i] = { tid, op }: finish's writes for many ops of one collection
  * in one unordered bulk write. */
 static int
 l_finish_many(lua_State *L)
 {
-	op_batch b;
-	bson_error_t err;
-	int i;
-
-	op_batch_open(L, &b);
-	for (i = 1; i <= b.n; i++) {
-		int top = lua_gettop(L), op = op_batch_item(L, &b, i);
-		bool ok;
-
-		if (build_finish(L, op, b.tid, &b.f, b.filter, b.update))
-			ok = mongoc_bulk_operation_remove_one_with_opts(b.bulk, b.filter,
-									NULL, &err);
-		else
-			ok = mongoc_bulk_operation_update_one_with_opts(b.bulk, b.filter,
-									b.update, NULL, &err);
-		check_added(L, ok, i, &err);
-		lua_settop(L, top);
-	}
-	return mtx_bulk_execute(L, b.bulk, "finish", b.n, 0);
+	return op_batch_run(L, build_finish, "finish");
 }
 
 /* The undo of op: filter {_id, marker: tid}; update op.undo (update
  * kind) + $pull marker (and `held`) + $inc version, and $unset of
- * `removing` for a remove.  Returns whether the op is an insert, whose
- * undo deletes the document instead. */
+ * `removing` for a remove: OP_UPDATE; an insert's undo deletes the
+ * document: OP_DELETE. */
 static int
 build_undo(lua_State *L, int op, const bson_t *tid, const fields *f,
 	   bson_t *filter, bson_t *update)
@@ -675,7 +696,7 @@ build_undo(lua_State *L, int op, const bson_t *tid, const fields *f,
 	lua_pop(L, 1);
 	append_marker_eq(filter, f, tid);
 	if (kind == K_INSERT)
-		return 1;
+		return OP_DELETE;
 	if (kind == K_UPDATE) {
 		lua_getfield(L, op, "undo");
 		undo = mtx_check_document(L, -1);
@@ -684,7 +705,7 @@ build_undo(lua_State *L, int op, const bson_t *tid, const fields *f,
 	if (kind == K_REMOVE)
 		append_removing(update, "$unset", f, tid);
 	lua_settop(L, top);
-	return 0;
+	return OP_UPDATE;
 }
 
 /* steps:undo(coll, tid, op) -> { undone = bool }
@@ -702,7 +723,7 @@ l_undo(lua_State *L)
 	coll = op_step_args(L, &tid, &f, &opts);
 	filter = mtx_scratch(L);
 	update = mtx_scratch(L);
-	if (build_undo(L, OP_ARG, tid, &f, filter, update))
+	if (build_undo(L, OP_ARG, tid, &f, filter, update) == OP_DELETE)
 		rc = run_delete(L, "undo", coll, filter, opts, &n);
 	else
 		rc = run_update(L, "undo", coll, filter, update, opts, 0, &n);
@@ -719,31 +740,12 @@ l_undo(lua_State *L)
 static int
 l_undo_many(lua_State *L)
 {
-	op_batch b;
-	bson_error_t err;
-	int i;
-
-	op_batch_open(L, &b);
-	for (i = 1; i <= b.n; i++) {
-		int top = lua_gettop(L), op = op_batch_item(L, &b, i);
-		bool ok;
-
-		if (build_undo(L, op, b.tid, &b.f, b.filter, b.update))
-			ok = mongoc_bulk_operation_remove_one_with_opts(b.bulk, b.filter,
-									NULL, &err);
-		else
-			ok = mongoc_bulk_operation_update_one_with_opts(b.bulk, b.filter,
-									b.update, NULL, &err);
-		check_added(L, ok, i, &err);
-		lua_settop(L, top);
-	}
-	return mtx_bulk_execute(L, b.bulk, "undo", b.n, 0);
+	return op_batch_run(L, build_undo, "undo");
 }
 
 /* The fence of op: filter {_id, marker: {$ne: tid}}; update $inc version,
- * and for an insert $setOnInsert of the placeholder field (the caller
- * upserts: a late insert then fails on its _id).  Returns whether to
- * upsert. */
+ * and for an insert $setOnInsert of the placeholder field, upserted (a
+ * late insert then fails on its _id): OP_UPSERT, else OP_UPDATE. */
 static int
 build_fence(lua_State *L, int op, const bson_t *tid, const fields *f,
 	    bson_t *filter, bson_t *update)
@@ -757,14 +759,14 @@ build_fence(lua_State *L, int op, const bson_t *tid, const fields *f,
 	append_marker_ne(filter, f, tid);
 	if (op_kind(L, op) != K_INSERT) {
 		merge_update(update, NULL, f, NULL, tid, 0);
-		return 0;
+		return OP_UPDATE;
 	}
 	bson_append_document_begin(update, "$setOnInsert", -1, &set);
 	bson_iter_init_find(&it, tid, "t");
 	bson_append_iter(&set, f->placeholder, -1, &it);
 	bson_append_document_end(update, &set);
 	merge_update(update, NULL, f, NULL, tid, 0);
-	return 1;
+	return OP_UPSERT;
 }
 
 /* steps:fence(coll, tid, op) -> { fenced = bool }
@@ -785,7 +787,7 @@ l_fence(lua_State *L)
 	coll = op_step_args(L, &tid, &f, &opts);
 	filter = mtx_scratch(L);
 	update = mtx_scratch(L);
-	if (build_fence(L, OP_ARG, tid, &f, filter, update))
+	if (build_fence(L, OP_ARG, tid, &f, filter, update) == OP_UPSERT)
 		BSON_APPEND_BOOL(opts, "upsert", true);
 	if ((rc = run_update(L, "fence", coll, filter, update, opts, 0, &n)))
 		return rc;
@@ -800,24 +802,7 @@ l_fence(lua_State *L)
 static int
 l_fence_many(lua_State *L)
 {
-	op_batch b;
-	bson_error_t err;
-	bson_t *upsert;
-	int i;
-
-	op_batch_open(L, &b);
-	upsert = mtx_scratch(L);
-	BSON_APPEND_BOOL(upsert, "upsert", true);
-	for (i = 1; i <= b.n; i++) {
-		int top = lua_gettop(L), op = op_batch_item(L, &b, i);
-		int up = build_fence(L, op, b.tid, &b.f, b.filter, b.update);
-		bool ok = mongoc_bulk_operation_update_one_with_opts(
-			b.bulk, b.filter, b.update, up ? upsert : NULL, &err);
-
-		check_added(L, ok, i, &err);
-		lua_settop(L, top);
-	}
-	return mtx_bulk_execute(L, b.bulk, "fence", b.n, 0);
+	return op_batch_run(L, build_fence, "fence");
 }
 
 /* Runs findAndModify(query, update) returning the new document, at crash
