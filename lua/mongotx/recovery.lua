@@ -233,6 +233,9 @@ local function back(eng, entries)
         end
       end
     end
+    for _, e in ipairs(entries) do
+      if not e.err and not e.slow then eng:event(step, { id = e.T._id }) end
+    end
   end
   local ids, list = {}, {}
   for _, e in ipairs(entries) do
