@@ -131,7 +131,8 @@ function Engine:step(name, id, ...)
 end
 
 -- Runs the batched form of step `name` (create, claim, apply, commit,
--- finish, done, undo, fence, cancelled) with retries; the batch reports its own events.
+-- finish, done, undo, fence, cancelled) with retries; the batch reports
+-- its own events.
 function Engine:many(name, ...)
   local steps = self.steps
   return self:retry(name, nil, steps[name .. "_many"], steps, ...)
@@ -282,13 +283,16 @@ function Engine:claim(T, set, now)
   return live(doc)
 end
 
--- The deadline a claim of T sets (`set` as for claim): this owner's
--- applies are fenced by its own deadline (csrc/txn.c), so one for a claim
--- that leaves T pending; nil otherwise, or when deadlines do not fence.
+-- Does a claim of T (`set` as for claim) leave it pending?
+local function leaves_pending(T, set)
+  return T.state == "pending" or (set and set.state) == "pending"
+end
+
+-- The deadline a claim of T sets: this owner's applies are fenced by its
+-- own deadline (csrc/txn.c), so one for a claim that leaves T pending;
+-- nil otherwise, or when deadlines do not fence.
 function Engine:claim_deadline(T, set)
-  if T.state == "pending" or (set and set.state) == "pending" then
-    return self:new_deadline()
-  end
+  if leaves_pending(T, set) then return self:new_deadline() end
 end
 
 -- What a claim of T expects and what it sets (claim above, claim_many):
@@ -318,9 +322,8 @@ end
 function Engine:claim_many(list, now, deadline)
   local items, ids = {}, {}
   for i, c in ipairs(list) do
-    local d = deadline
-    if not (c.T.state == "pending" or (c.set and c.set.state) == "pending") then d = nil end
-    local expect, set = self:claim_terms(c.T, c.set, now, d)
+    local expect, set = self:claim_terms(c.T, c.set, now,
+      leaves_pending(c.T, c.set) and deadline or nil)
     items[i] = { tid = c.T._id, expect = expect, set = set }
     ids[i] = c.T._id
   end
