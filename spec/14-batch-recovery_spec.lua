@@ -207,6 +207,35 @@ describe("#server batched recovery", function()
     assert.are.same({ holder._id }, held.pendingTransactions)
   end)
 
+  it("rolls back a batch where a document is missing (the fence matches fewer)", function()
+    open_accounts(accounts, 3)
+    local a = leave(tm, "canceling", "a1", "b1", 10)
+    local b = leave(tm, "canceling", "a2", "b2", 10)
+    -- its credit's document is gone: nothing to undo or fence there
+    local ghost = assert(tm:begin({
+      { collection = "accounts", id = "a3", update = { ["$inc"] = { balance = -10 } } },
+      { collection = "accounts", id = "ghost", update = { ["$inc"] = { balance = 10 } } },
+    }))
+    assert(tm:step("claim", ghost))
+    assert(tm:step("apply", ghost, 1))
+    assert(tm:step("cancel", ghost))
+    local back = leave(tm, "pending", "b3", "a1", 10)
+    age()
+    local r = assert(recoverer{ stale_pending = function() return "back" end }:recover())
+    assert.are.same({ examined = 4, done = 0, cancelled = 4, skipped = 0, parked = 0,
+                      failed = 0, malformed = 0, errors = {} }, r)
+    for _, t in ipairs { a, b, ghost, back } do assert.are.equal("cancelled", state(t)) end
+    assert.are.same({ a1 = 1000, b1 = 1000, a2 = 1000, b2 = 1000, a3 = 1000, b3 = 1000 },
+      helpers.balances(accounts))
+    assert.is_nil(accounts:find_one{ _id = "ghost" })
+    -- every document of a rolled-back takeover was fenced (its version
+    -- moved): b1 and b2 only by the fence, their ops never applied
+    local v = {}
+    for _, d in ipairs(helpers.dump(accounts)) do v[d._id] = d.txVersion end
+    assert.are.same({ 1, 1 }, { v.b1, v.b2 })
+    for id, n in pairs(v) do assert.is_true(n >= 1, id .. " not fenced") end
+  end)
+
   describe("#concurrency", function()
     local concurrency = helpers.no_concurrency()
 
