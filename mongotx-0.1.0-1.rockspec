@@ -26,6 +26,8 @@ each protocol step; the Lua layer holds the policies.]],
 
 dependencies = {
   "lua >= 5.1",
+  -- for bin/mongotx only (Debian: lua-argparse)
+  "argparse",
 }
 
 external_dependencies = {
@@ -64,12 +66,23 @@ build = {
     ["mongotx.options"] = "lua/mongotx/options.lua",
     ["mongotx.errors"] = "lua/mongotx/errors.lua",
     ["mongotx.batch"] = "lua/mongotx/batch.lua",
+    ["mongotx.each"] = "lua/mongotx/each.lua",
     ["mongotx.stored"] = "lua/mongotx/stored.lua",
     ["mongotx.engine"] = "lua/mongotx/engine.lua",
     ["mongotx.recovery"] = "lua/mongotx/recovery.lua",
     ["mongotx.stepwise"] = "lua/mongotx/stepwise.lua",
     ["mongotx.pool"] = "lua/mongotx/pool.lua",
     ["mongotx.resty"] = "lua/mongotx/resty.lua",
+    ["mongotx.cli"] = "lua/mongotx/cli.lua",
+    ["mongotx.cli.args"] = "lua/mongotx/cli/args.lua",
+    ["mongotx.cli.commands"] = "lua/mongotx/cli/commands.lua",
+    ["mongotx.cli.output"] = "lua/mongotx/cli/output.lua",
+    ["mongotx.cli.policy"] = "lua/mongotx/cli/policy.lua",
+    ["mongotx.cli.progress"] = "lua/mongotx/cli/progress.lua",
+  },
+  -- the operator's command (README, "Operating mongotx")
+  install = {
+    bin = { mongotx = "bin/mongotx" },
   },
 }
 

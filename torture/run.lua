@@ -16,6 +16,7 @@
 --   stalls       SIGSTOP past the lease          torture/stalls.lua
 --   server       server kill -9, durability, connection drop
 --                                                torture/server_faults.lua
+--   batchjob     examples/06 killed and re-run   torture/batchjob.lua
 --   hostile      busted spec/30-hostile_spec.lua (a teammate's)
 --   fuzz         make fuzz-ci (a teammate's)
 -- The concurrent sections (kills, stalls) run on mongo-java-server only:
@@ -90,6 +91,8 @@ local sections = {
       return with_server("memory", require("torture.stalls").run) end },
   { name = "server", run = function()
       return with_server(nil, require("torture.server_faults").run) end },
+  { name = "batchjob", run = function()
+      return with_server("memory", require("torture.batchjob").run) end },
   { name = "hostile", run = function()
       return with_server(nil, require("torture.external").hostile) end },
   { name = "fuzz", run = function()

@@ -132,7 +132,12 @@ local checks = {
   -- recover, prune
   limit = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
   older_than = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
-  batch = typed("number", "a whole number from 1 to 10000", whole(1, 10000)),
+  dry_run = typed("boolean"),
+  -- each (mongotx.each), recover
+  batch = typed("number", "a whole number from 1 to 100000", whole(1, 100000)),
+  key = typed("function"),
+  progress = typed("function"),
+  wait = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
 }
 checks.version_field = checks.marker
 checks.lease, checks.retention = checks.stale_after, checks.stale_after
