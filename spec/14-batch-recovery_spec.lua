@@ -240,11 +240,15 @@ describe("#server batched recovery", function()
     local concurrency = helpers.no_concurrency()
 
     -- recover{ batch = 5 } until nothing is left, then print the totals
-    local RECOVERER = [[
+    -- what the workers below start with: this tree's mongotx
+    local PREAMBLE = [[
 package.path = "./lua/?.lua;./lua/?/init.lua;./?.lua;" .. package.path
 local cpath = os.getenv("MONGOTX_CPATH")
 if cpath then package.cpath = cpath .. ";" .. package.cpath end
 local mongotx = require "mongotx"
+]]
+
+    local RECOVERER = PREAMBLE .. [[
 local uri, dbname, name = arg[1], arg[2], arg[3]
 local db = assert(mongotx.connect(uri, { database = dbname }))
 local tm = assert(db:manager { application = name, stale_after = 0, lease = 5 })
@@ -302,11 +306,7 @@ print(("done=%d cancelled=%d failed=%d"):format(done, cancelled, failed))
 
     -- claims a batch, then signals it is between its claims and its
     -- first write (on_event "claim") and sleeps there
-    local STALLER = [[
-package.path = "./lua/?.lua;./lua/?/init.lua;./?.lua;" .. package.path
-local cpath = os.getenv("MONGOTX_CPATH")
-if cpath then package.cpath = cpath .. ";" .. package.cpath end
-local mongotx = require "mongotx"
+    local STALLER = PREAMBLE .. [[
 local uri, dbname, ready = arg[1], arg[2], arg[3]
 local db = assert(mongotx.connect(uri, { database = dbname }))
 local signalled = false
