@@ -1100,12 +1100,13 @@ l_create_many(lua_State *L)
 	bulk = new_bulk(L, coll, batch_opts(L, s, n));
 	for (i = 1; i <= n; i++) {
 		int top = lua_gettop(L), item = batch_item(L, 3, i);
-		bson_t *doc = mtx_check_document(L, item);
+		bson_t *doc = mtx_check_document_reused(L, item);
 
 		if (!bson_has_field(doc, "_id") || !bson_has_field(doc, "lastModified"))
 			luaL_error(L, "mongotx: transaction %d needs an _id and lastModified", i);
 		check_added(L, mongoc_bulk_operation_insert_with_opts(bulk, doc, NULL, &err),
 			    i, &err);
+		mtx_scratch_give(L, -1); /* the bulk holds a copy */
 		lua_settop(L, top);
 	}
 	return mtx_bulk_execute(L, bulk, "create", n, 0);
