@@ -357,6 +357,13 @@ describe("#server the mongotx command", function()
         "a number, not string", "return { stale_after = 'soon' }" },
       { { "--policy", "POLICY", "recover" }, 2, "option max_attempts of policy file .- must be " ..
         "a whole number from 1 to 1000000, not 0", "return { max_attempts = 0 }" },
+      -- past 2^63 a number is no integer: it would become a nearby double
+      -- (another transaction's id), so it is refused
+      { { "rollback", "9223372036854775809" }, 2, "malformed id .-whole number" },
+      { { "show", "--", "-99999999999999999999" }, 2, "malformed id .-whole number" },
+      -- a policy file that exits: an error, never a silent exit 0
+      { { "--policy", "POLICY", "rollback", "pend" }, 2, "policy file .- called os%.exit",
+        "os.exit(0)" },
       { { "rollback", "nothing" }, 1, "no such transaction" },
       { { "unpark", "pend" }, 1, "not parked" },
     }
@@ -436,6 +443,69 @@ while True:
       assert.truthy(err:find("cannot reach mongodb://127.0.0.1:" .. port, 1, true), err)
       assert.is_true(took < 25, "gave up only after " .. took .. " s")
       helpers.assert_dump_unchanged(before, db.client, dbname)
+    end)
+  end)
+
+  describe("what reaches a terminal, a script and a closed output", function()
+    it("control characters in ids and reasons are escaped in tables and messages", function()
+      if not check_build() then return end
+      local id = "x\27[31mRED\nrow"
+      assert(tm:transfer("accounts", "A", "B", 1, { id = id }))
+      assert(tm:rollback(transfer(1, "r"), "why\27[2J\r"))
+      local code, out, err = cli("list")
+      assert.are.equal(0, code, err)
+      assert.falsy(out:find("[\0-\9\11-\31\127]"), out)
+      assert.are.equal(3, select(2, out:gsub("\n", "")), out) -- headers and two rows
+      assert.truthy(out:find("x\\x1b[31mRED\\nrow", 1, true), out)
+      assert.truthy(out:find("why\\x1b[2J\\r", 1, true), out)
+      code, out, err = cli("show", "nothing\27]0;title\7")
+      assert.are.equal(1, code)
+      assert.are.equal("", out)
+      assert.falsy(err:find("[\0-\9\11-\31\127]"), err)
+      assert.truthy(err:find("no such transaction nothing\\x1b]0;title\\x07", 1, true), err)
+      -- --json keeps the exact string, escaped as JSON
+      local lines = json_ok("list")
+      assert.are.equal(id, lines[1]._id)
+    end)
+
+    it("--json writes valid UTF-8 whatever the bytes of a string", function()
+      local output = require "mongotx.cli.output"
+      for _, s in ipairs { "ok \xc3\xa9", "bad\xff\xfe", "cut\xc3", "\xed\xa0\x80surrogate",
+                           "\xc0\xafoverlong", "\xf4\x90\x80\x80big", "nul\0" } do
+        local text = output.json({ s = s })
+        local ok, decoded = pcall(cjson.decode, text)
+        assert.is_true(ok, text)
+        if s:find("^ok") or s:find("^nul") then
+          assert.are.equal(s, decoded.s)
+        else
+          assert.truthy(decoded.s:find("\xef\xbf\xbd", 1, true), text) -- U+FFFD
+        end
+        -- what it wrote is valid UTF-8 (Python's strict decoder is a second reader)
+        local f = assert(io.popen("python3 -c 'import sys; sys.stdin.buffer.read().decode(\"utf-8\")'", "w"))
+        f:write(text)
+        assert.is_true(f:close(), text)
+      end
+    end)
+
+    it("output that cannot be written is a failure (exit 1), not a silent 0", function()
+      if not check_build() then return end
+      assert(tm:transfer("accounts", "A", "B", 1, { id = "t" }))
+      local err = os.tmpname()
+      local code = server.execute(mongotx_cmd({ "--database", dbname, "show", "t" }) ..
+        " >&- 2>" .. err)
+      local said = helpers.read_file(err)
+      os.remove(err)
+      assert.are.equal(1, code, said)
+      assert.truthy(said:find("mongotx: cannot write the output: standard output is closed", 1,
+        true), said)
+      -- a full disk
+      if not server.exists("/dev/full") then return end
+      code = server.execute(mongotx_cmd({ "--database", dbname, "--json", "list" }) ..
+        " >/dev/full 2>" .. err)
+      said = helpers.read_file(err)
+      os.remove(err)
+      assert.are.equal(1, code, said)
+      assert.truthy(said:find("mongotx: cannot write the output: No space left", 1, true), said)
     end)
   end)
 

@@ -51,6 +51,11 @@ local function parse(text)
   end
   if is_number(text) then
     local n = tonumber(text)
+    if not text:find("[.eE]") and not math.tointeger(n) then
+      -- past 2^63 the text would read as the nearest double: another id
+      return nil, "a number without a point or exponent must be a whole number from " ..
+        "-2^63 to 2^63-1"
+    end
     return math.tointeger(n) or n
   end
   if text:find("^[%[{]") then

@@ -11,13 +11,13 @@ local progress = require "mongotx.cli.progress"
 local json, id_text, cell = output.json, output.id_text, output.cell
 local record, add = output.record, output.add
 local format, floor = string.format, math.floor
-local stdout = io.stdout
+local stdout = output.stdout
 
 local OK, FAILED = 0, 1
 
 local _M = {}
 
-local function say(line) stdout:write(line, "\n") end
+local function say(line) stdout:write(output.visible(line), "\n") end
 
 -- Seconds since a Date by the server's clock `now` (ms), or nil.
 local function age(date, now)
