@@ -365,6 +365,7 @@ describe("#server the mongotx command", function()
       { { "--policy", "POLICY", "rollback", "pend" }, 2, "policy file .- called os%.exit",
         "os.exit(0)" },
       { { "rollback", "nothing" }, 1, "no such transaction" },
+      { { "show", "str:" }, 1, "no such transaction str:$" }, -- the empty string, shown
       { { "unpark", "pend" }, 1, "not parked" },
     }
 

@@ -23,9 +23,10 @@ local function is_number(s)
   return s:find(NUMBER) ~= nil and tonumber(s) ~= nil
 end
 
--- Is this string printed as it is (it reads back as the same string)?
+-- Is this string printed as it is (it reads back as the same string, and
+-- is not empty: "" prints as str:)?
 function _M.plain_string(s)
-  return not is_number(s) and not s:find("^oid:") and not s:find("^long:")
+  return s ~= "" and not is_number(s) and not s:find("^oid:") and not s:find("^long:")
     and not s:find("^str:") and not s:find("^[%[{]")
 end
 
