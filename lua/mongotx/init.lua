@@ -12,6 +12,7 @@
 local core = require "mongotx.core"
 local manager = require "mongotx.manager"
 local options = require "mongotx.options"
+local queue = require "mongotx.queue"
 
 local _M = { _VERSION = core._VERSION, core = core }
 
@@ -45,6 +46,13 @@ end
 function Database:manager(opts)
   local tm, err = manager.new(self, opts) -- not a tail call: its errors name our caller
   return tm, err
+end
+
+-- db:queue{ collection, write_concern, lease, max_attempts, backoff }
+-- (mongotx.queue)
+function Database:queue(opts)
+  local q, err = queue.new(self, opts) -- not a tail call: its errors name our caller
+  return q, err
 end
 
 function Database:close()
