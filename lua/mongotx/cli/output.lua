@@ -12,6 +12,7 @@ local args = require "mongotx.cli.args"
 
 local type, ipairs, tostring, select = type, ipairs, tostring, select
 local getmetatable, setmetatable = getmetatable, setmetatable
+local rawlen = rawlen or function(t) return #t end -- LuaJIT: the specs load this module too
 local format, concat, sort = string.format, table.concat, table.sort
 local floor, huge = math.floor, math.huge
 
