@@ -510,6 +510,55 @@ while True:
     end)
   end)
 
+  describe("recover's counts over several passes", function()
+    it("a malformed transaction counts once, however many passes read it", function()
+      if not check_build() then return end
+      -- two hand-edited transactions recovery cannot read, oldest, then
+      -- five stale ones: --batch 2 sweeps in several passes
+      assert(txs:insert_many { { _id = "bad-1", state = "pending", ops = "garbage" },
+                               { _id = "bad-2", state = "pending", ops = 42 } })
+      for i = 1, 5 do transfer(1, "t" .. i) end
+      local code, out, err = cli("--json", "recover", "--application", "app-1",
+                                 "--stale-after", "0", "--batch", "2")
+      assert.are.equal(1, code, err)
+      local lines = json_lines(out)
+      local summary, failed_lines = lines[#lines], 0
+      for _, l in ipairs(lines) do
+        if l.event == "failed" then failed_lines = failed_lines + 1 end
+      end
+      assert.are.equal("summary", summary.event)
+      assert.is_true(summary.passes > 1, out)
+      assert.are.same({ 2, 0, 5 }, { summary.malformed, summary.failed, summary.cancelled + summary.done })
+      assert.are.equal(2, failed_lines, out) -- one line per malformed transaction
+      assert.truthy(err:find("recover: 0 failed, 2 malformed", 1, true), err)
+      code, out = cli("recover", "--application", "app-1", "--stale-after", "0", "--batch", "2")
+      assert.are.equal(1, code)
+      assert.truthy(out:find("malformed:%s+2\n"), out)
+      assert.are.equal(2, select(2, out:gsub("\nbad%-%d%s+malformed", "")), out)
+      assert.are.equal("pending", assert(txs:find_one({ _id = "bad-1" })).state)
+    end)
+
+    it("a transaction that fails in every pass counts once", function()
+      if not check_build() then return end
+      for i = 1, 5 do transfer(1, "t" .. i) end
+      local path = os.tmpname() .. ".lua"
+      local f = assert(io.open(path, "w"))
+      f:write("return { max_attempts = 100, may_recover = function(tx) " ..
+              "if tx._id == 't1' then error('not t1') end return true end }")
+      f:close()
+      local code, out, err = cli("--policy", path, "--json", "recover", "--application",
+                                 "app-1", "--stale-after", "0", "--batch", "2")
+      os.remove(path)
+      assert.are.equal(1, code, err)
+      local lines = json_lines(out)
+      local summary = lines[#lines]
+      assert.is_true(summary.passes > 1, out)
+      assert.are.same({ 1, 0, 4 }, { summary.failed, summary.malformed, summary.done + summary.cancelled })
+      assert.truthy(err:find("recover: 1 failed, 0 malformed", 1, true), err)
+      assert.are.equal("initial", state("t1"))
+    end)
+  end)
+
   describe("progress", function()
     -- n committed transactions left unfinished (finish = "deferred",
     -- never finished), which recovery finishes.
