@@ -410,6 +410,14 @@ describe("#server the mongotx command", function()
       code, _, err = run({ "--database", "a/b", "status" })
       assert.are.equal(2, code)
       assert.truthy(err:find("option database of connect must be a database name", 1, true), err)
+      -- a malformed URI is bad usage (2), named, its password hidden
+      for _, uri in ipairs { "http://x", "mongodb://127.0.0.1:1/?serverSelectionTimeoutMS=abc",
+                             "mongodb://u:pw@/", "mongodb://u:pw:pw@127.0.0.1" } do
+        code, _, err = run({ "--database", dbname, "recover" }, { uri = uri })
+        assert.are.equal(2, code, uri .. ": " .. err)
+        assert.truthy(err:find("mongotx: bad URI ", 1, true), err)
+        assert.falsy(err:find("pw", 1, true), err)
+      end
       code, _, err = run({ "--database", dbname .. "x", "recover" })
       assert.are.equal(1, code)
       assert.truthy(err:find("has no collection transactions", 1, true), err)

@@ -7,8 +7,8 @@
 --
 -- Exit codes: 0 ok, 1 something failed at run time (named on stderr),
 -- 2 bad usage (unknown command or flag, a malformed id or value, a bad
--- policy file, no URI).  Everything a command takes is checked before it
--- connects, so bad usage writes nothing.
+-- policy file, no URI or a malformed one).  Everything a command takes
+-- is checked before it connects, so bad usage writes nothing.
 
 local argparse = require "argparse"
 local mongotx = require "mongotx"
@@ -142,6 +142,19 @@ end
 local function connect(o)
   local db, err = mongotx.connect(with_timeouts(o.uri), { database = o.database })
   if not db then
+    -- libmongoc refuses a malformed URI with MONGOC_ERROR_COMMAND_INVALID_ARG
+    -- (22): bad usage, like a bad --database
+    if err.code == "command" and err.server_code == 22 then
+      local message, password = err.message, o.uri:match("^mongodb[^:]*://[^:@/]*:([^@/]*)@")
+      if password and password ~= "" then -- libmongoc's message may quote it
+        local at = message:find(password, 1, true)
+        while at do
+          message = message:sub(1, at - 1) .. "***" .. message:sub(at + #password)
+          at = message:find(password, at + 3, true)
+        end
+      end
+      return nil, fail(USAGE, format("bad URI %s: %s", shown(o.uri), message))
+    end
     return nil, fail(err.code == "invalid" and USAGE or FAILED, err.message or tostring(err))
   end
   local reply
