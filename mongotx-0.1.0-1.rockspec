@@ -74,6 +74,7 @@ build = {
     ["mongotx.pool"] = "lua/mongotx/pool.lua",
     ["mongotx.resty"] = "lua/mongotx/resty.lua",
     ["mongotx.clock"] = "lua/mongotx/clock.lua",
+    ["mongotx.ledger"] = "lua/mongotx/ledger.lua",
     ["mongotx.queue"] = "lua/mongotx/queue.lua",
     ["mongotx.cli"] = "lua/mongotx/cli.lua",
     ["mongotx.cli.args"] = "lua/mongotx/cli/args.lua",

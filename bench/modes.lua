@@ -247,6 +247,63 @@ _M.commit_many = { label = "tm:commit_many", run = many("commit_many") }
 _M.transfer_many = { label = "tm:transfer_many", run = many("transfer_many") }
 _M.transfer_many_guarded = { label = "tm:transfer_many min=0", run = many("transfer_many", 0) }
 
+-- ledger: mongotx.ledger transfers (one inserted entry each), one per
+-- call or ctx.batch per transfer_many, unguarded like tm:transfer.  Then
+-- (not timed) every moved account's entries must sum to what the completed
+-- transfers moved, and twenty accounts are committed and reconciled.
+local function ledger(ctx)
+  local db = bank.open(ctx.uri, "ledger" .. (ctx.batch or 1), 0)
+  local L = assert(db:ledger {})
+  local from, to = bank.plan(ctx.accounts, ctx.n, ctx.batch)
+  local batch = ctx.batch or 1
+  local sample, moved = timed(db, ctx.n, function(lat, moved)
+    local ok = 0
+    for first = 1, #from, batch do
+      local last = math.min(first + batch - 1, #from)
+      local t = now()
+      local done = {}
+      if batch == 1 then
+        done[first] = L:transfer(from[first], to[first], 1) ~= nil
+      else
+        local list = {}
+        for i = first, last do list[#list + 1] = { from = from[i], to = to[i], amount = 1 } end
+        local res = assert(L:transfer_many(list))
+        for k in ipairs(list) do done[first + k - 1] = res[k] ~= false end
+      end
+      local per = (now() - t) / (last - first + 1)
+      for i = first, last do
+        lat[i] = per
+        if done[i] then ok = ok + 1; move(moved, from[i], to[i]) end
+      end
+    end
+    return ok
+  end)
+  -- every entry once: each account's values sum to what it moved, at
+  -- seqIds 1..n; then the committer and a replay for twenty accounts
+  local sums, seqs = {}, {}
+  for _, e in ipairs(assert(db:collection("ledger"):find_all({}))) do
+    for _, c in ipairs(e.changes) do
+      sums[c.account] = (sums[c.account] or 0) + c.value
+      seqs[c.account] = (seqs[c.account] or 0) + 1
+    end
+  end
+  local checked = 0
+  for account, delta in pairs(moved) do
+    assert(sums[account] == delta, "ledger entries of " .. account)
+    if checked < 20 then
+      assert(L:commit { account = account })
+      local r = assert(L:reconcile(account))
+      assert(r.ok and r.balance == delta and r.seq == seqs[account], "ledger reconcile of " .. account)
+      checked = checked + 1
+    end
+  end
+  bank.drop(db)
+  return sample
+end
+
+_M.ledger = { label = "ledger:transfer", run = ledger }
+_M.ledger_many = { label = "ledger:transfer_many", run = ledger }
+
 -- recovery: ctx.n transactions left in state initial by an application
 -- that is gone (tm:begin without commit), then the time one manager
 -- (stale_after = 0, lease = 0) takes to recover all of them.  Latency is

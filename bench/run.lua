@@ -75,6 +75,9 @@ for _, b in ipairs { { 1, 1000, 5 }, { 10, 1000, 5 }, { 100, 3000, 5 }, { 1000, 
                       runs = b[3], latency = b[1] > 1 }
 end
 plan[#plan + 1] = { key = "transfer_many100", mode = modes.transfer_many, batch = 100, n = 3000 }
+-- mongotx.ledger beside them (issue 12): one entry per transfer
+plan[#plan + 1] = { key = "ledger", mode = modes.ledger, n = 1000 }
+plan[#plan + 1] = { key = "ledger_many100", mode = modes.ledger_many, batch = 100, n = 3000 }
 -- guarded (min = 0): on 10 000 accounts, and hot: 10 accounts, each
 -- debited and credited about ten times within every batch of 100
 plan[#plan + 1] = { key = "transfer_many100_guarded", mode = modes.transfer_many_guarded,
@@ -289,6 +292,7 @@ local function target_lines()
     cm_tps and raw and cm_tps / (raw.tps * BOUND), 0.8,
     cm_tps and raw and ("%s / (%s × 2/7 = %s) = %s"):format(fmt(cm_tps), fmt(raw.tps),
       fmt(raw.tps * BOUND), fmt(cm_tps / (raw.tps * BOUND), 2)) or missing)
+  ratio("ledger", "transfer", 2) -- issue 12: one inserted entry against 2PC
   local best, parts = nil, {}
   for _, key in ipairs { "transfer", "transfer_deferred", "begin_commit" } do
     local r = by_key[key]

@@ -15,6 +15,7 @@ local core = require "mongotx.core"
 
 local M = {}
 
+-- The cases a trace file lists: "<point>:<when>:<nth time>" per line.
 local function trace_points(path)
   local seen, list = {}, {}
   local f = io.open(path)
@@ -30,7 +31,7 @@ local function trace_points(path)
   f:close()
   return list
 end
-M.trace_points = trace_points -- also torture/batchjob.lua's and torture/queue.lua's
+M.trace_points = trace_points -- also torture/batchjob.lua's, queue.lua's and ledger.lua's
 
 -- Runs one phase in a child; returns its status class and output.
 local function phase(env, uri, dbname, s, kind, which)

@@ -11,6 +11,7 @@
 
 local core = require "mongotx.core"
 local manager = require "mongotx.manager"
+local ledger = require "mongotx.ledger"
 local options = require "mongotx.options"
 local queue = require "mongotx.queue"
 
@@ -46,6 +47,13 @@ end
 function Database:manager(opts)
   local tm, err = manager.new(self, opts) -- not a tail call: its errors name our caller
   return tm, err
+end
+
+-- db:ledger{ collection, accounts, write_concern, retries }: transfers as
+-- log entries with per-account sequence ids (mongotx.ledger)
+function Database:ledger(opts)
+  local l, err = ledger.new(self, opts) -- not a tail call: its errors name our caller
+  return l, err
 end
 
 -- db:queue{ collection, write_concern, lease, max_attempts, backoff }

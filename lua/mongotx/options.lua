@@ -146,6 +146,7 @@ local checks = {
   wait = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
 }
 checks.version_field = checks.marker
+checks.accounts = checks.collection -- db:ledger's heads (mongotx.ledger)
 checks.lease, checks.retention = checks.stale_after, checks.stale_after
 checks.at, checks.idle, checks.poll = checks.older_than, checks.older_than, checks.older_than
 -- Any other policy (the functions) only needs the type of its default.

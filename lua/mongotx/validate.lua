@@ -60,8 +60,10 @@ end
 -- than what would be sent.  Values that go into filters or documents are
 -- then snapshotted through the encoder (snapshot below) and the checks
 -- run on the copy, which is what is sent.
+-- (LuaJIT has no rawlen, and its # ignores __len: the same thing.)
 local next, rawget, rawlen = next, rawget, rawlen or function(t) return #t end
 local raw_metatable = debug.getmetatable
+_M.rawlen = rawlen
 
 -- The first key starting with `$` anywhere in v, or nil.
 local function operator_key(v, depth)
