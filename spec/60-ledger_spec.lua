@@ -278,6 +278,74 @@ describe("#server mongotx.ledger", function()
     assert.are.same({ A = 0, B = 0, C = 10 }, b)
   end)
 
+  -- (review) A call repeated with its id must find its entry whatever the
+  -- balance now says: the first call may have landed with its reply lost,
+  -- and a `guard` on the retry would tell the caller it did not happen.
+  it_ledger("a repeated call with an id returns its entry even where the guard now fails", function()
+    assert(L:post({ { account = "A", value = 100 } }))
+    local t = assert(L:transfer("A", "B", 100, { id = "pay-1", min = 0 }))
+    local before = helpers.db_dump(db.client, db.name)
+    -- this ledger (its memory says A is at 0) and a fresh one (a restarted process)
+    for _, ledger in ipairs { L, assert(db:ledger {}) } do
+      local again, err = ledger:transfer("A", "B", 100, { id = "pay-1", min = 0 })
+      assert.is_nil(err)
+      assert.are.equal("pay-1", again._id)
+      assert.are.same(seqs(t), seqs(again))
+      -- other changes under the id are still refused as such
+      local ok, why = ledger:transfer("A", "B", 500, { id = "pay-1", min = 0 })
+      assert.is_nil(ok)
+      assert.are.equal("idempotency", why.code)
+    end
+    helpers.assert_dump_unchanged(before, db.client, db.name)
+    -- a guarded reversal, repeated once its debit no longer fits
+    local r = assert(L:reverse(t._id, { min = 0 }))
+    local again, err = L:reverse(t._id, { min = 0 })
+    assert.is_nil(err)
+    assert.are.same(r._id, again._id)
+    assert.are.equal(3, entries:count({}))
+    assert.are.same({ 100, 3 }, { L:balance("A") })
+    assert.are.same({ 0, 2 }, { L:balance("B") })
+  end)
+
+  -- (review) The same changes are the same whatever their order (a list
+  -- built from pairs() differs between processes) or the spelling of a
+  -- number (1 and 1.0 are one account and one amount to the server).
+  it_ledger("a repeated post with an id matches its changes as the server compares them", function()
+    local first = assert(L:post({ { account = 1, value = 100 }, { account = "B", value = 5 } },
+                                { id = "dep" }))
+    local before = helpers.db_dump(db.client, db.name)
+    local again, err = L:post({ { account = "B", value = 5.0 }, { account = 1.0, value = 100.0 } },
+                              { id = "dep" })
+    assert.is_nil(err)
+    assert.are.equal("dep", again._id)
+    assert.are.same(seqs(first), seqs(again))
+    helpers.assert_dump_unchanged(before, db.client, db.name)
+    -- a missing or an extra change is other changes
+    for _, changes in ipairs {
+      { { account = 1, value = 100 } },
+      { { account = 1, value = 100 }, { account = "B", value = 5 }, { account = "C", value = 1 } },
+      { { account = 1, value = 100 }, { account = "C", value = 5 } },
+    } do
+      local ok, why = L:post(changes, { id = "dep" })
+      assert.is_nil(ok)
+      assert.are.equal("idempotency", why.code)
+    end
+    helpers.assert_dump_unchanged(before, db.client, db.name)
+  end)
+
+  -- (review) A transfer refused on a stale memory and then inserted after
+  -- the read carries no error: "the i-th entry, or false and its error".
+  it_ledger("transfer_many reports no error for an item that passed after a read", function()
+    assert(L:post({ { account = "A", value = 10 } }))
+    assert.are.same({ 10, 1 }, { L:balance("A") })
+    local other = assert(db:ledger {})
+    assert(other:post({ { account = "A", value = 10 } })) -- L still remembers 10
+    local res, errs = assert(L:transfer_many({ { from = "A", to = "B", amount = 15 } }, { min = 0 }))
+    assert.are.same({ { "A", -15, 3 }, { "B", 15, 1 } }, seqs(res[1]))
+    assert.is_nil(errs[1])
+    assert.are.equal(3, entries:count({}))
+  end)
+
   describe("bad input gets invalid and writes nothing", function()
     local bad = {
       { "transfer to itself", function() return L:transfer("A", "A", 1) end },
