@@ -43,7 +43,7 @@ local validate = require "mongotx.validate"
 local options = require "mongotx.options"
 local clock = require "mongotx.clock"
 
-local canon, check_id, id_key = validate.canon, validate.check_id, validate.id_key
+local check_id, id_key = validate.check_id, validate.id_key
 local crash_point, null = core.crash_point, core.null
 local rawlen = validate.rawlen
 local ipairs, type, next, rawget, setmetatable, sort, tostring =
@@ -350,11 +350,20 @@ local function build_entry(changes, views, opts, now, step)
            proc = "UNCOMMITTED", state = "VALID", changes = out, reverses = opts.reverses }
 end
 
+-- Do the checked changes `a` move what the stored changes `b` move?  By
+-- account as the server compares ids and by value as numbers compare, in
+-- any order (accounts are unique in an entry): a list built from pairs()
+-- comes in another order in another process, and 100 and 100.0 are one
+-- amount.
 local function same_changes(a, b)
-  local x, y = {}, {}
-  for i, c in ipairs(a) do x[i] = { c.account, c.value } end
-  for i, c in ipairs(b or {}) do y[i] = { c.account, c.value } end
-  return canon(x) == canon(y)
+  if type(b) ~= "table" or #a ~= #b then return false end
+  local want = {}
+  for _, c in ipairs(a) do want[c.key] = c.value end
+  for _, c in ipairs(b) do
+    local key = id_key(c.account)
+    if key == nil or want[key] ~= c.value then return false end
+  end
+  return true
 end
 
 -- After a duplicate key on an entry with a caller's id: the existing
@@ -403,7 +412,14 @@ function Ledger:_post(changes, opts, step)
           "writers %d times in a row", taken), { step = step })
       end
     elseif read then
-      return nil, err -- a guard, on what the database holds
+      -- a guard, on what the database holds; but a call repeated with its
+      -- id (its first reply lost) finds its own entry, whatever the
+      -- balance says now
+      if opts.id ~= nil then
+        local existing, why = self:_existing(opts.id, changes, step)
+        if existing or why then return existing, why end
+      end
+      return nil, err
     end
     read = true -- a number taken, or a guard on a guess: read the accounts
   end
@@ -522,7 +538,7 @@ function Ledger:_post_many(items, opts)
       local entry, why = build_entry(items[i], mine, opts, now, "transfer_many")
       if entry then
         batch[#batch + 1], where[#batch + 1] = { op = "insert", doc = entry }, i
-        results[i] = entry
+        results[i], errs[i] = entry, nil -- (a refusal on a guess is judged again)
       else
         results[i], errs[i], refused = false, why, true
       end
