@@ -420,6 +420,21 @@ describe("#server mongotx.ledger", function()
       helpers.assert_dump_unchanged(before, db.client, db.name)
     end)
 
+    -- (review) a batch item is checked like a change: an `id` on an item
+    -- (a caller hoping for a per-transfer key) must not be dropped silently
+    it("transfer_many refuses unknown item fields and a list with other keys", function()
+      local before = helpers.db_dump(db.client, db.name)
+      assert.has_error(function() L:transfer_many({ { from = "A", to = "B", amount = 1, id = "x" } }) end,
+        "transfer 1 has an unknown field id")
+      local ok, msg = pcall(function() L:transfer_many({ { from = "A", to = "B", amount = 1, min = 0 } }) end)
+      assert.is_false(ok)
+      assert.matches("60%-ledger_spec%.lua:%d+: transfer 1 has an unknown field min", msg)
+      local res, err = L:transfer_many({ { from = "A", to = "B", amount = 1 }, n = 1 })
+      assert.is_nil(res)
+      assert.are.equal("invalid", err.code)
+      helpers.assert_dump_unchanged(before, db.client, db.name)
+    end)
+
     it("reads caller tables raw", function()
       local sneaky = setmetatable({}, { __index = function() return { account = "A", value = 1 } end,
                                         __len = function() return 1 end })
