@@ -127,6 +127,21 @@ local function check_account(a, step, i)
   return sent, key
 end
 
+-- The length of `list`, a table whose keys are 1..n with 1 <= n <= max
+-- (raw reads), or nil, err.
+local function list_length(list, what, max, step)
+  local n = rawlen(list)
+  if n == 0 or n > max then
+    return invalid(format("%s must hold 1 to %d items, not %d", what, max, n), step)
+  end
+  for k in next, list do
+    if type(k) ~= "number" or k < 1 or k > n or floor(k) ~= k then
+      return invalid(what .. " must be a list", step)
+    end
+  end
+  return n
+end
+
 local post_options, guard_options = { id = true, min = true }, { min = true }
 
 -- The changes of a post as { account, key, value } (raw reads: a
@@ -134,15 +149,8 @@ local post_options, guard_options = { id = true, min = true }, { min = true }
 -- nil, err.
 local function check_changes(changes, step)
   if type(changes) ~= "table" then error("changes must be a table", HELPER_CALLER) end
-  local n = rawlen(changes)
-  if n == 0 or n > MAX_CHANGES then
-    return invalid(format("an entry needs 1 to %d changes, not %d", MAX_CHANGES, n), step)
-  end
-  for k in next, changes do
-    if type(k) ~= "number" or k < 1 or k > n or floor(k) ~= k then
-      return invalid("changes must be a list", step)
-    end
-  end
+  local n, err = list_length(changes, "changes", MAX_CHANGES, step)
+  if not n then return nil, err end
   local out, seen = {}, {}
   for i = 1, n do
     local c = rawget(changes, i)
@@ -156,7 +164,8 @@ local function check_changes(changes, step)
     if sent == nil then return nil, key end
     if seen[key] then return invalid(format("account of change %d appears twice", i), step) end
     seen[key] = true
-    local ok, err = check_value(rawget(c, "value"), format("value of change %d", i), step)
+    local ok
+    ok, err = check_value(rawget(c, "value"), format("value of change %d", i), step)
     if not ok then return nil, err end
     out[i] = { account = sent, key = key, value = rawget(c, "value") }
   end
@@ -482,17 +491,19 @@ end
 -- meanwhile is retried with those after it.
 function Ledger:transfer_many(list, opts)
   if type(list) ~= "table" then error("transfer_many needs a list", CALLER) end
-  local n = rawlen(list)
-  if n == 0 or n > MAX_BATCH then
-    return invalid(format("a batch holds 1 to %d transfers, not %d", MAX_BATCH, n), "transfer_many")
-  end
-  local err
+  local n, err = list_length(list, "a batch", MAX_BATCH, "transfer_many")
+  if not n then return nil, err end
   opts, err = check_post_options(opts, guard_options, "transfer_many", CALLER)
   if not opts then return nil, err end
   local items = {}
   for i = 1, n do
     local t = rawget(list, i)
     if type(t) ~= "table" then error(format("transfer %d must be a table", i), CALLER) end
+    for k in next, t do
+      if k ~= "from" and k ~= "to" and k ~= "amount" then
+        error(format("transfer %d has an unknown field %s", i, tostring(k)), CALLER)
+      end
+    end
     local amount = rawget(t, "amount")
     local ok
     ok, err = check_value(amount, format("amount of transfer %d", i), "transfer_many", true)
