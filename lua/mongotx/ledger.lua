@@ -282,13 +282,13 @@ function Ledger:_read(views)
       if t.entry.state == "VALID" then v.balance = v.balance + t.change.value end
     end
   end
-  self:remember(views)
+  self:_remember(views)
   return true
 end
 
 -- Notes the (seq, balance) of these views as the last known of their
 -- accounts.
-function Ledger:remember(views)
+function Ledger:_remember(views)
   local known = self.known
   for _, v in ipairs(views) do
     if not known[v.key] then
@@ -407,7 +407,7 @@ function Ledger:_post(changes, opts, step)
       res, err = self.entries:insert_one(entry, self.wopts)
       crash_point("ledger.insert", "after")
       if res then
-        self:remember(views)
+        self:_remember(views)
         return entry
       end
       if err.server_code ~= 11000 then return nil, errors.wrap(err, step, entry._id) end
@@ -576,7 +576,7 @@ function Ledger:_post_many(items, opts)
           break
         end
       end
-      if from > #items then self:remember(views) end
+      if from > #items then self:_remember(views) end
       if from <= #items then
         read, taken = true, taken + 1
         if taken > self.retries then
