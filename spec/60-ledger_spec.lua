@@ -374,6 +374,8 @@ describe("#server mongotx.ledger", function()
       { "operator commit account", function() return L:commit { account = { ["$gt"] = 0 } } end },
       { "operator reverse id", function() return L:reverse({ ["$gt"] = 0 }) end },
       { "bad limit", function() return L:commit { limit = 0 } end },
+      -- (review) one or the other: a limit beside an account would be ignored
+      { "commit with account and limit", function() return L:commit { account = "A", limit = 5 } end },
       { "bad write concern", function() return db:ledger { write_concern = { w = -1 } } end },
       { "bad retries", function() return db:ledger { retries = -1 } end },
       { "system collection", function() return db:ledger { collection = "system.x" } end },
