@@ -656,6 +656,9 @@ function Ledger:commit(opts)
   local err
   opts, err = options.check(opts, { account = true, limit = true }, "commit", CALLER)
   if not opts then return nil, err end
+  if opts.account ~= nil and opts.limit ~= nil then
+    return invalid("commit takes an account or a limit, not both", "commit")
+  end
   local accounts, seen = {}, nil
   if opts.account ~= nil then
     local sent, key = check_account(opts.account, "commit")
