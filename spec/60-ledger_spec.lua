@@ -358,6 +358,10 @@ describe("#server mongotx.ledger", function()
       { "operator account", function() return L:transfer({ ["$gt"] = "" }, "B", 1) end },
       { "regex account", function() return L:transfer(mongotx.Regex(".*", ""), "B", 1) end },
       { "nil account", function() return L:transfer(nil, "B", 1) end },
+      -- (review) {} in a filter is no condition to mongo-java-server: an
+      -- $elemMatch on it matched every entry, and reconcile raised on them
+      { "empty table account", function() return L:post({ { account = {}, value = 1 } }) end },
+      { "empty table balance", function() return L:balance({}) end },
       { "NaN min", function() return L:transfer("A", "B", 1, { min = 0 / 0 }) end },
       { "operator id", function() return L:transfer("A", "B", 1, { id = { ["$ne"] = 1 } }) end },
       { "empty changes", function() return L:post({}) end },
