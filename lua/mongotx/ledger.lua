@@ -120,6 +120,11 @@ end
 
 local function check_account(a, step, i)
   local sent, key = check_id(a)
+  -- an empty document (or array: Lua cannot tell) is no condition to
+  -- some servers inside $elemMatch, where every read of an account goes
+  if sent ~= nil and type(sent) == "table" and next(sent) == nil then
+    sent, key = invalid("an account may not be an empty table", step)
+  end
   if sent == nil then
     key.step, key.message = step, format("account%s: %s", i and " " .. i or "", key.message)
     return nil, key
