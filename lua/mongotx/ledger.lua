@@ -89,10 +89,15 @@ function _M.new(db, opts)
   opts, why = options.check(opts, ledger_options, "ledger", HELPER_CALLER)
   if not opts then return nil, why end
   local name = opts.collection or "ledger"
+  local heads = opts.accounts or name .. "_accounts"
+  if heads == name then
+    return invalid(format("the heads (option accounts) need a collection of their own, " ..
+      "not the entries' %q", name), "ledger")
+  end
   local self = setmetatable({
     db = db,
     entries = db.client:collection(db.name, name),
-    accounts = db.client:collection(db.name, opts.accounts or name .. "_accounts"),
+    accounts = db.client:collection(db.name, heads),
     wopts = { write_concern = opts.write_concern or { w = "majority", j = true } },
     retries = opts.retries or DEFAULT_RETRIES,
     timer = clock.new(db),
