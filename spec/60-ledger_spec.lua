@@ -155,6 +155,26 @@ describe("#server mongotx.ledger", function()
     reconciled { "A", "B0", "B1", "B2", "C" }
   end)
 
+  -- (review) An audit on a live ledger: an entry landing, or a committer
+  -- moving the head, between reconcile's reads is no problem of the books.
+  it_ledger("reconcile of a live account reports no problem for writers meanwhile", function()
+    assert(L:post({ { account = "A", value = 100 } }))
+    assert(L:transfer("A", "B", 40))
+    local other = assert(db:ledger {})
+    local real = L.balance
+    L.balance = function(self, account) -- another process writes and commits now
+      assert(other:transfer("A", "B", 5))
+      assert(other:commit())
+      return real(self, account)
+    end
+    local r = assert(L:reconcile("A"))
+    L.balance = nil
+    assert.are.same({}, r.problems)
+    assert.is_true(r.ok)
+    assert.are.same({ 55, 3 }, { r.balance, r.seq })
+    assert.are.same({ { _id = "A", seq = 3, balance = 55 } }, heads:find_all({ _id = "A" }))
+  end)
+
   it_ledger("reconcile finds a cache that disagrees with the entries", function()
     assert(L:post({ { account = "A", value = 100 } }))
     assert(L:transfer("A", "B", 40))
