@@ -18,6 +18,7 @@ local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local stored = require "mongotx.stored"
+local clock = require "mongotx.clock"
 
 local canon, id_key = validate.canon, validate.id_key
 local ipairs, pairs, tostring, setmetatable = ipairs, pairs, tostring, setmetatable
@@ -77,8 +78,7 @@ function _M.new(ctx)
                          write_concern = ctx.write_concern },
     colls = {},         -- collection handles by name (coll)
     held = {},          -- key(id) -> epoch this engine holds (hold, holds)
-    clock_offset = nil, -- server clock - monotonic clock, ms (clock)
-    clock_at = nil,     -- monotonic ms when clock_offset was measured
+    server_clock = clock.new(), -- the server's clock as estimated (clock)
     use_deadline = nil, -- does the server evaluate $$NOW (deadlines)
   }, Engine)
   return self
@@ -138,12 +138,7 @@ function Engine:many(name, ...)
 end
 
 function Engine:server_now()
-  local reply, err = self.db.client:command("admin", { isMaster = 1 })
-  if not reply then return nil, errors.wrap(err, "clock") end
-  if core.type(reply.localTime) ~= "date" then
-    return nil, errors.new("server", "the server reports no localTime", { step = "clock" })
-  end
-  return reply.localTime:value()
+  return clock.server_now(self.db.client)
 end
 
 
@@ -171,21 +166,11 @@ function Engine:hold(id, epoch)
   self.held[key(id)] = epoch
 end
 
--- The server's clock in ms, estimated from an isMaster a minute old at
--- most: only the length of an owner's window depends on it, not safety
--- (applies and claims both compare deadlines with the server's clock).
-local CLOCK_REFRESH_MS = 60000
-
+-- The server's clock in ms as estimated (mongotx.clock): only the length
+-- of an owner's window depends on it, not safety (applies and claims both
+-- compare deadlines with the server's clock).
 function Engine:clock()
-  local before = core.monotonic_ms()
-  if not self.clock_offset or before - self.clock_at > CLOCK_REFRESH_MS then
-    local now, err = self:server_now()
-    if not now then return nil, err end
-    local after = core.monotonic_ms()
-    self.clock_offset, self.clock_at = now - (before + after) / 2, after
-    before = after
-  end
-  return before + self.clock_offset
+  return self.server_clock:now(self.db.client)
 end
 
 -- Are this manager's applies fenced by a deadline (csrc/txn.c)?  When
