@@ -70,6 +70,9 @@ build = {
     ["mongotx.stepwise"] = "lua/mongotx/stepwise.lua",
     ["mongotx.pool"] = "lua/mongotx/pool.lua",
     ["mongotx.resty"] = "lua/mongotx/resty.lua",
+    ["mongotx.clock"] = "lua/mongotx/clock.lua",
+    ["mongotx.sync"] = "lua/mongotx/sync.lua",
+    ["mongotx.versioned"] = "lua/mongotx/versioned.lua",
   },
 }
 

@@ -1,5 +1,6 @@
 -- The options of every public call (connect, db:manager, begin, run,
--- transfer, the batches, recover, prune), checked in one place before
+-- transfer, the batches, recover, prune, db:sync, db:versioned and
+-- theirs), checked in one place before
 -- anything is written.
 --
 -- A wrong type or an unknown name is a programming error and raises
@@ -129,11 +130,14 @@ local checks = {
   meta = typed("table"),
   field = typed("string"),
   min = typed("number"),
-  -- recover, prune
+  -- db:sync and db:versioned (mongotx.sync, mongotx.versioned)
+  propagate = typed("function"),
+  -- recover, prune, and the repairs of the modules beside transactions
   limit = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
   older_than = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
 }
-checks.version_field = checks.marker
+checks.version_field, checks.flag = checks.marker, checks.marker
+checks.roots, checks.items = checks.collection, checks.collection
 checks.lease, checks.retention = checks.stale_after, checks.stale_after
 -- Any other policy (the functions) only needs the type of its default.
 for k, v in pairs(default_policy) do
