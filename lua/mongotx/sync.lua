@@ -2,22 +2,29 @@
 -- is copied into the documents that depend on it (a user's name into
 -- their comments) without a transaction.  The change and the flag are one
 -- single-document write: `syncing` set to the server's time, `syncSeq`
--- raised by one.  Then the caller's propagate(master) rewrites the
--- dependents, and the flag is cleared, on condition that syncSeq is still
--- the one this change set: a later change made meanwhile keeps its flag
--- until its own propagation clears it.  A crash between the steps leaves
--- the flag; repair{ older_than } finds old flags through a sparse index
--- and propagates again.
+-- raised by one and `syncId` set to a new ObjectId.  Then the master is
+-- read back, the caller's propagate(master) rewrites the dependents, and
+-- the flag is cleared on condition that syncId is still the one this
+-- change set: a later change made meanwhile keeps its flag until its own
+-- propagation clears it.  A crash between the steps leaves the flag;
+-- repair{ older_than } finds old flags through a sparse index and
+-- propagates again.
 --
 --   local users = assert(db:sync{ collection = "users", propagate = fn })
 --   assert(users:change("u1", { ["$set"] = { name = "Ann" } }))
 --   users:repair{ older_than = 60 }
 --
+-- Why syncId and a read back rather than the flag's time and the
+-- document findAndModify returns: two changes may carry the same
+-- millisecond, and some servers (mongo-java-server) may return another
+-- writer's state from a findAndModify under concurrency.  A clear that
+-- matches proves no change came after the read that was propagated.
+--
 -- propagate(master) must be idempotent (it may run again after a crash,
 -- and repair may run it while the writer still does) and should be
 -- monotone: condition each dependent write on master.syncSeq being newer
 -- than the one the dependent holds, so that a late run for an older
--- change cannot overwrite a newer one (examples/06-sync.lua).  It returns
+-- state cannot overwrite a newer one (examples/06-sync.lua).  It returns
 -- true, or nil and a message; a raise counts as nil, message.  A failed
 -- propagation leaves the flag, counts an attempt (syncAttempts, with the
 -- message in syncError) and is retried by repair; after max_attempts
@@ -41,9 +48,9 @@ Sync.__index = Sync
 local CALLER, HELPER_CALLER = 2, 3
 
 -- The fields this module keeps on a master besides the flag (whose name
--- is an option): the change's number, the failed propagations since it
--- and the last failure's message.
-local SEQ, ATTEMPTS, FAILURE = "syncSeq", "syncAttempts", "syncError"
+-- is an option): the change's number and id, the failed propagations
+-- since it and the last failure's message.
+local SEQ, ID, ATTEMPTS, FAILURE = "syncSeq", "syncId", "syncAttempts", "syncError"
 
 local sync_options = { collection = true, propagate = true, flag = true,
                        write_concern = true, max_attempts = true }
@@ -64,7 +71,7 @@ function _M.new(db, opts)
     error("db:sync needs the options collection and propagate", HELPER_CALLER)
   end
   local flag = opts.flag or _M.flag
-  if flag == SEQ or flag == ATTEMPTS or flag == FAILURE then
+  if flag == SEQ or flag == ID or flag == ATTEMPTS or flag == FAILURE then
     return nil, errors.new("invalid", "option flag of sync may not be " .. flag,
       { step = "sync" })
   end
@@ -73,7 +80,7 @@ function _M.new(db, opts)
     coll = db.client:collection(db.name, opts.collection),
     propagate = opts.propagate,
     flag = flag,
-    owned = { "_id", flag, SEQ, ATTEMPTS, FAILURE },
+    owned = { "_id", flag, SEQ, ID, ATTEMPTS, FAILURE },
     max_attempts = opts.max_attempts or _M.max_attempts,
     wopts = { write_concern = opts.write_concern or { w = "majority", j = true } },
   }, Sync)
@@ -91,16 +98,16 @@ local function write(step, fn, ...)
   return res
 end
 
--- Runs propagate(master) and ends the change numbered master.syncSeq:
--- clears the flag, or counts a failed attempt.  true, or nil, err
+-- Runs propagate(master) and ends the change master.syncId: clears the
+-- flag, or counts a failed attempt.  true, or nil, err
 -- (`propagation` with the reason, or the database's error).
 function Sync:settle(master)
   local ok, done, reason = pcall(self.propagate, master)
   if not ok then done, reason = nil, tostring(done) end
-  local mine = { _id = master._id, [SEQ] = master[SEQ] }
+  local mine = { _id = master._id, [ID] = master[ID] }
   if done then
     local _, err = write("clear", self.coll.update_one, self.coll, mine,
-      { ["$unset"] = { [self.flag] = "", [ATTEMPTS] = "", [FAILURE] = "" } }, self.wopts)
+      { ["$unset"] = { [self.flag] = "", [ID] = "", [ATTEMPTS] = "", [FAILURE] = "" } }, self.wopts)
     if err then return nil, err end
     return true
   end
@@ -136,19 +143,31 @@ function Sync:change(id, update)
   end
   into("$currentDate", self.flag, true)
   into("$inc", SEQ, 1)
+  local token = core.ObjectId()
+  into("$set", ID, token)
   into("$set", ATTEMPTS, 0)
   into("$unset", FAILURE, "")
   local res
-  res, err = write("change", self.coll.find_and_modify, self.coll, { _id = sent },
-    { update = full, new = true, write_concern = self.wopts.write_concern })
+  res, err = write("change", self.coll.update_one, self.coll, { _id = sent }, full, self.wopts)
   if not res then return nil, err end
-  if not res.value then
+  if res.matched == 0 then
     return nil, errors.new("missing", "no document with this id", { step = "change", id = id })
   end
+  local master
+  master, err = self.coll:find_one({ _id = sent })
+  if err then return nil, errors.wrap(err, "change", id) end
+  if not master then
+    return nil, errors.new("missing", "the document was removed after the change",
+      { step = "change", id = id })
+  end
+  if core.type(master[ID]) ~= "objectId" or master[ID]:value() ~= token:value() then
+    -- a later change came first: its own propagation covers this one
+    return master
+  end
   local ok
-  ok, err = self:settle(res.value)
+  ok, err = self:settle(master)
   if not ok then return nil, err end
-  return res.value
+  return master
 end
 
 local repair_options = { older_than = true, limit = true }
