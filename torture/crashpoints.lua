@@ -15,6 +15,8 @@ local core = require "mongotx.core"
 
 local M = {}
 
+-- The points a traced run passed (MONGOTX_FAULT_TRACE file), each as
+-- "<point>:<when>:<nth time>" in the order passed: a MONGOTX_FAULT value.
 local function trace_points(path)
   local seen, list = {}, {}
   local f = io.open(path)
@@ -176,5 +178,7 @@ function M.run(ctx)
     result.missed)
   return result
 end
+
+M.trace_points = trace_points
 
 return M

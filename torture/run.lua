@@ -16,6 +16,8 @@
 --   stalls       SIGSTOP past the lease          torture/stalls.lua
 --   server       server kill -9, durability, connection drop
 --                                                torture/server_faults.lua
+--   sync, versioned  mongotx.sync / mongotx.versioned: their crash
+--                matrix and random kills      torture/patterns.lua
 --   hostile      busted spec/30-hostile_spec.lua (a teammate's)
 --   fuzz         make fuzz-ci (a teammate's)
 -- The concurrent sections (kills, stalls) run on mongo-java-server only:
@@ -90,6 +92,10 @@ local sections = {
       return with_server("memory", require("torture.stalls").run) end },
   { name = "server", run = function()
       return with_server(nil, require("torture.server_faults").run) end },
+  { name = "sync", run = function()
+      return with_server("memory", require("torture.patterns").sync) end },
+  { name = "versioned", run = function()
+      return with_server("memory", require("torture.patterns").versioned) end },
   { name = "hostile", run = function()
       return with_server(nil, require("torture.external").hostile) end },
   { name = "fuzz", run = function()

@@ -16,10 +16,12 @@
 --   local tree = trees:read("docs")
 --
 -- The root document: { _id, version = the published version, next = the
--- last version number handed out, open = { { v, at }, ... } the writers'
--- versions that may still publish, dead = { v, ... } versions that never
--- will }.  An item version: { _id, root, itemId, version, doc } or
--- { ..., deleted = true }.
+-- last version number handed out, open = { v, ... } the writers'
+-- versions that may still publish, with started = { ["<v>"] = when their
+-- writer began (server's clock) }, dead = { v, ... } versions that never
+-- will }.  (Plain numbers in `open`: FerretDB v1 does not $pull array
+-- elements that are documents by a condition.)  An item version: { _id,
+-- root, itemId, version, doc } or { ..., deleted = true }.
 --
 -- Why `open` and `dead`: version numbers come from `next`, so two writers
 -- never share one, but they are not published in order: a writer that
@@ -135,18 +137,19 @@ function Versioned:begin(root)
     doc, err = self.roots:find_one({ _id = sent })
     if err then return nil, errors.wrap(err, "begin") end
     local base, v, res = 0, 1
-    local entry = core.doc("v", v, "at", core.Date(math.floor(now)))
+    local at = core.Date(math.floor(now))
     if not doc then
       res, err = write("begin", self.roots.insert_one, self.roots,
-        { _id = sent, version = 0, next = 1, open = core.array { entry }, dead = core.array() },
+        { _id = sent, version = 0, next = 1, open = core.array { v }, started = { ["1"] = at },
+          dead = core.array() },
         self.wopts)
       if err and not is_duplicate(err) then return nil, err end
     elseif type(doc.version) == "number" and type(doc.next) == "number" then
       base, v = doc.version, doc.next + 1
-      entry.v = v
       res, err = write("begin", self.roots.update_one, self.roots,
         { _id = sent, version = base, next = doc.next },
-        { ["$set"] = { next = v }, ["$push"] = { open = entry } }, self.wopts)
+        { ["$set"] = { next = v, ["started." .. v] = at }, ["$push"] = { open = v } },
+        self.wopts)
       if err then return nil, err end
       if res.matched == 0 then res = nil end
     else
@@ -239,8 +242,9 @@ function Writer:publish()
   if not ok then return nil, err end
   local res
   res, err = write("publish", self.v.roots.update_one, self.v.roots,
-    { _id = self.root, version = self.base, ["open.v"] = self.version },
-    { ["$set"] = { version = self.version }, ["$pull"] = { open = { v = self.version } } },
+    { _id = self.root, version = self.base, open = self.version },
+    { ["$set"] = { version = self.version }, ["$pull"] = { open = self.version },
+      ["$unset"] = { ["started." .. self.version] = "" } },
     self.v.wopts)
   if not res then return nil, err end
   if res.matched == 1 then
@@ -260,8 +264,9 @@ end
 -- exactly one happens.  The number of roots changed (0 or 1), or nil, err.
 function Versioned:_kill(root, v)
   local res, err = write("abort", self.roots.update_one, self.roots,
-    { _id = root, ["open.v"] = v },
-    { ["$pull"] = { open = { v = v } }, ["$addToSet"] = { dead = v } }, self.wopts)
+    { _id = root, open = v },
+    { ["$pull"] = { open = v }, ["$unset"] = { ["started." .. v] = "" },
+      ["$addToSet"] = { dead = v } }, self.wopts)
   if not res then return nil, err end
   return res.matched
 end
@@ -285,10 +290,9 @@ end
 -- The versions of a root document that readers must skip.
 local function hidden(doc)
   local out = {}
-  for _, e in ipairs(type(doc.open) == "table" and doc.open or {}) do
-    if type(e) == "table" and e.v ~= nil then out[e.v] = true end
+  for _, list in ipairs { doc.open, doc.dead } do
+    for _, v in ipairs(type(list) == "table" and list or {}) do out[v] = true end
   end
-  for _, v in ipairs(type(doc.dead) == "table" and doc.dead or {}) do out[v] = true end
   return out
 end
 
@@ -338,7 +342,7 @@ function Versioned:gc(opts)
   if not now then return nil, err end
   local cutoff = now - (opts.older_than or 3600) * 1000
   local roots
-  roots, err = self.roots:find_all({ ["$or"] = { { ["open.v"] = { ["$exists"] = true } },
+  roots, err = self.roots:find_all({ ["$or"] = { { ["open.0"] = { ["$exists"] = true } },
                                                  { ["dead.0"] = { ["$exists"] = true } } } },
                                    { limit = opts.limit or 100 })
   if not roots then return nil, errors.wrap(err, "gc") end
@@ -346,13 +350,15 @@ function Versioned:gc(opts)
   for _, doc in ipairs(roots) do
     local dead = {}
     for _, v in ipairs(type(doc.dead) == "table" and doc.dead or {}) do dead[#dead + 1] = v end
-    for _, e in ipairs(type(doc.open) == "table" and doc.open or {}) do
-      local stale = core.type(e.at) ~= "date" or e.at:value() < cutoff
-      if type(e.v) == "number" and (e.v < doc.version or stale) then
+    local started = type(doc.started) == "table" and doc.started or {}
+    for _, v in ipairs(type(doc.open) == "table" and doc.open or {}) do
+      local at = started[tostring(v)]
+      local stale = core.type(at) ~= "date" or at:value() < cutoff
+      if type(v) == "number" and (v < doc.version or stale) then
         local n
-        n, err = self:_kill(doc._id, e.v)
+        n, err = self:_kill(doc._id, v)
         if not n then return nil, err end
-        if n == 1 then report.aborted, dead[#dead + 1] = report.aborted + 1, e.v end
+        if n == 1 then report.aborted, dead[#dead + 1] = report.aborted + 1, v end
       end
     end
     if #dead > 0 then
