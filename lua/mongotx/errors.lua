@@ -13,6 +13,8 @@
 --   fenced       another owner took the transaction over while this one worked on it
 --   removing, contention, busy  op failures (see policy.on_op_failure)
 --   policy       (in a recover report) a policy function raised
+--   propagation  mongotx.sync: the caller's propagate failed (the change
+--                is made and stays flagged for repair)
 --   plus the C core's codes, libmongoc's domain names (server, stream,
 --   write_concern, ...), for database failures, with the server's number
 --   in server_code (csrc/error.c)
