@@ -23,15 +23,6 @@ local function comments_of(db, id)
   return assert(db:collection("comments"):find_all({ user = id }, { sort = { _id = 1 } }))
 end
 
--- Runs pattern_worker.lua with args; returns its output once it exited.
-local function child(...)
-  local pid, out = helpers.spawn_file("spec/support/pattern_worker.lua", ...)
-  assert.is_true(helpers.wait_exit(pid, 30), "the child did not exit")
-  local said = helpers.read_file(out)
-  os.remove(out)
-  return said
-end
-
 describe("#server mongotx.sync", function()
   it("changes the master and its dependents, and clears the flag", function()
     local db = fresh()
@@ -255,7 +246,7 @@ describe("#server mongotx.sync", function()
     for _, case in ipairs(cases) do
       it("recovers from a crash at " .. case[1], function()
         local db, dbname = fresh()
-        local said = child("sync-rename", helpers.uri(), dbname, "u1", "Gus", case[2], case[1])
+        local said = patterns.child("sync-rename", helpers.uri(), dbname, "u1", "Gus", case[2], case[1])
         assert.matches("fault injected", said)
         local u = user(db, "u1")
         assert.are.equal(case[3], u.name)
@@ -280,23 +271,14 @@ describe("#server mongotx.sync", function()
 
     it("keep every comment consistent with its user, one killed on the way", function()
       local db, dbname = fresh()
-      local stop = os.tmpname()
-      os.remove(stop)
-      local pids = {}
-      for i = 1, 3 do
-        pids[i] = select(1, helpers.spawn_file("spec/support/pattern_worker.lua",
-          "sync-loop", helpers.uri(), dbname, stop))
-      end
+      local loops = patterns.loops("sync-loop", helpers.uri(), dbname, 3)
       local violations = {}
       for round = 1, 20 do
         helpers.core.sleep(0.1)
-        if round == 8 then helpers.signal(pids[1], "KILL") end
+        if round == 8 then helpers.signal(loops.pids[1], "KILL") end
         for _, v in ipairs(patterns.sync_running(db)) do violations[#violations + 1] = v end
       end
-      local f = assert(io.open(stop, "w"))
-      f:close()
-      for _, pid in ipairs(pids) do assert.is_true(helpers.wait_exit(pid, 30)) end
-      os.remove(stop)
+      assert.is_true(patterns.stop_loops(loops))
       assert.are.same({}, violations)
       assert(patterns.syncer(db):repair { older_than = 0 })
       assert.are.same({}, patterns.sync_final(db))

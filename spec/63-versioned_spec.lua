@@ -28,14 +28,6 @@ local function counts(trees)
   return out, tree.version
 end
 
-local function child(...)
-  local pid, out = helpers.spawn_file("spec/support/pattern_worker.lua", ...)
-  assert.is_true(helpers.wait_exit(pid, 30), "the child did not exit")
-  local said = helpers.read_file(out)
-  os.remove(out)
-  return said
-end
-
 describe("#server mongotx.versioned", function()
   it("publishes a writer's versions at once, and only then", function()
     local db, _, trees = fresh()
@@ -312,7 +304,7 @@ describe("#server mongotx.versioned", function()
     for _, case in ipairs(cases) do
       it("recovers from a crash at " .. case[2] .. " (" .. case[1] .. ")", function()
         local db, dbname, trees = fresh()
-        local said = child(case[1], helpers.uri(), dbname, case[2])
+        local said = patterns.child(case[1], helpers.uri(), dbname, case[2])
         assert.matches("fault injected", said)
         assert.are.same({}, patterns.versioned_running(db))
         local published = root(db).version
@@ -332,30 +324,21 @@ describe("#server mongotx.versioned", function()
 
     it("never show a half-written tree; stopped and killed writers are cleaned", function()
       local db, dbname, trees = fresh()
-      local stop = os.tmpname()
-      os.remove(stop)
-      local pids = {}
-      for i = 1, 3 do
-        pids[i] = (helpers.spawn_file("spec/support/pattern_worker.lua", "versioned-loop",
-          helpers.uri(), dbname, stop))
-      end
+      local loops = patterns.loops("versioned-loop", helpers.uri(), dbname, 3)
       local violations, versions = {}, {}
       for round = 1, 24 do
         helpers.core.sleep(0.1)
-        if round == 6 then helpers.signal(pids[2], "STOP") end
-        if round == 10 then helpers.signal(pids[1], "KILL") end
+        if round == 6 then helpers.signal(loops.pids[2], "STOP") end
+        if round == 10 then helpers.signal(loops.pids[1], "KILL") end
         if round == 16 then
           -- pids[2] has been stopped past older_than = 0.5: gc aborts it
           assert(trees:gc { older_than = 0.5 })
-          helpers.signal(pids[2], "CONT")
+          helpers.signal(loops.pids[2], "CONT")
         end
         for _, v in ipairs(patterns.versioned_running(db)) do violations[#violations + 1] = v end
         versions[#versions + 1] = root(db).version
       end
-      local f = assert(io.open(stop, "w"))
-      f:close()
-      for _, pid in ipairs(pids) do assert.is_true(helpers.wait_exit(pid, 30)) end
-      os.remove(stop)
+      assert.is_true(patterns.stop_loops(loops))
       assert.are.same({}, violations)
       for i = 2, #versions do assert.is_true(versions[i] >= versions[i - 1]) end
       assert.is_true(versions[#versions] > 3, "the writers published almost nothing")

@@ -23,6 +23,14 @@ function _M.server_now(client)
   return reply.localTime:value()
 end
 
+-- The server's time `seconds` ago, in ms since the epoch: what a sweep
+-- for things older than `seconds` compares with.  nil, err.
+function _M.cutoff(client, seconds)
+  local now, err = _M.server_now(client)
+  if not now then return nil, err end
+  return now - seconds * 1000
+end
+
 -- Only the length of a window measured with the estimate depends on its
 -- error (a few ms of round trip, the drift over a minute), never safety:
 -- the writes that need an exact time compare with the server's own.

@@ -180,10 +180,10 @@ function Sync:repair(opts)
   local err
   opts, err = validate.options(opts, repair_options, "repair", CALLER)
   if not opts then return nil, err end
-  local now
-  now, err = clock.server_now(self.db.client)
-  if not now then return nil, err end
-  local cutoff = core.Date(now - (opts.older_than or 60) * 1000)
+  local cutoff
+  cutoff, err = clock.cutoff(self.db.client, opts.older_than or 60)
+  if not cutoff then return nil, err end
+  cutoff = core.Date(math.floor(cutoff))
   local todo
   todo, err = self.coll:find_all({ [self.flag] = { ["$lt"] = cutoff },
                                    [ATTEMPTS] = { ["$lt"] = self.max_attempts } },

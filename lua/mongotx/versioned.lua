@@ -337,10 +337,9 @@ function Versioned:gc(opts)
   local err
   opts, err = validate.options(opts, gc_options, "gc", CALLER)
   if not opts then return nil, err end
-  local now
-  now, err = clock.server_now(self.db.client)
-  if not now then return nil, err end
-  local cutoff = now - (opts.older_than or 3600) * 1000
+  local cutoff
+  cutoff, err = clock.cutoff(self.db.client, opts.older_than or 3600)
+  if not cutoff then return nil, err end
   local roots
   roots, err = self.roots:find_all({ ["$or"] = { { ["open.0"] = { ["$exists"] = true } },
                                                  { ["dead.0"] = { ["$exists"] = true } } } },

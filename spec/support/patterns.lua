@@ -21,6 +21,39 @@ local core = mongotx.core
 
 local M = { USERS = { "u1", "u2", "u3" }, COMMENTS = 4, TOTAL = 100, ROOT = "t" }
 
+-- Runs spec/support/pattern_worker.lua with args (for the specs); its
+-- output once it exited.
+function M.child(...)
+  local helpers = require "spec.helpers"
+  local pid, out = helpers.spawn_file("spec/support/pattern_worker.lua", ...)
+  assert(helpers.wait_exit(pid, 30), "the child did not exit")
+  local said = helpers.read_file(out)
+  os.remove(out)
+  return said
+end
+
+-- Starts n pattern_worker.lua loops (`mode`: sync-loop, versioned-loop)
+-- on the database; returns { pids = { ... }, stop = the stop file }.
+function M.loops(mode, uri, dbname, n)
+  local helpers = require "spec.helpers"
+  local l = { pids = {}, stop = os.tmpname() }
+  os.remove(l.stop)
+  for i = 1, n do
+    l.pids[i] = (helpers.spawn_file("spec/support/pattern_worker.lua", mode, uri, dbname, l.stop))
+  end
+  return l
+end
+
+-- Ends the loops (the stop file) and waits for them; true when all exited.
+function M.stop_loops(l)
+  local helpers = require "spec.helpers"
+  assert(io.open(l.stop, "w")):close()
+  local all = true
+  for _, pid in ipairs(l.pids) do all = helpers.wait_exit(pid, 30) and all end
+  os.remove(l.stop)
+  return all
+end
+
 local function db_of(uri, dbname)
   return assert(mongotx.connect(uri, { database = dbname }))
 end
