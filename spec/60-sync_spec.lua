@@ -151,6 +151,16 @@ describe("#server mongotx.sync", function()
     assert.are.equal("Flo", comments_of(db, "u3")[1].name)
   end)
 
+  it("repairs a flag set by a writer that knows only the seed's recipe (no syncId)", function()
+    local db = fresh()
+    assert(db:collection("users"):update_one({ _id = "u2" },
+      { ["$set"] = { name = "Zed", syncSeq = 7 }, ["$currentDate"] = { syncing = true } }))
+    local report = assert(patterns.syncer(db):repair { older_than = 0 })
+    assert.are.equal(1, report.repaired)
+    assert.are.same({}, patterns.sync_final(db))
+    assert.are.equal("Zed", comments_of(db, "u2")[1].name)
+  end)
+
   it("answers missing for a master that does not exist, writing nothing", function()
     local db, dbname = fresh()
     local s = patterns.syncer(db)

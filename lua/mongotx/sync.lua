@@ -104,7 +104,10 @@ end
 function Sync:settle(master)
   local ok, done, reason = pcall(self.propagate, master)
   if not ok then done, reason = nil, tostring(done) end
+  -- a flag set by a writer that knows nothing of syncId (seed 002's
+  -- recipe) is cleared only while no change of ours came after it
   local mine = { _id = master._id, [ID] = master[ID] }
+  if master[ID] == nil then mine[ID] = { ["$exists"] = false } end
   if done then
     local _, err = write("clear", self.coll.update_one, self.coll, mine,
       { ["$unset"] = { [self.flag] = "", [ID] = "", [ATTEMPTS] = "", [FAILURE] = "" } }, self.wopts)
@@ -121,7 +124,7 @@ end
 
 -- Applies `update` (update operators, none touching the module's fields)
 -- to the master with this id, flagging it in the same write, then
--- propagates and clears the flag.  Returns the master as changed, or
+-- propagates and clears the flag.  Returns the master as read back, or
 -- nil, err: `invalid` (nothing written), `missing` (no such master,
 -- nothing written), `propagation` (the change is made and stays flagged
 -- for repair), or the database's error.
@@ -186,7 +189,8 @@ function Sync:repair(opts)
   cutoff = core.Date(math.floor(cutoff))
   local todo
   todo, err = self.coll:find_all({ [self.flag] = { ["$lt"] = cutoff },
-                                   [ATTEMPTS] = { ["$lt"] = self.max_attempts } },
+                                   -- also flags set without syncAttempts
+                                   [ATTEMPTS] = { ["$not"] = { ["$gte"] = self.max_attempts } } },
                                  { sort = { [self.flag] = 1 }, limit = opts.limit or 100 })
   if not todo then return nil, errors.wrap(err, "repair") end
   local report = { repaired = 0, failed = {} }
