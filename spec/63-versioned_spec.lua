@@ -265,6 +265,7 @@ describe("#server mongotx.versioned", function()
       assert.has_error(function() w:put(nil, { n = 1 }) end)
       assert.has_error(function() trees:gc { older_than = "1" } end)
       assert.has_error(function() trees:gc { olderthan = 1 } end)
+      assert.has_error(function() trees:gc { limit = 1 } end)
       assert.has_error(function() db:versioned { root = "x" } end)
       assert.has_error(function() db:versioned { roots = 1 } end)
     end)
@@ -276,7 +277,7 @@ describe("#server mongotx.versioned", function()
         assert.is_nil(res)
         assert.are.equal("invalid", err.code)
       end
-      for _, opts in ipairs { { older_than = -1 }, { limit = 0 } } do
+      for _, opts in ipairs { { older_than = -1 }, { older_than = 0 / 0 } } do
         local res, err = trees:gc(opts)
         assert.is_nil(res)
         assert.are.equal("invalid", err.code)

@@ -326,13 +326,39 @@ function Versioned:read(root)
   return out
 end
 
-local gc_options = { older_than = true, limit = true }
+-- gc's work on one root document: aborts its open versions that can no
+-- longer publish or began before `cutoff` (ms, server's clock), then
+-- deletes the items of all its dead versions; counts into report.
+function Versioned:_gc_root(doc, cutoff, report)
+  local dead = {}
+  for _, v in ipairs(type(doc.dead) == "table" and doc.dead or {}) do dead[#dead + 1] = v end
+  local started = type(doc.started) == "table" and doc.started or {}
+  for _, v in ipairs(type(doc.open) == "table" and doc.open or {}) do
+    local at = started[tostring(v)]
+    local stale = core.type(at) ~= "date" or at:value() < cutoff
+    if type(v) == "number" and (v < doc.version or stale) then
+      local n, err = self:_kill(doc._id, v)
+      if not n then return nil, err end
+      if n == 1 then report.aborted, dead[#dead + 1] = report.aborted + 1, v end
+    end
+  end
+  if #dead > 0 then
+    local n, err = self:_discard(doc._id, dead)
+    if not n then return nil, err end
+    report.removed = report.removed + n
+  end
+  return true
+end
+
+local gc_options = { older_than = true }
 
 -- Aborts the open versions that can no longer publish (below their
 -- root's published version) or whose writer began more than older_than
 -- seconds ago (server's clock; default 3600), and deletes the items of
--- every dead version, for at most `limit` roots (default 100).  Returns
--- { aborted = n, removed = n item versions }, or nil, err.
+-- every dead version, for every root that has open or dead versions
+-- (dead numbers stay listed, so every pass visits those roots: a
+-- stalled writer may have inserted since).  Returns { aborted = n,
+-- removed = n item versions }, or nil, err.
 function Versioned:gc(opts)
   local err
   opts, err = validate.options(opts, gc_options, "gc", CALLER)
@@ -340,34 +366,20 @@ function Versioned:gc(opts)
   local cutoff
   cutoff, err = clock.cutoff(self.db.client, opts.older_than or 3600)
   if not cutoff then return nil, err end
-  local roots
-  roots, err = self.roots:find_all({ ["$or"] = { { ["open.0"] = { ["$exists"] = true } },
-                                                 { ["dead.0"] = { ["$exists"] = true } } } },
-                                   { limit = opts.limit or 100 })
-  if not roots then return nil, errors.wrap(err, "gc") end
+  local cursor = self.roots:find({ ["$or"] = { { ["open.0"] = { ["$exists"] = true } },
+                                               { ["dead.0"] = { ["$exists"] = true } } } },
+                                 { sort = { _id = 1 } })
   local report = { aborted = 0, removed = 0 }
-  for _, doc in ipairs(roots) do
-    local dead = {}
-    for _, v in ipairs(type(doc.dead) == "table" and doc.dead or {}) do dead[#dead + 1] = v end
-    local started = type(doc.started) == "table" and doc.started or {}
-    for _, v in ipairs(type(doc.open) == "table" and doc.open or {}) do
-      local at = started[tostring(v)]
-      local stale = core.type(at) ~= "date" or at:value() < cutoff
-      if type(v) == "number" and (v < doc.version or stale) then
-        local n
-        n, err = self:_kill(doc._id, v)
-        if not n then return nil, err end
-        if n == 1 then report.aborted, dead[#dead + 1] = report.aborted + 1, v end
-      end
-    end
-    if #dead > 0 then
-      local n
-      n, err = self:_discard(doc._id, dead)
-      if not n then return nil, err end
-      report.removed = report.removed + n
+  while true do
+    local doc, ok
+    doc, err = cursor:next()
+    if doc then ok, err = self:_gc_root(doc, cutoff, report) end
+    if not ok then
+      cursor:close()
+      if err then return nil, errors.wrap(err, "gc") end
+      return report
     end
   end
-  return report
 end
 
 return _M
