@@ -61,8 +61,9 @@ Writer.__index = Writer
 -- Levels for error(): the caller of the public method (see manager.lua).
 local CALLER, HELPER_CALLER = 2, 3
 
--- The fields of an item version this module keeps; the caller's content
--- is stored whole under `doc`, so it may use any of these names.
+-- The field names a caller's content may not use (validate.content's
+-- `owned`): none, since the content is stored whole under `doc`, apart
+-- from the fields this module keeps on an item version.
 local ITEM_FIELDS = {}
 
 -- Contended begins (another writer took the same number between the read
