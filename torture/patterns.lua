@@ -31,6 +31,11 @@ local modules = {
   sync = {
     setup = patterns.sync_setup, running = patterns.sync_running, final = patterns.sync_final,
     loop = "sync-loop",
+    work = function(db)
+      local n = 0
+      for _, u in ipairs(assert(db:collection("users"):find_all({}))) do n = n + (u.syncSeq or 0) end
+      return ("%d renames"):format(n)
+    end,
     scenarios = {
       { name = "rename", mode = "sync-rename", args = { "u1", "Gus", "-", "-" } },
       { name = "rename-failing", mode = "sync-rename", args = { "u1", "Gus", "raise", "-" } },
@@ -40,6 +45,10 @@ local modules = {
     setup = patterns.versioned_setup, running = patterns.versioned_running,
     final = patterns.versioned_final,
     loop = "versioned-loop",
+    work = function(db)
+      local r = assert(db:collection("trees"):find_one({ _id = patterns.ROOT }))
+      return ("%d versions taken, published up to %d, %d dead"):format(r.next, r.version, #r.dead)
+    end,
     scenarios = {
       { name = "move", mode = "versioned-move", args = { "-" } },
       { name = "race", mode = "versioned-race", args = { "-" } },
@@ -178,7 +187,8 @@ local function kills(ctx, which, mod, result)
     result.failures[#result.failures + 1] = which .. " kills (final): " .. v
   end
   result.cases = result.cases + 1
-  return ("%d s, %d kills, %d stops, %d polls"):format(seconds, killed, stops, polls)
+  return ("%d s, %d kills, %d stops, %d polls, %s"):format(seconds, killed, stops, polls,
+    mod.work(db))
 end
 
 local function section(which)
