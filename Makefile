@@ -120,12 +120,14 @@ demo: setup
 	  '$(LUA) examples/00-accounts.lua && $(LUA) examples/01-tutorial.lua'
 
 # Benchmarks (bench/README.md): figures, not tests; each starts its own
-# server.  bench takes about 15 minutes and rewrites the table in
+# server.  bench takes 4-8 minutes and rewrites the table in
 # bench/README.md and bench/throughput.png (BENCH_ARGS: --runs, --scale,
-# --only); bench-memory checks that RSS stays flat over 1 000 000
-# transfers; bench-valgrind runs 10 000 under valgrind (a definite leak or
-# an invalid access fails it).
+# --only, --loopback-only); its latency rows run through toxiproxy, which
+# setup.sh builds with Go the first time.  bench-memory checks that RSS
+# stays flat over 1 000 000 transfers; bench-valgrind runs 10 000 under
+# valgrind (a definite leak or an invalid access fails it).
 bench: setup
+	@spec/support/setup.sh toxiproxy
 	@$(MAKE) --no-print-directory all
 	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- $(LUA) bench/run.lua $(BENCH_ARGS)
 

@@ -64,6 +64,7 @@ build = {
     ["mongotx.options"] = "lua/mongotx/options.lua",
     ["mongotx.errors"] = "lua/mongotx/errors.lua",
     ["mongotx.batch"] = "lua/mongotx/batch.lua",
+    ["mongotx.each"] = "lua/mongotx/each.lua",
     ["mongotx.stored"] = "lua/mongotx/stored.lua",
     ["mongotx.engine"] = "lua/mongotx/engine.lua",
     ["mongotx.recovery"] = "lua/mongotx/recovery.lua",

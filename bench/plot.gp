@@ -1,20 +1,18 @@
 # bench/plot.gp: bench/throughput.png from the medians bench/run.lua
 # measured.  Called as
-#   gnuplot -e "data='<file>'; out='<png>'; bound=<tps>; raw=<tps>" bench/plot.gp
-# <file> has one line per mode: index "key" median min max (transfers/s).
-set terminal pngcairo size 1200,640 font ",10"
+#   gnuplot -e "data='<file>'; out='<png>'; cols=<n>" bench/plot.gp
+# <file>: a header line of quoted titles, then one line per latency
+# (loopback, +0.2 ms, +1 ms): its name, the transfers/s of each mode, and
+# last (column cols) the 7-writes bound at that latency; "?" when missing.
+set terminal pngcairo size 1200,700 font ",10"
 set output out
-set title "mongotx transfers/s per mode (median of runs, bars min-max; log scale)"
+set title "mongotx transfers/s per mode at each round trip (median of runs; log scale)"
 set ylabel "transfers/s"
+set xlabel "round trip added to loopback (toxiproxy latency toxics)"
 set logscale y
-set grid ytics
-set xtics rotate by -40 left noenhanced
-set style fill solid 0.6 border -1
-set boxwidth 0.7
-set key top right
-set bmargin 9
-set rmargin 8
-plot data using 1:3:4:5:(0.7):xtic(2) with boxerrorbars lc rgb "#4878a8" title "median (min-max)", \
-     raw with lines dt 2 lc rgb "#888888" title "raw $inc x2", \
-     bound with lines dt 1 lw 2 lc rgb "#c04040" title "write-count bound (raw x 2/7)", \
-     0.8 * bound with lines dt 3 lc rgb "#c04040" title "target: 0.8 x bound"
+set grid ytics mytics
+set datafile missing "?"
+set key outside right top noenhanced
+set offsets 0.2, 0.2, 0, 0
+plot for [i=2:cols-1] data using 0:i:xtic(1) with linespoints lw 2 pt 7 ps 1.2 title columnhead(i), \
+     data using 0:cols with linespoints dt 2 lw 3 pt 5 lc rgb "#c04040" title columnhead(cols)

@@ -4,7 +4,7 @@
 -- for a full run, writes that table into bench/README.md (between its
 -- results markers) and plots bench/throughput.png with gnuplot.
 --
---   lua5.4 bench/run.lua [--runs N] [--scale F] [--only key,key...]
+--   lua5.4 bench/run.lua [--runs N] [--scale F] [--only key,key...] [--loopback-only]
 --
 --   --runs   runs per mode (default 5; 3 for commit_many at batch 1000, the
 --            recovery and the process modes)
@@ -14,6 +14,11 @@
 --            --accounts)
 --   --accounts  accounts of the single-process modes (default 10 000; at
 --            least twice the largest batch run)
+--   --loopback-only  no rows through toxiproxy (bench/latency.lua)
+--
+-- The rows marked `latency = true` also run through toxiproxy at each of
+-- latency.LEVELS (keys like raw@1ms), after the loopback rows, with
+-- transfers scaled so that a run takes about LEVEL_SECONDS.
 --
 -- Exits non-zero when a mode's check of the database failed.
 
@@ -25,42 +30,49 @@ local modes = require "bench.modes"
 local concurrent = require "bench.concurrent"
 local stats = require "bench.stats"
 local server = require "spec.support.server"
+local latency = require "bench.latency"
 
 local round = stats.round
 local BOUND = 2 / 7 -- writes of a raw transfer over the protocol's minimum
 
-local opts = { runs = nil, scale = 1, only = nil, accounts = nil }
+local opts = { runs = nil, scale = 1, only = nil, accounts = nil, loopback_only = false }
 do
   local i = 1
   while arg[i] do
     local a, v = arg[i], arg[i + 1]
-    if a == "--runs" then opts.runs = assert(tonumber(v), "--runs N")
-    elseif a == "--scale" then opts.scale = assert(tonumber(v), "--scale F")
-    elseif a == "--accounts" then opts.accounts = assert(tonumber(v), "--accounts N")
-    elseif a == "--only" then
-      opts.only = {}
-      for k in v:gmatch("[^,]+") do opts.only[k] = true end
-    else error("unknown argument " .. a) end
-    i = i + 2
+    if a == "--loopback-only" then
+      opts.loopback_only = true
+      i = i + 1
+    else
+      if a == "--runs" then opts.runs = assert(tonumber(v), "--runs N")
+      elseif a == "--scale" then opts.scale = assert(tonumber(v), "--scale F")
+      elseif a == "--accounts" then opts.accounts = assert(tonumber(v), "--accounts N")
+      elseif a == "--only" then
+        opts.only = {}
+        for k in v:gmatch("[^,]+") do opts.only[k] = true end
+      else error("unknown argument " .. a) end
+      i = i + 2
+    end
   end
 end
 
 local uri = assert(os.getenv("MONGOTX_TEST_URI"),
   "MONGOTX_TEST_URI is not set: run through `make bench` or spec/support/with-server")
 
--- What runs, in order.  n is the transfers per run (before --scale).
+-- What runs, in order.  n is the transfers per run (before --scale);
+-- latency = true: the row runs at every latency level too.
 local plan = {
-  { key = "raw", mode = modes.raw, n = 5000 },
-  { key = "textbook", mode = modes.textbook, n = 1000 },
-  { key = "transfer", mode = modes.transfer, n = 1000 },
+  { key = "raw", mode = modes.raw, n = 5000, latency = true },
+  { key = "textbook", mode = modes.textbook, n = 1000, latency = true },
+  { key = "transfer", mode = modes.transfer, n = 1000, latency = true },
   { key = "transfer_guarded", mode = modes.transfer_guarded, n = 1000 },
-  { key = "transfer_deferred", mode = modes.transfer_deferred, n = 1000 },
+  { key = "transfer_deferred", mode = modes.transfer_deferred, n = 1000, latency = true },
   { key = "begin_commit", mode = modes.begin_commit, n = 1000 },
 }
 -- (counts chosen so that `make bench` stays near 15 minutes on 2 cores)
 for _, b in ipairs { { 1, 1000, 5 }, { 10, 1000, 5 }, { 100, 3000, 5 }, { 1000, 5000, 3 } } do
   plan[#plan + 1] = { key = "commit_many" .. b[1], mode = modes.commit_many, batch = b[1], n = b[2],
-                      runs = b[3] }
+                      runs = b[3], latency = b[1] > 1 }
 end
 plan[#plan + 1] = { key = "transfer_many100", mode = modes.transfer_many, batch = 100, n = 3000 }
 -- guarded (min = 0): on 10 000 accounts, and hot: 10 accounts, each
@@ -75,9 +87,16 @@ for _, accounts in ipairs { 10, 10000 } do
                         procs = procs, accounts = accounts, n = 800, runs = 3 }
   end
 end
-plan[#plan + 1] = { key = "recovery", mode = modes.recovery, n = 10000, runs = 3 }
+plan[#plan + 1] = { key = "recovery", mode = modes.recovery, n = 10000, runs = 3, latency = true }
 
-local full = not opts.only and opts.scale == 1 and not opts.accounts
+-- A latency row's run aims at this many seconds (the loopback row's time
+-- per transfer plus its round trips at the measured round trip); its runs
+-- default to 3.
+local LEVEL_SECONDS = 2
+local LEVEL_RUNS = 3
+local PINGS = 500 -- ping commands timed to measure a level's round trip
+
+local full = not opts.only and opts.scale == 1 and not opts.accounts and not opts.loopback_only
 
 local function shell(cmd)
   local f = io.popen(cmd .. " 2>/dev/null")
@@ -98,47 +117,103 @@ local machine = {
 -- Runs ----------------------------------------------------------------------
 
 local results, failures = {}, 0
+local by_key = {}
 local started = os.time()
 print(("bench: %s cores (%s), load %s, %s, server %s"):format(machine.cpus, machine.model,
   machine.load_before, machine.lua, machine.server))
+
+-- Runs plan entry e (n transfers a run) against the server of uri.
+local function run_row(e, n, runs, row_uri)
+  local ctx = { uri = row_uri, n = n, accounts = e.accounts or opts.accounts or 10000, batch = e.batch or 1,
+                procs = e.procs }
+  io.write(("bench: %-24s %6d transfers x %d runs ..."):format(e.key, n, runs))
+  io.flush()
+  local t0 = os.time()
+  local samples, status = {}, nil
+  for _ = 1, runs do
+    local ok, sample, why = pcall(e.mode.run, ctx)
+    if not ok then
+      status = "FAILED: " .. tostring(sample)
+      failures = failures + 1
+      break
+    elseif not sample then
+      status = why
+      break
+    end
+    samples[#samples + 1] = sample
+  end
+  local r = { entry = e, ctx = ctx, status = status }
+  if #samples > 0 and not status then r.sum = stats.summarise(samples) end
+  results[#results + 1] = r
+  by_key[e.key] = r
+  print(r.sum and (" %.0f transfers/s (%ds)"):format(r.sum.tps, os.time() - t0) or (" " .. status))
+end
+
+local function min_n(e)
+  return math.max(e.batch or 1, e.procs or 1)
+end
+
 for _, e in ipairs(plan) do
   if not opts.only or opts.only[e.key] then
-    local n = math.max(math.floor(e.n * opts.scale + 0.5), e.batch or 1, e.procs or 1)
-    local runs = opts.runs or e.runs or 5
-    local ctx = { uri = uri, n = n, accounts = e.accounts or opts.accounts or 10000, batch = e.batch or 1,
-                  procs = e.procs }
-    io.write(("bench: %-18s %6d transfers x %d runs ..."):format(e.key, n, runs))
-    io.flush()
-    local t0 = os.time()
-    local samples, status = {}, nil
-    for _ = 1, runs do
-      local ok, sample, why = pcall(e.mode.run, ctx)
-      if not ok then
-        status = "FAILED: " .. tostring(sample)
-        failures = failures + 1
-        break
-      elseif not sample then
-        status = why
-        break
-      end
-      samples[#samples + 1] = sample
-    end
-    local r = { entry = e, ctx = ctx, status = status }
-    if #samples > 0 and not status then r.sum = stats.summarise(samples) end
-    results[#results + 1] = r
-    print(r.sum and (" %.0f transfers/s (%ds)"):format(r.sum.tps, os.time() - t0) or (" " .. status))
+    run_row(e, math.max(math.floor(e.n * opts.scale + 0.5), min_n(e)), opts.runs or e.runs or 5, uri)
   end
 end
+
+-- The latency levels: the marked rows again through toxiproxy.  A row's
+-- transfers: what takes LEVEL_SECONDS at the loopback row's time per
+-- transfer plus its round trips at the level's measured round trip (at
+-- most the loopback count; a tenth of it when loopback did not run).
+local pings = {} -- level key ("direct", "loopback", "0.2ms", "1ms") -> { median, mean }
+local function at_levels()
+  local wanted = {}
+  for _, level in ipairs(latency.LEVELS) do
+    for _, e in ipairs(plan) do
+      local key = e.key .. "@" .. level.key
+      if e.latency and (not opts.only or opts.only[key]) then wanted[#wanted + 1] = { e, level, key } end
+    end
+  end
+  if #wanted == 0 then return end
+  local proxy, err = latency.start(uri)
+  if not proxy then
+    failures = failures + 1
+    io.stderr:write("bench: ", err, " (--loopback-only runs without toxiproxy)\n")
+    return
+  end
+  print(("bench: toxiproxy %s in front of the server at %s"):format(proxy.version, proxy.uri))
+  local direct = assert(latency.ping(uri, PINGS))
+  pings.direct = direct
+  proxy:set(nil)
+  pings.loopback = latency.ping(proxy.uri, PINGS)
+  print(("bench: ping round trip, median/mean ms: direct %.3f/%.3f, through toxiproxy %.3f/%.3f")
+    :format(direct.median, direct.mean, pings.loopback.median, pings.loopback.mean))
+  local current
+  for _, w in ipairs(wanted) do
+    local e, level, key = w[1], w[2], w[3]
+    if current ~= level then
+      current = level
+      proxy:set(level)
+      pings[level.key] = latency.ping(proxy.uri, PINGS)
+      print(("bench: latency %s: ping round trip median %.3f ms, mean %.3f ms"):format(level.label,
+        pings[level.key].median, pings[level.key].mean))
+    end
+    local base, n = by_key[e.key], e.n * 0.1
+    if base and base.sum then
+      local per_s = 1 / base.sum.tps + base.sum.commands * pings[level.key].mean / 1000
+      n = math.min(e.n, LEVEL_SECONDS / per_s)
+    end
+    local entry = setmetatable({ key = key, level = level }, { __index = e })
+    run_row(entry, math.max(math.floor(n * opts.scale + 0.5), min_n(e)), opts.runs or LEVEL_RUNS, proxy.uri)
+  end
+  proxy:stop()
+end
+if not opts.loopback_only then at_levels() end
+
 -- The server's cost per filter shape, for the profile (bench/filters.lua).
 local filter_table = full and require("bench.filters").markdown(require("bench.filters").measure())
 machine.load_after = shell("cut -d' ' -f1-3 /proc/loadavg")
 machine.minutes = round((os.time() - started) / 60, 1)
 
 -- The table -------------------------------------------------------------------
-
-local by_key = {}
-for _, r in ipairs(results) do by_key[r.entry.key] = r end
-local raw = by_key.raw and by_key.raw.sum
 
 local function fmt(x, d)
   if x == nil then return "" end
@@ -150,7 +225,14 @@ local function label(e)
   if e.batch and e.batch > 1 or e.key:match("^commit_many") then s = s .. " (batch " .. e.batch .. ")" end
   if e.procs then s = ("%s %d on %d accounts"):format(s, e.procs, e.accounts)
   elseif e.accounts then s = ("%s on %d accounts"):format(s, e.accounts) end
+  if e.level then s = ("%s, +%s"):format(s, e.level.label) end
   return s
+end
+
+-- The summary of `key`'s row at `level` (nil: loopback), and the row.
+local function at(key, level)
+  local r = by_key[level and key .. "@" .. level.key or key]
+  return r and r.sum, r
 end
 
 local head = "| mode | transfers x runs | transfers/s median (min-max) | p50 ms | p99 ms | round trips" ..
@@ -159,6 +241,7 @@ local head = "| mode | transfers x runs | transfers/s median (min-max) | p50 ms 
 local rows = { head, "|" .. ("---|"):rep(12) }
 for _, r in ipairs(results) do
   local s, e = r.sum, r.entry
+  local raw = at("raw", e.level)
   if s then
     rows[#rows + 1] = ("| %s | %d x %d | %s (%s-%s) | %s | %s | %s | %s | %s | %s | %s | %s | %s |"):format(
       label(e), s.n, s.runs, fmt(s.tps), fmt(s.tps_min), fmt(s.tps_max), fmt(s.p50, 3), fmt(s.p99, 3),
@@ -175,7 +258,6 @@ local table_md = table.concat(rows, "\n")
 
 local function target_lines()
   local out = {}
-  local cm, tb = by_key.commit_many100, by_key.textbook
   local function check(name, have, want, what)
     if not have then
       out[#out + 1] = ("- %s: **not measured** (%s)"):format(name, what)
@@ -184,12 +266,25 @@ local function target_lines()
         have >= want and "met" or "missed", what, fmt(100 * have / want) .. "%")
     end
   end
-  local cm_tps = cm and cm.sum and cm.sum.tps
-  local missing = cm and cm.status or "not run"
-  check("commit_many at batch 100 ≥ 5 × textbook",
-    cm_tps and tb and tb.sum and cm_tps / tb.sum.tps, 5,
-    cm_tps and tb and tb.sum and ("%s / %s transfers/s = %s×"):format(fmt(cm_tps), fmt(tb.sum.tps),
-      fmt(cm_tps / tb.sum.tps, 2)) or missing)
+  -- throughput of `key` ≥ want × that of `base`, both at `level`
+  local function ratio(key, base, want, level)
+    local a, ra = at(key, level)
+    local b, rb = at(base, level)
+    local at_level = level and ", +" .. level.label or ""
+    local name = ("%s ≥ %s × %s"):format(ra and label(ra.entry) or key .. at_level, want,
+      rb and label(rb.entry) or base .. at_level)
+    if not (a and b) then
+      return check(name, nil, want, (ra or rb) and (ra or rb).status or "not run")
+    end
+    check(name, a.tps / b.tps, want, ("%s / %s transfers/s = %s×"):format(fmt(a.tps), fmt(b.tps),
+      fmt(a.tps / b.tps, 2)))
+  end
+  ratio("commit_many100", "textbook", 5)
+  ratio("commit_many100", "raw", 1.5)
+  ratio("transfer", "textbook", 1.3)
+  local raw = at("raw")
+  local cm_tps = at("commit_many100") and at("commit_many100").tps
+  local missing = by_key.commit_many100 and by_key.commit_many100.status or "not run"
   check("commit_many at batch 100 ≥ 0.8 × bound (raw × 2/7)",
     cm_tps and raw and cm_tps / (raw.tps * BOUND), 0.8,
     cm_tps and raw and ("%s / (%s × 2/7 = %s) = %s"):format(fmt(cm_tps), fmt(raw.tps),
@@ -210,7 +305,31 @@ local function target_lines()
     "and, deferred, the finisher every finish_batch calls: %s)")
     :format(best == nil and "not measured" or best <= 3 and "met" or "missed",
             table.concat(parts, "; "))
+  local one_ms = latency.LEVELS[#latency.LEVELS]
+  ratio("commit_many100", "textbook", 50, one_ms)
+  ratio("commit_many100", "raw", 10, one_ms)
+  -- wall time of one deferred tm:transfer (p50) in measured round trips
+  -- (the median ping: a level's mean moves with the machine's stalls)
+  local d, ping = at("transfer_deferred", one_ms), pings[one_ms.key]
+  check("a single tm:transfer deferred, +" .. one_ms.label .. ", within 3.2 round trips of wall time",
+    d and ping and 3.2 / (d.p50 / ping.median), 1,
+    d and ping and ("p50 %s ms over a measured round trip (median ping) of %s ms = %s round trips")
+      :format(fmt(d.p50, 3), fmt(ping.median, 3), fmt(d.p50 / ping.median, 2)) or "not run")
   return table.concat(out, "\n")
+end
+
+-- What the pings measured (bench/latency.lua).
+local function ping_line()
+  if not pings.direct then return "" end
+  local parts = { ("direct %s / %s"):format(fmt(pings.direct.median, 3), fmt(pings.direct.mean, 3)),
+                  ("through toxiproxy without toxics %s / %s"):format(fmt(pings.loopback.median, 3),
+                    fmt(pings.loopback.mean, 3)) }
+  for _, level in ipairs(latency.LEVELS) do
+    local p = pings[level.key]
+    if p then parts[#parts + 1] = ("+%s %s / %s"):format(level.label, fmt(p.median, 3), fmt(p.mean, 3)) end
+  end
+  return ("\nRound trip of a `ping` command, median / mean ms of %d (the +latency rows run through"):format(PINGS) ..
+    " toxiproxy, bench/latency.lua): " .. table.concat(parts, "; ") .. ".\n"
 end
 
 local summary = table.concat({
@@ -221,7 +340,7 @@ local summary = table.concat({
     machine.date, machine.minutes, machine.cpus, machine.model, machine.load_before,
     machine.load_after, machine.lua, machine.server, "{ w = \"majority\", j = true } for every mode",
     opts.accounts or 10000),
-  "",
+  ping_line(),
   table_md,
   "",
   "Targets:",
@@ -250,19 +369,35 @@ local function write_readme(text)
   f:close()
 end
 
+-- One line per latency (loopback first), one column per mode that runs at
+-- every latency, then the bound: raw's transfers/s at that latency × 2/7.
 local function plot()
-  local data = os.tmpname()
-  local f = assert(io.open(data, "w"))
-  local x = 0
-  for _, r in ipairs(results) do
-    if r.sum then
-      x = x + 1
-      f:write(('%d "%s" %.3f %.3f %.3f\n'):format(x, r.entry.key, r.sum.tps, r.sum.tps_min, r.sum.tps_max))
+  local levels = { false }
+  for _, level in ipairs(latency.LEVELS) do levels[#levels + 1] = level end
+  local keys, titles = {}, { '"round trip"' }
+  for _, e in ipairs(plan) do
+    if e.latency and at(e.key) then
+      keys[#keys + 1] = e.key
+      titles[#titles + 1] = ("%q"):format(label(e))
     end
   end
+  titles[#titles + 1] = '"7-writes bound (raw x 2/7)"'
+  local data = os.tmpname()
+  local f = assert(io.open(data, "w"))
+  f:write(table.concat(titles, " "), "\n")
+  for _, level in ipairs(levels) do
+    local line = { ("%q"):format(level and "+" .. level.label or "loopback") }
+    for _, key in ipairs(keys) do
+      local s = at(key, level or nil)
+      line[#line + 1] = s and ("%.3f"):format(s.tps) or "?"
+    end
+    local raw = at("raw", level or nil)
+    line[#line + 1] = raw and ("%.3f"):format(raw.tps * BOUND) or "?"
+    f:write(table.concat(line, " "), "\n")
+  end
   f:close()
-  local cmd = ("gnuplot -e %s bench/plot.gp"):format(server.quote(("data='%s'; out='%s'; bound=%f; raw=%f")
-    :format(data, "bench/throughput.png", raw and raw.tps * BOUND or 0, raw and raw.tps or 0)))
+  local cmd = ("gnuplot -e %s bench/plot.gp"):format(server.quote(("data='%s'; out='%s'; cols=%d")
+    :format(data, "bench/throughput.png", #titles)))
   local rc = server.execute(cmd)
   os.remove(data)
   assert(rc == 0, "gnuplot failed: " .. cmd)

@@ -18,7 +18,7 @@ function _M.show(v)
   local kind = mongotx.type(v)
   if kind == "date" then
     local ms = v:value()
-    return os.date("!%Y-%m-%dT%H:%M:%S", ms // 1000) .. string.format(".%03dZ", ms % 1000)
+    return os.date("!%Y-%m-%dT%H:%M:%S", math.floor(ms / 1000)) .. string.format(".%03dZ", ms % 1000)
   end
   if t == "userdata" then return tostring(v) end
   local parts = {}

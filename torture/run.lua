@@ -18,6 +18,7 @@
 --                                                torture/server_faults.lua
 --   sync, versioned  mongotx.sync / mongotx.versioned: their crash
 --                matrix and random kills      torture/patterns.lua
+--   batchjob     examples/06 killed and re-run   torture/batchjob.lua
 --   hostile      busted spec/30-hostile_spec.lua (a teammate's)
 --   fuzz         make fuzz-ci (a teammate's)
 -- The concurrent sections (kills, stalls) run on mongo-java-server only:
@@ -96,6 +97,8 @@ local sections = {
       return with_server("memory", require("torture.patterns").sync) end },
   { name = "versioned", run = function()
       return with_server("memory", require("torture.patterns").versioned) end },
+  { name = "batchjob", run = function()
+      return with_server("memory", require("torture.batchjob").run) end },
   { name = "hostile", run = function()
       return with_server(nil, require("torture.external").hostile) end },
   { name = "fuzz", run = function()

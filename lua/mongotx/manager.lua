@@ -1,5 +1,5 @@
 -- The transaction manager: the API a caller sees (begin, commit, run,
--- transfer, commit_many, transfer_many, finish, rollback, compensate,
+-- transfer, commit_many, transfer_many, each, finish, rollback, compensate,
 -- recover, prune, get, find, stats, step).  It checks what callers pass
 -- (mongotx.validate, mongotx.options) and holds the policies; the state
 -- machine that drives transactions through the protocol's steps is
@@ -16,6 +16,7 @@ local engine = require "mongotx.engine"
 local batch = require "mongotx.batch"
 local recovery = require "mongotx.recovery"
 local stepwise = require "mongotx.stepwise"
+local each = require "mongotx.each"
 
 local canon = validate.canon
 local stored_ops, live = stored.ops, stored.live
@@ -324,6 +325,15 @@ function Manager:transfer_many(list)
       ITEM_CALLER)
     return spec, err
   end))
+end
+
+-- A resumable batch job (mongotx.each): one transaction per item of
+-- `source` (a list or a cursor), fn(item) giving its ops (and meta), under
+-- ids derived from opts.id and opts.key(item); a re-run finishes what an
+-- earlier run left and skips what it did.  Returns a report, or nil, err.
+function Manager:each(source, fn, opts)
+  local report, err = each.run(self, source, fn, opts, HELPER_CALLER)
+  return report, err
 end
 
 -- Finishes the transactions committed with policy.finish = "deferred"

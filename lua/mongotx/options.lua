@@ -135,6 +135,11 @@ local checks = {
   -- recover, prune, and the repairs of the modules beside transactions
   limit = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
   older_than = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
+  -- each (mongotx.each)
+  batch = typed("number", "a whole number from 1 to 100000", whole(1, 100000)),
+  key = typed("function"),
+  progress = typed("function"),
+  wait = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
 }
 checks.version_field, checks.flag = checks.marker, checks.marker
 checks.roots, checks.items = checks.collection, checks.collection

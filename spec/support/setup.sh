@@ -10,15 +10,18 @@
 #     fuzz      clang and libFuzzer for make fuzz / make fuzz-ci (fuzz/)
 #     openresty nginx with the Lua module, lua-resty-core, lua-cjson, wrk and
 #               OpenResty's LuaJIT (luajit2) for make test-openresty
+#     toxiproxy toxiproxy v2.12.0 (server and cli) built with Go, and curl,
+#               for make bench's runs at a network's latency (bench/latency.lua)
 #   default: deps java
 #
 # Artifacts go to $MONGOTX_CACHE (default ~/.cache/mongotx):
-#   server.classpath  classes/  bin/ferretdb
+#   server.classpath  classes/  bin/ferretdb  bin/toxiproxy-server  bin/toxiproxy-cli
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CACHE=${MONGOTX_CACHE:-$HOME/.cache/mongotx}
 FERRETDB_VERSION=v1.24.0
+TOXIPROXY_VERSION=v2.12.0
 
 say() { printf 'setup: %s\n' "$*"; }
 die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
@@ -199,6 +202,32 @@ do_openresty() {
   say "nginx $(nginx -v 2>&1 | sed 's#.*/##'), $(luajit -v | cut -d' ' -f1-2), lua module $mod"
 }
 
+# toxiproxy's server and cli from the Go module proxy, renamed (go install
+# names them server and cli).  `--version` prints "git" for a go-installed
+# binary, so the pinned version is kept in a stamp next to them.
+do_toxiproxy() {
+  apt_install curl # bench/latency.lua configures the proxy through its HTTP API
+  local stamp=$CACHE/bin/toxiproxy.version
+  if [[ -x $CACHE/bin/toxiproxy-server && -x $CACHE/bin/toxiproxy-cli && -f $stamp \
+        && $(cat "$stamp") == "$TOXIPROXY_VERSION" ]]; then
+    say "toxiproxy $TOXIPROXY_VERSION: present ($CACHE/bin/toxiproxy-server)"
+    return
+  fi
+  ensure_go
+  local build=$CACHE/toxiproxy-build
+  rm -rf "$build"
+  mkdir -p "$build" "$CACHE/bin"
+  say "toxiproxy $TOXIPROXY_VERSION: building with $(go version | cut -d' ' -f3) (Go module proxy)"
+  GOBIN=$build go install "github.com/Shopify/toxiproxy/v2/cmd/server@$TOXIPROXY_VERSION" \
+    "github.com/Shopify/toxiproxy/v2/cmd/cli@$TOXIPROXY_VERSION" \
+    || die "go install github.com/Shopify/toxiproxy/v2@$TOXIPROXY_VERSION failed"
+  mv "$build/server" "$CACHE/bin/toxiproxy-server"
+  mv "$build/cli" "$CACHE/bin/toxiproxy-cli"
+  rm -rf "$build"
+  echo "$TOXIPROXY_VERSION" > "$stamp"
+  say "toxiproxy $TOXIPROXY_VERSION: ready ($CACHE/bin/toxiproxy-server, toxiproxy-cli)"
+}
+
 targets=("$@")
 ((${#targets[@]})) || targets=(deps java)
 for t in "${targets[@]}"; do
@@ -209,6 +238,7 @@ for t in "${targets[@]}"; do
     all) do_deps; do_java; do_ferretdb ;;
     fuzz) do_fuzz ;;
     openresty) do_openresty ;;
-    *) die "unknown target '$t' (deps|java|ferretdb|all|fuzz|openresty)" ;;
+    toxiproxy) do_toxiproxy ;;
+    *) die "unknown target '$t' (deps|java|ferretdb|all|fuzz|openresty|toxiproxy)" ;;
   esac
 done
