@@ -24,7 +24,7 @@
 -- and repair may run it while the writer still does) and should be
 -- monotone: condition each dependent write on master.syncSeq being newer
 -- than the one the dependent holds, so that a late run for an older
--- state cannot overwrite a newer one (examples/06-sync.lua).  It returns
+-- state cannot overwrite a newer one (examples/07-sync.lua).  It returns
 -- true, or nil and a message; a raise counts as nil, message.  A failed
 -- propagation leaves the flag, counts an attempt (syncAttempts, with the
 -- message in syncError) and is retried by repair; after max_attempts
