@@ -290,6 +290,10 @@ describe("#server mongotx.versioned", function()
   -- can never be published.
   describe("crash points", function()
     local cases = {
+      { "versioned-new", "versioned.create:before:1" },
+      { "versioned-new", "versioned.create:after:1" },
+      { "versioned-new", "versioned.begin:after:1" },
+      { "versioned-new", "versioned.publish:after:1" },
       { "versioned-move", "versioned.begin:before:1" },
       { "versioned-move", "versioned.begin:after:1" },
       { "versioned-move", "versioned.put:before:1" },

@@ -50,6 +50,7 @@ local modules = {
       return ("%d versions taken, published up to %d, %d dead"):format(r.next, r.version, #r.dead)
     end,
     scenarios = {
+      { name = "new-root", mode = "versioned-new", args = { "-" } },
       { name = "move", mode = "versioned-move", args = { "-" } },
       { name = "race", mode = "versioned-race", args = { "-" } },
     },

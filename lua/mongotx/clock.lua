@@ -2,8 +2,7 @@
 -- never trusts the client's clock, which may be minutes off.  server_now
 -- asks the server (one isMaster); a clock object estimates the server's
 -- time from the monotonic clock and an isMaster at most a minute old,
--- for the calls that need the time often (the engine's deadlines,
--- versioned's writers).
+-- for the calls that need the time often (the engine's deadlines).
 
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"

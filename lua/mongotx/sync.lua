@@ -188,7 +188,7 @@ function Sync:repair(opts)
   if not cutoff then return nil, err end
   cutoff = core.Date(math.floor(cutoff))
   local todo
-  todo, err = self.coll:find_all({ [self.flag] = { ["$lt"] = cutoff },
+  todo, err = self.coll:find_all({ [self.flag] = { ["$lte"] = cutoff },
                                    -- also flags set without syncAttempts
                                    [ATTEMPTS] = { ["$not"] = { ["$gte"] = self.max_attempts } } },
                                  { sort = { [self.flag] = 1 }, limit = opts.limit or 100 })

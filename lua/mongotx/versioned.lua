@@ -17,11 +17,12 @@
 --
 -- The root document: { _id, version = the published version, next = the
 -- last version number handed out, open = { v, ... } the writers'
--- versions that may still publish, with started = { ["<v>"] = when their
--- writer began (server's clock) }, dead = { v, ... } versions that never
--- will }.  (Plain numbers in `open`: FerretDB v1 does not $pull array
--- elements that are documents by a condition.)  An item version: { _id,
--- root, itemId, version, doc } or { ..., deleted = true }.
+-- versions that may still publish, with started<v> = when the writer of
+-- v began ($currentDate: the server's clock), dead = { v, ... } versions
+-- that never will }.  (Plain numbers in `open` and a top-level field per
+-- start: FerretDB v1 neither $pulls array elements that are documents by
+-- a condition nor takes $currentDate of a dotted path.)  An item
+-- version: { _id, root, itemId, version, doc } or { ..., deleted = true }.
 --
 -- Why `open` and `dead`: version numbers come from `next`, so two writers
 -- never share one, but they are not published in order: a writer that
@@ -66,6 +67,9 @@ local CALLER, HELPER_CALLER = 2, 3
 -- from the fields this module keeps on an item version.
 local ITEM_FIELDS = {}
 
+-- The prefix of a root's field holding when the writer of a version began.
+local STARTED = "started"
+
 -- Contended begins (another writer took the same number between the read
 -- and the write) are retried this many times.
 local MAX_CONTENTION = 50
@@ -89,7 +93,6 @@ function _M.new(db, opts)
     db = db,
     roots = db.client:collection(db.name, roots),
     items = db.client:collection(db.name, items),
-    server_clock = clock.new(),
     wopts = { write_concern = opts.write_concern or { w = "majority", j = true } },
   }, Versioned)
   local ok, err = self.items:create_index(core.doc("root", 1, "itemId", 1, "version", 1),
@@ -123,34 +126,31 @@ local function root_id(id, step)
   return validate.module_id(id, step)
 end
 
--- Takes the next version number of the root (creating the root at
--- version 0 when it does not exist) and registers it as open, in one
--- write.  Returns a writer that started from the root's published
+-- Takes the next version number of the root and registers it as open,
+-- in one write (after one more creating the root at version 0 when it
+-- does not exist).  Returns a writer that started from the root's published
 -- version, or nil, err.
 function Versioned:begin(root)
   local sent, err = root_id(root, "begin")
   if sent == nil then return nil, err end
   for _ = 1, MAX_CONTENTION do
-    local now
-    now, err = self.server_clock:now(self.db.client)
-    if not now then return nil, errors.wrap(err, "begin") end
     local doc
     doc, err = self.roots:find_one({ _id = sent })
     if err then return nil, errors.wrap(err, "begin") end
-    local base, v, res = 0, 1
-    local at = core.Date(math.floor(now))
+    local res, base, v
     if not doc then
-      res, err = write("begin", self.roots.insert_one, self.roots,
-        { _id = sent, version = 0, next = 1, open = core.array { v }, started = { ["1"] = at },
-          dead = core.array() },
-        self.wopts)
-      if err and not is_duplicate(err) then return nil, err end
+      -- the root at version 0, then (next round) this writer's number
+      local created
+      created, err = write("create", self.roots.insert_one, self.roots,
+        { _id = sent, version = 0, next = 0, open = core.array(),
+          dead = core.array() }, self.wopts)
+      if not created and not is_duplicate(err) then return nil, err end
     elseif type(doc.version) == "number" and type(doc.next) == "number" then
       base, v = doc.version, doc.next + 1
       res, err = write("begin", self.roots.update_one, self.roots,
         { _id = sent, version = base, next = doc.next },
-        { ["$set"] = { next = v, ["started." .. v] = at }, ["$push"] = { open = v } },
-        self.wopts)
+        { ["$set"] = { next = v }, ["$push"] = { open = v },
+          ["$currentDate"] = { [STARTED .. v] = true } }, self.wopts)
       if err then return nil, err end
       if res.matched == 0 then res = nil end
     else
@@ -245,7 +245,7 @@ function Writer:publish()
   res, err = write("publish", self.v.roots.update_one, self.v.roots,
     { _id = self.root, version = self.base, open = self.version },
     { ["$set"] = { version = self.version }, ["$pull"] = { open = self.version },
-      ["$unset"] = { ["started." .. self.version] = "" } },
+      ["$unset"] = { [STARTED .. self.version] = "" } },
     self.v.wopts)
   if not res then return nil, err end
   if res.matched == 1 then
@@ -266,7 +266,7 @@ end
 function Versioned:_kill(root, v)
   local res, err = write("abort", self.roots.update_one, self.roots,
     { _id = root, open = v },
-    { ["$pull"] = { open = v }, ["$unset"] = { ["started." .. v] = "" },
+    { ["$pull"] = { open = v }, ["$unset"] = { [STARTED .. v] = "" },
       ["$addToSet"] = { dead = v } }, self.wopts)
   if not res then return nil, err end
   return res.matched
@@ -333,10 +333,9 @@ end
 function Versioned:_gc_root(doc, cutoff, report)
   local dead = {}
   for _, v in ipairs(type(doc.dead) == "table" and doc.dead or {}) do dead[#dead + 1] = v end
-  local started = type(doc.started) == "table" and doc.started or {}
   for _, v in ipairs(type(doc.open) == "table" and doc.open or {}) do
-    local at = started[tostring(v)]
-    local stale = core.type(at) ~= "date" or at:value() < cutoff
+    local at = doc[STARTED .. tostring(v)]
+    local stale = core.type(at) ~= "date" or at:value() <= cutoff
     if type(v) == "number" and (v < doc.version or stale) then
       local n, err = self:_kill(doc._id, v)
       if not n then return nil, err end

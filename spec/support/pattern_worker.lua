@@ -10,6 +10,8 @@
 --       random renames until the stop file exists
 --   pattern_worker.lua versioned-move <uri> <db> <fault>
 --       one move (spec/support/patterns.lua)
+--   pattern_worker.lua versioned-new <uri> <db> <fault>
+--       a move on a root nobody wrote yet (NEW_ROOT): creates it
 --   pattern_worker.lua versioned-race <uri> <db> <fault>
 --       two writers from one version: the first publishes, the second
 --       gets conflict and is aborted
@@ -64,6 +66,12 @@ elseif mode == "versioned-move" then
   local trees = patterns.trees(db)
   arm(arg[4])
   say("result", outcome(patterns.move(trees)))
+elseif mode == "versioned-new" then
+  local trees = patterns.trees(db)
+  arm(arg[4])
+  local w = assert(trees:begin(patterns.NEW_ROOT))
+  assert(w:put("a", { n = patterns.TOTAL }))
+  say("result", outcome(w:publish()))
 elseif mode == "versioned-race" then
   local trees = patterns.trees(db)
   arm(arg[4])

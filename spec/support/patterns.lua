@@ -19,7 +19,8 @@
 local mongotx = require "mongotx"
 local core = mongotx.core
 
-local M = { USERS = { "u1", "u2", "u3" }, COMMENTS = 4, TOTAL = 100, ROOT = "t" }
+local M = { USERS = { "u1", "u2", "u3" }, COMMENTS = 4, TOTAL = 100, ROOT = "t",
+            NEW_ROOT = "n" }
 
 -- Runs spec/support/pattern_worker.lua with args (for the specs); its
 -- output once it exited.
@@ -194,17 +195,27 @@ function M.versioned_running(db)
   return {}
 end
 
--- Violations once gc ran with older_than = 0: the sum, no open version
--- left, and no item of a dead version left.
+-- Violations once gc ran with older_than = 0: the sum (also of NEW_ROOT
+-- once published), no open version left, and no item of a dead version
+-- left.
 function M.versioned_final(db)
   local bad = M.versioned_running(db)
-  local root = assert(db:collection("trees"):find_one({ _id = M.ROOT }))
-  if #root.open > 0 then bad[#bad + 1] = #root.open .. " versions still open" end
-  local dead = {}
-  for _, v in ipairs(root.dead) do dead[#dead + 1] = v end
-  if #dead > 0 then
-    local n = assert(db:collection("nodes"):count({ version = { ["$in"] = dead } }))
-    if n > 0 then bad[#bad + 1] = n .. " items of dead versions left" end
+  local trees = M.trees(db)
+  for _, id in ipairs { M.ROOT, M.NEW_ROOT } do
+    local root = db:collection("trees"):find_one({ _id = id })
+    if root then
+      if #root.open > 0 then bad[#bad + 1] = #root.open .. " versions of " .. id .. " still open" end
+      local dead = {}
+      for _, v in ipairs(root.dead) do dead[#dead + 1] = v end
+      if #dead > 0 then
+        local n = assert(db:collection("nodes"):count({ root = id, version = { ["$in"] = dead } }))
+        if n > 0 then bad[#bad + 1] = n .. " items of dead versions of " .. id .. " left" end
+      end
+      local tree = assert(trees:read(id))
+      if id == M.NEW_ROOT and tree.version > 0 and #tree.items ~= 1 then
+        bad[#bad + 1] = ("%s published with %d items"):format(id, #tree.items)
+      end
+    end
   end
   return bad
 end
