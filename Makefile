@@ -166,7 +166,7 @@ torture-ci:
 	$(TORTURE) --ci $(TORTURE_ARGS)
 
 lint:
-	luacheck -q lua spec examples $(wildcard bench torture fuzz)
+	luacheck -q lua spec examples bin/mongotx $(wildcard bench torture fuzz)
 
 clean:
 	rm -rf build

@@ -26,6 +26,8 @@ each protocol step; the Lua layer holds the policies.]],
 
 dependencies = {
   "lua >= 5.1",
+  -- for bin/mongotx only (Debian: lua-argparse)
+  "argparse",
 }
 
 external_dependencies = {
@@ -74,6 +76,17 @@ build = {
     ["mongotx.clock"] = "lua/mongotx/clock.lua",
     ["mongotx.sync"] = "lua/mongotx/sync.lua",
     ["mongotx.versioned"] = "lua/mongotx/versioned.lua",
+    ["mongotx.queue"] = "lua/mongotx/queue.lua",
+    ["mongotx.cli"] = "lua/mongotx/cli.lua",
+    ["mongotx.cli.args"] = "lua/mongotx/cli/args.lua",
+    ["mongotx.cli.commands"] = "lua/mongotx/cli/commands.lua",
+    ["mongotx.cli.output"] = "lua/mongotx/cli/output.lua",
+    ["mongotx.cli.policy"] = "lua/mongotx/cli/policy.lua",
+    ["mongotx.cli.progress"] = "lua/mongotx/cli/progress.lua",
+  },
+  -- the operator's command (README, "Operating mongotx")
+  install = {
+    bin = { mongotx = "bin/mongotx" },
   },
 }
 

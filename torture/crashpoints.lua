@@ -32,7 +32,7 @@ local function trace_points(path)
   f:close()
   return list
 end
-M.trace_points = trace_points -- also torture/batchjob.lua's
+M.trace_points = trace_points -- also torture/batchjob.lua's, queue.lua's and patterns.lua's
 
 -- Runs one phase in a child; returns its status class and output.
 local function phase(env, uri, dbname, s, kind, which)
@@ -179,7 +179,5 @@ function M.run(ctx)
     result.missed)
   return result
 end
-
-M.trace_points = trace_points
 
 return M

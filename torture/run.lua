@@ -14,6 +14,8 @@
 --   kills        random kill -9 of workers      torture/kills.lua
 --   races        fixed two-manager interleavings torture/races.lua
 --   stalls       SIGSTOP past the lease          torture/stalls.lua
+--   queue-crashpoints, queue-kills   mongotx.queue's crash matrix and its
+--                random kill -9 / SIGSTOP run   torture/queue.lua
 --   server       server kill -9, durability, connection drop
 --                                                torture/server_faults.lua
 --   sync, versioned  mongotx.sync / mongotx.versioned: their crash
@@ -91,6 +93,10 @@ local sections = {
       return with_server("memory", require("torture.races").run) end },
   { name = "stalls", run = function()
       return with_server("memory", require("torture.stalls").run) end },
+  { name = "queue-crashpoints", run = function()
+      return with_server("memory", require("torture.queue").crashpoints) end },
+  { name = "queue-kills", run = function()
+      return with_server("memory", require("torture.queue").kills) end },
   { name = "server", run = function()
       return with_server(nil, require("torture.server_faults").run) end },
   { name = "sync", run = function()

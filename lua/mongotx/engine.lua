@@ -78,7 +78,7 @@ function _M.new(ctx)
                          write_concern = ctx.write_concern },
     colls = {},         -- collection handles by name (coll)
     held = {},          -- key(id) -> epoch this engine holds (hold, holds)
-    server_clock = clock.new(), -- the server's clock as estimated (clock)
+    server_clock = clock.new(ctx.db), -- (server_now, clock)
     use_deadline = nil, -- does the server evaluate $$NOW (deadlines)
   }, Engine)
   return self
@@ -137,10 +137,10 @@ function Engine:many(name, ...)
   return self:retry(name, nil, steps[name .. "_many"], steps, ...)
 end
 
+-- The server's clock (ms since the epoch), read now (mongotx.clock).
 function Engine:server_now()
-  return clock.server_now(self.db.client)
+  return self.server_clock:read()
 end
-
 
 -- The transaction with this id (checked like a caller's id: {$gt = ""}
 -- must not find another one), or nil; nil, err.
@@ -166,11 +166,11 @@ function Engine:hold(id, epoch)
   self.held[key(id)] = epoch
 end
 
--- The server's clock in ms as estimated (mongotx.clock): only the length
--- of an owner's window depends on it, not safety (applies and claims both
+-- The server's clock in ms, estimated (mongotx.clock): only the length of
+-- an owner's window depends on it, not safety (applies and claims both
 -- compare deadlines with the server's clock).
 function Engine:clock()
-  return self.server_clock:now(self.db.client)
+  return self.server_clock:now()
 end
 
 -- Are this manager's applies fenced by a deadline (csrc/txn.c)?  When

@@ -10,9 +10,11 @@
 --   idempotency  an id was reused with different ops
 --   state        the transaction is not in a state that allows the call
 --   malformed    recovery found a transaction document it cannot read (left as it is)
---   fenced       another owner took the transaction over while this one worked on it
+--   fenced       another owner took the transaction (or a queue's job) over while
+--                this one worked on it
 --   removing, contention, busy  op failures (see policy.on_op_failure)
---   policy       (in a recover report) a policy function raised
+--   policy       a policy function raised (in a recover report) or returned
+--                what it may not (queue:fail's backoff)
 --   propagation  mongotx.sync: the caller's propagate failed (the change
 --                is made and stays flagged for repair)
 --   plus the C core's codes, libmongoc's domain names (server, stream,

@@ -14,6 +14,7 @@ local manager = require "mongotx.manager"
 local options = require "mongotx.options"
 local sync = require "mongotx.sync"
 local versioned = require "mongotx.versioned"
+local queue = require "mongotx.queue"
 
 local _M = { _VERSION = core._VERSION, core = core }
 
@@ -61,6 +62,13 @@ end
 function Database:versioned(opts)
   local v, err = versioned.new(self, opts) -- not a tail call: its errors name our caller
   return v, err
+end
+
+-- db:queue{ collection, write_concern, lease, max_attempts, backoff }
+-- (mongotx.queue)
+function Database:queue(opts)
+  local q, err = queue.new(self, opts) -- not a tail call: its errors name our caller
+  return q, err
 end
 
 function Database:close()

@@ -1,7 +1,8 @@
 -- The transaction manager: the API a caller sees (begin, commit, run,
 -- transfer, commit_many, transfer_many, each, finish, rollback, compensate,
--- recover, prune, get, find, stats, step).  It checks what callers pass
--- (mongotx.validate, mongotx.options) and holds the policies; the state
+-- recover, prune, get, find, stats, backlog, inspect, unpark, step).  It
+-- checks what callers pass (mongotx.validate, mongotx.options) and holds
+-- the policies; the state
 -- machine that drives transactions through the protocol's steps is
 -- mongotx.engine (with mongotx.batch for batches), recovery is
 -- mongotx.recovery and the stepwise API mongotx.stepwise.
@@ -445,35 +446,59 @@ function Manager:recover(opts)
 end
 
 -- Deletes finished transactions older than the retention period (or
--- opts.older_than seconds); returns how many.
+-- opts.older_than seconds); with opts.limit, only the `limit` oldest of
+-- them (a sweep in steps, as `mongotx prune` runs it); with opts.dry_run,
+-- none: it counts them.  Returns how many.
 function Manager:prune(opts)
   local now, err
-  opts, err = validate.options(opts, { older_than = true }, "prune", CALLER)
+  opts, err = validate.options(opts, { older_than = true, limit = true, dry_run = true },
+    "prune", CALLER)
   if not opts then return nil, err end
   now, err = self.engine:server_now()
   if not now then return nil, err end
   local age = opts.older_than or self.policy.retention
-  local before = core.Date(math.floor(now - age * 1000))
+  local filter = {
+    state = { ["$in"] = { "done", "cancelled" } },
+    lastModified = { ["$lt"] = core.Date(math.floor(now - age * 1000)) },
+  }
+  if opts.dry_run then
+    local n
+    n, err = self.tx:count(filter)
+    if not n then return nil, errors.wrap(err, "prune") end
+    return opts.limit and math.min(n, opts.limit) or n
+  end
+  if opts.limit then
+    local list
+    list, err = self.tx:find_all(filter, { sort = { lastModified = 1 }, limit = opts.limit,
+                                           projection = { _id = 1 } })
+    if not list then return nil, errors.wrap(err, "prune") end
+    if #list == 0 then return 0 end
+    local ids = {}
+    for i, T in ipairs(list) do ids[i] = T._id end
+    -- with the conditions above still in the filter: one that moved
+    -- meanwhile is not deleted
+    filter._id = { ["$in"] = ids }
+  end
   local ok
-  ok, err = self:_prune_placeholders(before)
+  ok, err = self:_prune_placeholders(filter)
   if not ok then return nil, err end
   local res
-  res, err = self.tx:delete_many({
-    state = { ["$in"] = { "done", "cancelled" } },
-    lastModified = { ["$lt"] = before },
-  }, self.engine.wopts)
+  res, err = self.tx:delete_many(filter, self.engine.wopts)
   if not res then return nil, errors.wrap(err, "prune") end
   return res.deleted
 end
 
 -- Deletes the placeholders (csrc/txn.c, fence) of the cancelled
--- transactions with insert ops that prune is about to delete: a former
--- owner stalled for longer than the retention period is the risk this
--- takes.  A placeholder that mongotx has written to since (it carries a
--- marker field) is left alone, and so are malformed transactions.
-function Manager:_prune_placeholders(before)
-  local list, err = self.tx:find_all({ state = "cancelled", lastModified = { ["$lt"] = before },
-    ["ops.kind"] = "insert" })
+-- transactions with insert ops among those prune is about to delete
+-- (`filter`): a former owner stalled for longer than the retention period
+-- is the risk this takes.  A placeholder that mongotx has written to since
+-- (it carries a marker field) is left alone, and so are malformed
+-- transactions.
+function Manager:_prune_placeholders(filter)
+  local only = { ["ops.kind"] = "insert" }
+  for k, v in pairs(filter) do only[k] = v end
+  only.state = "cancelled"
+  local list, err = self.tx:find_all(only)
   if not list then return nil, errors.wrap(err, "prune") end
   for _, T in ipairs(list) do
     for _, op in ipairs(validate.malformed(T, self.engine.vctx) and {} or T.ops) do
@@ -486,6 +511,53 @@ function Manager:_prune_placeholders(before)
     end
   end
   return true
+end
+
+-- Clears `parked` on a transaction recovery gave up on, and its
+-- `attempts`, so that recovery takes it up again (for max_attempts more
+-- tries); its `reason` stays for the record.  Returns true, or nil, err:
+-- `state` when there is no such transaction or it is not parked.
+function Manager:unpark(id)
+  local T, err = self:_get(id, "unpark", CALLER)
+  if err then return nil, err end
+  if not T then
+    return nil, errors.new("state", "no such transaction", { step = "unpark", id = id })
+  end
+  local res
+  res, err = self.tx:update_one({ _id = T._id, parked = true },
+    { ["$unset"] = { parked = "" }, ["$set"] = { attempts = 0 } }, self.engine.wopts)
+  if not res then return nil, errors.wrap(err, "unpark", T._id) end
+  if res.matched == 0 then
+    return nil, errors.new("state", "the transaction is not parked", { step = "unpark", id = T._id })
+  end
+  self.engine:event("unpark", { id = T._id })
+  return true
+end
+
+-- The transaction with this id and, for each of its ops, what that op's
+-- document carries now: { collection, id, exists, marker (the ids in the
+-- marker field), version, held (txHeld), removing (txRemoving) }.  Returns
+-- T, docs; nil when there is no such transaction; nil, err.  The documents
+-- of a malformed transaction (validate.malformed: its op ids may not be
+-- fit for a filter) are not read: docs is empty and the third value says
+-- what is wrong.
+function Manager:inspect(id)
+  local T, err = self:_get(id, "inspect", CALLER)
+  if not T then return nil, err end
+  local eng, docs = self.engine, {}
+  local why = validate.malformed(T, eng.vctx)
+  if why then return T, docs, why end
+  local f = eng.fields
+  local projection = { [f.marker] = 1, [f.version] = 1, [f.held] = 1, [f.removing] = 1 }
+  for i, op in ipairs(T.ops) do
+    local doc
+    doc, err = eng:coll(op.collection):find_one({ _id = op.id }, { projection = projection })
+    if err then return nil, errors.wrap(err, "inspect", T._id) end
+    docs[i] = { collection = op.collection, id = op.id, exists = doc ~= nil,
+                marker = doc and doc[f.marker], version = doc and doc[f.version],
+                held = doc and doc[f.held], removing = doc and doc[f.removing] }
+  end
+  return T, docs
 end
 
 function Manager:find(filter, opts)
@@ -506,6 +578,34 @@ function Manager:stats()
   local n, err = self.tx:count({ parked = true })
   if not n then return nil, errors.wrap(err, "stats") end
   out.parked = n
+  return out
+end
+
+local ACTIVE = { ["$in"] = { "initial", "pending", "applied", "canceling" } }
+
+-- What recovery has before it, by the server's clock: `active` (in
+-- initial, pending, applied or canceling and not parked: what recover
+-- reads), `stale` (those of them last changed more than stale_after
+-- seconds ago), `oldest` (seconds since the last change of the oldest
+-- open transaction, parked ones included; nil when none) and `oldest_id`.
+function Manager:backlog()
+  local now, err = self.engine:server_now()
+  if not now then return nil, err end
+  local out = {}
+  out.active, err = self.tx:count({ state = ACTIVE, parked = { ["$ne"] = true } })
+  if not out.active then return nil, errors.wrap(err, "backlog") end
+  local since = core.Date(math.floor(now - self.policy.stale_after * 1000))
+  out.stale, err = self.tx:count({ state = ACTIVE, parked = { ["$ne"] = true },
+                                   lastModified = { ["$lt"] = since } })
+  if not out.stale then return nil, errors.wrap(err, "backlog") end
+  local first
+  first, err = self.tx:find_all({ state = ACTIVE, lastModified = { ["$type"] = "date" } },
+    { sort = { lastModified = 1 }, limit = 1, projection = { lastModified = 1 } })
+  if not first then return nil, errors.wrap(err, "backlog") end
+  if first[1] then
+    out.oldest = (now - first[1].lastModified:value()) / 1000
+    out.oldest_id = first[1]._id
+  end
   return out
 end
 

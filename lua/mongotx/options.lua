@@ -1,7 +1,7 @@
 -- The options of every public call (connect, db:manager, begin, run,
--- transfer, the batches, recover, prune, db:sync, db:versioned and
--- theirs), checked in one place before
--- anything is written.
+-- transfer, the batches, recover, prune, db:queue and its calls, db:sync,
+-- db:versioned and theirs), checked in one place before anything is
+-- written.
 --
 -- A wrong type or an unknown name is a programming error and raises
 -- ("option lease of manager must be a number, not string").  A value of
@@ -135,6 +135,13 @@ local checks = {
   -- recover, prune, and the repairs of the modules beside transactions
   limit = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
   older_than = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
+  dry_run = typed("boolean"),
+  -- mongotx.queue: push, work
+  priority = typed("number", "a whole number from -1000000 to 1000000", whole(-1e6, 1e6)),
+  worker = typed("string", "a non-empty string", function(v) return v ~= "" end),
+  types = typed("table"),
+  max_jobs = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
+  stop = typed("function"),
   -- each (mongotx.each)
   batch = typed("number", "a whole number from 1 to 100000", whole(1, 100000)),
   key = typed("function"),
@@ -144,6 +151,7 @@ local checks = {
 checks.version_field, checks.flag = checks.marker, checks.marker
 checks.roots, checks.items = checks.collection, checks.collection
 checks.lease, checks.retention = checks.stale_after, checks.stale_after
+checks.at, checks.idle, checks.poll = checks.older_than, checks.older_than, checks.older_than
 -- Any other policy (the functions) only needs the type of its default.
 for k, v in pairs(default_policy) do
   if not checks[k] then checks[k] = typed(type(v)) end

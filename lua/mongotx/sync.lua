@@ -24,7 +24,7 @@
 -- and repair may run it while the writer still does) and should be
 -- monotone: condition each dependent write on master.syncSeq being newer
 -- than the one the dependent holds, so that a late run for an older
--- state cannot overwrite a newer one (examples/07-sync.lua).  It returns
+-- state cannot overwrite a newer one (examples/10-sync.lua).  It returns
 -- true, or nil and a message; a raise counts as nil, message.  A failed
 -- propagation leaves the flag, counts an attempt (syncAttempts, with the
 -- message in syncError) and is retried by repair; after max_attempts
@@ -77,6 +77,7 @@ function _M.new(db, opts)
   end
   local self = setmetatable({
     db = db,
+    clock = clock.new(db),
     coll = db.client:collection(db.name, opts.collection),
     propagate = opts.propagate,
     flag = flag,
@@ -184,7 +185,7 @@ function Sync:repair(opts)
   opts, err = validate.options(opts, repair_options, "repair", CALLER)
   if not opts then return nil, err end
   local cutoff
-  cutoff, err = clock.cutoff(self.db.client, opts.older_than or 60)
+  cutoff, err = self.clock:ago(opts.older_than or 60)
   if not cutoff then return nil, err end
   cutoff = core.Date(math.floor(cutoff))
   local todo

@@ -127,6 +127,25 @@ local function non_finite(v, depth)
   end
 end
 
+-- A caller's value to be stored in a document (a job's details or
+-- result, ...): its snapshot (as the server will hold it), or nil and
+-- why: it cannot be encoded, or holds a `$` key, a dotted key (servers
+-- read both as operators or paths) or a NaN or infinite number.
+function _M.value(v)
+  local snap, why = snapshot(v)
+  if type(v) ~= "table" and not pcall(encode, { v = v }) then
+    snap, why = nil, "a " .. type(v) .. " is no BSON value"
+  end
+  if snap == nil and v ~= nil then return nil, "it cannot be stored: " .. why end
+  local op = operator_key(snap, 0)
+  if op then return nil, format("it holds the key %q, which looks like an operator", op) end
+  local dotted = dotted_key(snap, 0)
+  if dotted then return nil, format("it holds the key %q (dots are paths)", dotted) end
+  local bad = non_finite(snap, 0)
+  if bad then return nil, "it holds " .. tostring(bad) end
+  return snap
+end
+
 local function touches(path, field)
   return path == field or path:sub(1, #field + 1) == field .. "."
       or field:sub(1, #path + 1) == path .. "."

@@ -91,6 +91,7 @@ function _M.new(db, opts)
   end
   local self = setmetatable({
     db = db,
+    clock = clock.new(db),
     roots = db.client:collection(db.name, roots),
     items = db.client:collection(db.name, items),
     wopts = { write_concern = opts.write_concern or { w = "majority", j = true } },
@@ -364,7 +365,7 @@ function Versioned:gc(opts)
   opts, err = validate.options(opts, gc_options, "gc", CALLER)
   if not opts then return nil, err end
   local cutoff
-  cutoff, err = clock.cutoff(self.db.client, opts.older_than or 3600)
+  cutoff, err = self.clock:ago(opts.older_than or 3600)
   if not cutoff then return nil, err end
   local cursor = self.roots:find({ ["$or"] = { { ["open.0"] = { ["$exists"] = true } },
                                                { ["dead.0"] = { ["$exists"] = true } } } },

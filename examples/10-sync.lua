@@ -3,7 +3,7 @@
 -- write; the comments follow; the flag is cleared.  A crash between the
 -- steps leaves the flag, and the sweeper (sync:repair) finishes the job.
 --
---   lua5.4 examples/07-sync.lua
+--   lua5.4 examples/10-sync.lua
 --
 -- The propagation is idempotent (it sets the name, it never appends) and
 -- monotone (a comment only takes a name with a newer userSeq than the one
@@ -61,7 +61,7 @@ assert(sync:change("bob", { ["$set"] = { name = "Robert" } }))
 dump("after sync:change")
 
 heading("rename ada in a process that crashes between the rename and the comments")
-local cmd = ("MONGOTX_FAULT=sync.change:after:1 %s examples/07-sync.lua --crash 2>/dev/null")
+local cmd = ("MONGOTX_FAULT=sync.change:after:1 %s examples/10-sync.lua --crash 2>/dev/null")
   :format(os.getenv("MONGOTX_LUA") or "lua5.4")
 os.execute(cmd)
 dump("after the crash: ada renamed and flagged (syncing), her comments still say Ada")

@@ -1,0 +1,196 @@
+-- The `mongotx` command (bin/mongotx; README.md, "Operating mongotx"):
+-- argument parsing (Debian's lua-argparse), the connection, and exit
+-- codes.  The subcommands are in mongotx.cli.commands; what they print in
+-- mongotx.cli.output, the progress bar in mongotx.cli.progress, ids on the
+-- command line in mongotx.cli.args and --policy files in
+-- mongotx.cli.policy.
+--
+-- Exit codes: 0 ok, 1 something failed at run time (named on stderr),
+-- 2 bad usage (unknown command or flag, a malformed id or value, a bad
+-- policy file, no URI).  Everything a command takes is checked before it
+-- connects, so bad usage writes nothing.
+
+local argparse = require "argparse"
+local mongotx = require "mongotx"
+local options = require "mongotx.options"
+local args = require "mongotx.cli.args"
+local policy_file = require "mongotx.cli.policy"
+local commands = require "mongotx.cli.commands"
+
+local format = string.format
+
+local _M = {}
+
+local OK, FAILED, USAGE = 0, 1, 2
+_M.OK, _M.FAILED, _M.USAGE = OK, FAILED, USAGE
+
+-- How long a server that does not answer is waited for, unless the URI
+-- says otherwise: the command fails in seconds instead of libmongoc's 30.
+local TIMEOUT_MS = 5000
+
+local STATES = { "initial", "pending", "applied", "done", "canceling", "cancelled" }
+
+-- Converters for argparse: a value, or nil and what it must be.
+local function seconds(s)
+  local n = tonumber(s)
+  if not n or n ~= n or n < 0 or n > options.MAX_SECONDS then
+    return nil, format("%q is not a number of seconds from 0 to %d", s, options.MAX_SECONDS)
+  end
+  return n
+end
+
+local function count(s)
+  local n = math.tointeger(tonumber(s))
+  if not n or n < 1 or n > 2147483647 then
+    return nil, format("%q is not a whole number from 1 to 2147483647", s)
+  end
+  return n
+end
+
+local function parser()
+  local p = argparse("mongotx", "Look at and steer mongotx transactions.")
+    :epilog("Ids: a number, oid:<24 hex digits>, long:<digits>, str:<text> or other text.\n" ..
+            "Exit codes: 0 ok, 1 something failed, 2 bad usage.")
+    :command_target("command")
+  p:option("--uri", "Server to connect to (default: $MONGOTX_URI).")
+  p:option("--database", "Database (default: the URI's, else test).")
+  p:option("--collection", "Transactions collection.", "transactions")
+  p:option("--policy", "Lua file returning a table of policy overrides."):argname("<file>")
+  p:flag("--json", "Print JSON lines instead of tables.")
+
+  local status = p:command("status", "Counts by state, parked, stale, the oldest open one.")
+  status:option("--stale-after", "Seconds after which a transaction counts as stale.")
+    :argname("<sec>"):convert(seconds)
+
+  local list = p:command("list", "List transactions, oldest change first.")
+  list:option("--state", "Only in this state."):choices(STATES):argname("<state>")
+  list:option("--older-than", "Only last changed more than <sec> seconds ago.")
+    :argname("<sec>"):convert(seconds)
+  list:flag("--parked", "Only parked ones.")
+  list:option("--limit", "At most <n> transactions.", "50"):argname("<n>"):convert(count)
+
+  p:command("show", "A transaction, its ops and its documents' markers and versions.")
+    :argument("id", "Transaction id.")
+
+  local recover = p:command("recover", "Drive stale transactions to done or cancelled.")
+  recover:option("--limit", "Look at <n> transactions at most."):argname("<n>"):convert(count)
+  recover:option("--loop", "Sweep again every <sec> seconds, until stopped.")
+    :argname("<sec>"):convert(seconds)
+  recover:option("--stale-after", "Seconds after which this application's own " ..
+    "transactions count as stale."):argname("<sec>"):convert(seconds)
+  recover:option("--application", "Recover as this application.", "mongotx-cli")
+    :argname("<name>")
+  recover:option("--batch", "Transactions per recovery pass.", "200"):argname("<n>"):convert(count)
+
+  local rollback = p:command("rollback", "Cancel a transaction that has not committed.")
+  rollback:argument("id", "Transaction id.")
+  rollback:option("--reason", "Reason stored on it.", "rolled back by mongotx rollback")
+    :argname("<text>")
+
+  p:command("compensate", "Undo a committed transaction with a compensating one.")
+    :argument("id", "Transaction id.")
+  p:command("unpark", "Let recovery take a parked transaction up again.")
+    :argument("id", "Transaction id.")
+
+  local prune = p:command("prune", "Delete finished transactions past the retention.")
+  prune:option("--older-than", "Seconds (default: the retention policy).")
+    :argname("<sec>"):convert(seconds)
+  prune:option("--batch", "Transactions deleted per step.", "1000"):argname("<n>"):convert(count)
+  prune:flag("--dry-run", "Only count what would be deleted.")
+  return p
+end
+
+-- Prints "mongotx: <message>" on stderr (an error's tostring already
+-- starts so) and returns the exit code.
+local function fail(code, message)
+  io.stderr:write("mongotx: ", (tostring(message):gsub("^mongotx: ", "")), "\n")
+  return code
+end
+
+-- The URI with a password hidden, for messages.
+local function shown(uri)
+  return (uri:gsub("^(mongodb[^:]*://[^:@/]*:)[^@/]*@", "%1***@"))
+end
+
+-- The URI with the timeouts this command wants, unless it sets them.
+local function with_timeouts(uri)
+  for _, name in ipairs { "serverSelectionTimeoutMS", "connectTimeoutMS" } do
+    if not uri:lower():find("[?&]" .. name:lower() .. "=") then
+      local sep = "&"
+      if not uri:find("?", 1, true) then
+        sep = uri:find("^mongodb[^:]*://[^/]*/") and "?" or "/?"
+      end
+      uri = uri .. sep .. name .. "=" .. TIMEOUT_MS
+    end
+  end
+  return uri
+end
+
+-- Connects and checks that the transactions collection is there (a
+-- mistyped database or collection is an error, not an empty answer, and
+-- nothing is created for it); returns the database handle, or nil, code.
+local function connect(o)
+  local db, err = mongotx.connect(with_timeouts(o.uri), { database = o.database })
+  if not db then
+    return nil, fail(err.code == "invalid" and USAGE or FAILED, err.message or tostring(err))
+  end
+  local reply
+  reply, err = db.client:command(db.name, mongotx.doc("listCollections", 1,
+    "filter", { name = o.collection }, "nameOnly", true))
+  if not reply then
+    db:close()
+    return nil, fail(FAILED, format("cannot reach %s: %s", shown(o.uri), err.message or
+      tostring(err)))
+  end
+  if #reply.cursor.firstBatch == 0 then
+    db:close()
+    return nil, fail(FAILED, format("database %s has no collection %s (wrong --database or " ..
+      "--collection?)", db.name, o.collection))
+  end
+  return db
+end
+
+-- Runs the command line `argv` (a list of strings); returns the exit code.
+function _M.main(argv)
+  local p = parser()
+  -- usage errors are raised to here instead of exiting inside argparse
+  p.error = function(cmd, message) error({ usage = cmd:get_usage(), message = message }, 0) end
+  local ok, o = pcall(p.parse, p, { table.unpack(argv or {}) })
+  if not ok then
+    if type(o) ~= "table" then error(o, 0) end
+    io.stderr:write(o.usage, "\n\n")
+    return fail(USAGE, o.message)
+  end
+  o.uri = o.uri or os.getenv("MONGOTX_URI")
+  if not o.uri or o.uri == "" then
+    return fail(USAGE, "no server: give --uri or set MONGOTX_URI")
+  end
+  if o.id then
+    local id, why = args.id(o.id)
+    if id == nil then return fail(USAGE, why) end
+    o.id = id
+  end
+  local checked, bad = options.check({ collection = o.collection }, { collection = true },
+    "mongotx", 1)
+  if not checked then return fail(USAGE, (bad.message:gsub("option (%w+) of mongotx", "--%1"))) end
+  local overrides = {}
+  if o.policy then
+    local why
+    overrides, why = policy_file.load(o.policy)
+    if not overrides then return fail(USAGE, why) end
+  end
+  if o.stale_after then overrides.stale_after = o.stale_after end
+  overrides.collection, overrides.application = o.collection, o.application or "mongotx-cli"
+  local db, code = connect(o)
+  if not db then return code end
+  local tm, err = db:manager(overrides)
+  if not tm then
+    db:close()
+    return fail(FAILED, tostring(err))
+  end
+  code = commands[o.command](tm, o, fail)
+  db:close()
+  return code
+end
+
+return _M

@@ -1,0 +1,309 @@
+-- The subcommands of `mongotx` (mongotx.cli parses the command line and
+-- connects).  Each is command(tm, o, fail): tm the manager, o the parsed
+-- options (o.id already a checked id), fail(code, message) prints a
+-- message on stderr and returns its code; each returns the exit code.
+-- They use the manager's public API only.
+
+local core = require "mongotx.core"
+local output = require "mongotx.cli.output"
+local progress = require "mongotx.cli.progress"
+
+local json, id_text, cell = output.json, output.id_text, output.cell
+local record, add = output.record, output.add
+local format, floor = string.format, math.floor
+local stdout = io.stdout
+
+local OK, FAILED = 0, 1
+
+local _M = {}
+
+local function say(line) stdout:write(line, "\n") end
+
+-- Seconds since a Date by the server's clock `now` (ms), or nil.
+local function age(date, now)
+  if core.type(date) ~= "date" then return nil end
+  return (now - date:value()) / 1000
+end
+
+local function seconds_text(s)
+  if s == nil then return "-" end
+  return format("%.1f s", s)
+end
+
+local STATES = { "initial", "pending", "applied", "done", "canceling", "cancelled" }
+
+function _M.status(tm, o, fail)
+  local stats, err = tm:stats()
+  local backlog
+  if stats then backlog, err = tm:backlog() end
+  if not backlog then return fail(FAILED, tostring(err)) end
+  if o.json then
+    local rec = record()
+    for _, s in ipairs(STATES) do add(rec, s, stats[s]) end
+    for _, k in ipairs { "active", "stale", "oldest", "oldest_id" } do add(rec, k, backlog[k]) end
+    add(rec, "parked", stats.parked)
+    add(rec, "stale_after", tm.policy.stale_after)
+    say(json(rec))
+    return OK
+  end
+  local list = {}
+  for _, s in ipairs(STATES) do
+    list[#list + 1], list[#list + 2] = s, tostring(stats[s])
+  end
+  local oldest = "-"
+  if backlog.oldest then
+    oldest = format("%s (%s)", seconds_text(backlog.oldest), id_text(backlog.oldest_id))
+  end
+  for _, pair in ipairs {
+    { "parked", tostring(stats.parked) },
+    { "active", format("%d (not parked: what recover reads)", backlog.active) },
+    { "stale", format("%d (unchanged for more than %s)", backlog.stale,
+      seconds_text(tm.policy.stale_after)) },
+    { "oldest open", oldest },
+  } do
+    list[#list + 1], list[#list + 2] = pair[1], pair[2]
+  end
+  output.fields(stdout, list)
+  return OK
+end
+
+local function shorten(s, n)
+  if #s > n then return s:sub(1, n - 3) .. "..." end
+  return s
+end
+
+function _M.list(tm, o, fail)
+  local now, err = tm:server_now()
+  if not now then return fail(FAILED, tostring(err)) end
+  local filter = {}
+  if o.state then filter.state = o.state end
+  if o.parked then filter.parked = true end
+  if o.older_than then
+    filter.lastModified = { ["$lt"] = core.Date(floor(now - o.older_than * 1000)) }
+  end
+  local list
+  list, err = tm:find(filter, { sort = { lastModified = 1 }, limit = o.limit })
+  if not list then return fail(FAILED, tostring(err)) end
+  if o.json then
+    for _, T in ipairs(list) do say(json(T)) end
+    return OK
+  end
+  local rows = {}
+  for i, T in ipairs(list) do
+    rows[i] = { id_text(T._id), cell(T.state), cell(T.application),
+                seconds_text(age(T.lastModified, now)), cell(T.attempts),
+                T.parked and "yes" or "", tostring(type(T.ops) == "table" and #T.ops or "-"),
+                shorten(cell(T.reason), 50) }
+  end
+  output.table(stdout, { "ID", "STATE", "APPLICATION", "AGE", "ATTEMPTS", "PARKED", "OPS",
+                         "REASON" }, rows)
+  return OK
+end
+
+local TX_FIELDS = { "state", "application", "instance", "epoch", "attempts", "lease",
+                    "deadline", "lastModified", "parked", "reason", "compensates",
+                    "source", "destination", "value", "meta" }
+
+function _M.show(tm, o, fail)
+  local T, docs, why = tm:inspect(o.id)
+  if not T then
+    return fail(FAILED, docs and tostring(docs) or "no such transaction " .. id_text(o.id))
+  end
+  if o.json then
+    say(json(record("transaction", T, "documents", core.array(docs), "malformed", why)))
+    return OK
+  end
+  local now, err = tm:server_now()
+  if not now then return fail(FAILED, tostring(err)) end
+  local list = { "id", id_text(T._id) }
+  for _, f in ipairs(TX_FIELDS) do
+    if T[f] ~= nil then
+      local v = cell(T[f])
+      if f == "lastModified" then v = v .. format(" (%s ago)", seconds_text(age(T[f], now))) end
+      list[#list + 1], list[#list + 2] = f, v
+    end
+  end
+  if why then list[#list + 1], list[#list + 2] = "malformed", why end
+  output.fields(stdout, list)
+  if type(T.ops) ~= "table" then return OK end
+  say("")
+  local rows = {}
+  for i, op in ipairs(T.ops) do
+    local d = docs[i] or {}
+    local change = op.update or op.doc or (op.kind == "remove" and "(remove)") or nil
+    rows[i] = { tostring(i), cell(op.kind), cell(op.collection), id_text(op.id),
+                shorten(cell(change), 40), shorten(cell(op.undo), 30), shorten(cell(op.where), 30),
+                d.exists == nil and "?" or (d.exists and "yes" or "no"),
+                cell(d.marker), cell(d.version), cell(d.held), cell(d.removing) }
+  end
+  output.table(stdout, { "OP", "KIND", "COLLECTION", "DOCUMENT", "CHANGE", "UNDO", "WHERE",
+                         "EXISTS", "MARKER", "VERSION", "HELD", "REMOVING" }, rows)
+  return OK
+end
+
+-- One line (JSON) or row (table) per failed or malformed transaction of
+-- a recover report.
+local function report_errors(o, report, rows)
+  for _, e in ipairs(report.errors) do
+    local code, message = e.error.code, e.error.message or tostring(e.error)
+    if o.json then
+      say(json(record("event", "failed", "id", e.id, "code", code, "message", message)))
+    else
+      rows[#rows + 1] = { id_text(e.id), tostring(code), shorten(message, 80) }
+    end
+  end
+end
+
+local COUNTS = { "examined", "done", "cancelled", "skipped", "parked", "failed", "malformed" }
+
+-- One sweep: tm:recover{ limit = batch } pass after pass until a pass
+-- moves nothing (the rest are not stale yet, or fail) or o.limit
+-- transactions were looked at.  A pass that moved nothing but was full
+-- may have had unmovable ones before movable ones: the next pass reads
+-- twice as many, until one is not full.
+local function sweep(tm, o, bar)
+  local total = { passes = 0 }
+  for _, k in ipairs(COUNTS) do total[k] = 0 end
+  local rows, batch, moved = {}, o.batch, 0
+  while true do
+    local n = batch
+    if o.limit then n = math.min(n, o.limit - total.examined) end
+    if n <= 0 then break end
+    local report, err = tm:recover { limit = n }
+    if not report then return nil, err end
+    total.passes = total.passes + 1
+    for _, k in ipairs(COUNTS) do total[k] = total[k] + report[k] end
+    report_errors(o, report, rows)
+    if o.json then
+      local rec = record("event", "pass")
+      for _, k in ipairs(COUNTS) do add(rec, k, report[k]) end
+      say(json(rec))
+    end
+    local moved_now = report.done + report.cancelled + report.parked
+    moved = moved + moved_now
+    bar:update(moved + total.failed)
+    if report.examined < n and moved_now == 0 then break end
+    if report.examined == 0 then break end
+    if moved_now == 0 then batch = batch * 2 end
+  end
+  total.rows = rows
+  return total
+end
+
+local function recover_once(tm, o, fail)
+  local backlog, err = tm:backlog()
+  if not backlog then return fail(FAILED, tostring(err)) end
+  local todo = o.limit and math.min(o.limit, backlog.active) or backlog.active
+  local bar = progress.new(stdout, "recover", todo, not o.json and progress.is_terminal())
+  local start = core.monotonic_ms()
+  local total
+  total, err = sweep(tm, o, bar)
+  if not total then
+    bar:finish(0)
+    return fail(FAILED, tostring(err))
+  end
+  local moved = total.done + total.cancelled + total.parked
+  bar:finish(moved + total.failed)
+  local secs = (core.monotonic_ms() - start) / 1000
+  if o.json then
+    local rec = record("event", "summary")
+    for _, k in ipairs(COUNTS) do add(rec, k, total[k]) end
+    add(rec, "passes", total.passes)
+    add(rec, "seconds", secs)
+    say(json(rec))
+  else
+    local list = {}
+    for _, k in ipairs(COUNTS) do list[#list + 1], list[#list + 2] = k, tostring(total[k]) end
+    list[#list + 1], list[#list + 2] = "time", format("%.1f s, %d passes, %.0f/s", secs,
+      total.passes, secs > 0 and moved / secs or 0)
+    output.fields(stdout, list)
+    if #total.rows > 0 then
+      say("")
+      output.table(stdout, { "ID", "CODE", "MESSAGE" }, total.rows)
+    end
+  end
+  if total.failed > 0 or total.malformed > 0 then
+    return fail(FAILED, format("recover: %d failed, %d malformed (listed above)",
+      total.failed, total.malformed))
+  end
+  return OK
+end
+
+-- recover, or with --loop a worker that sweeps every o.loop seconds until
+-- stopped, carrying on after failures (a server away for a while).
+function _M.recover(tm, o, fail)
+  if not o.loop then return recover_once(tm, o, fail) end
+  while true do
+    recover_once(tm, o, fail)
+    stdout:flush()
+    core.sleep(o.loop)
+  end
+end
+
+function _M.rollback(tm, o, fail)
+  local ok, err = tm:rollback({ _id = o.id }, o.reason)
+  if not ok then return fail(FAILED, tostring(err)) end
+  if o.json then
+    say(json(record("id", o.id, "state", "cancelled")))
+  else
+    say(format("%s: cancelled", id_text(o.id)))
+  end
+  return OK
+end
+
+function _M.compensate(tm, o, fail)
+  local C, err = tm:compensate({ _id = o.id })
+  if not C then return fail(FAILED, tostring(err)) end
+  if o.json then
+    say(json(record("id", o.id, "compensation", C._id, "state", C.state)))
+  else
+    say(format("%s: compensated by %s (%s)", id_text(o.id), id_text(C._id), tostring(C.state)))
+  end
+  return OK
+end
+
+function _M.unpark(tm, o, fail)
+  local ok, err = tm:unpark(o.id)
+  if not ok then return fail(FAILED, tostring(err)) end
+  if o.json then
+    say(json(record("id", o.id, "parked", false)))
+  else
+    say(format("%s: unparked; recovery takes it up again", id_text(o.id)))
+  end
+  return OK
+end
+
+-- prune in steps of o.batch, with a bar; --dry-run only counts.
+function _M.prune(tm, o, fail)
+  local todo, err = tm:prune { older_than = o.older_than, dry_run = true }
+  if not todo then return fail(FAILED, tostring(err)) end
+  if o.dry_run then
+    if o.json then say(json(record("event", "summary", "would_delete", todo)))
+    else say(format("would delete %d finished transactions", todo)) end
+    return OK
+  end
+  local bar = progress.new(stdout, "prune", todo, not o.json and progress.is_terminal())
+  local start, deleted = core.monotonic_ms(), 0
+  while true do
+    local n
+    n, err = tm:prune { older_than = o.older_than, limit = o.batch }
+    if not n then
+      bar:finish(deleted)
+      return fail(FAILED, format("prune: %s (%d deleted before)", tostring(err), deleted))
+    end
+    deleted = deleted + n
+    bar:update(deleted)
+    if o.json and n > 0 then say(json(record("event", "pass", "deleted", n))) end
+    if n < o.batch then break end
+  end
+  bar:finish(deleted)
+  local secs = (core.monotonic_ms() - start) / 1000
+  if o.json then
+    say(json(record("event", "summary", "deleted", deleted, "seconds", secs)))
+  else
+    say(format("deleted %d finished transactions in %.1f s", deleted, secs))
+  end
+  return OK
+end
+
+return _M

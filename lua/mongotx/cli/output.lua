@@ -1,0 +1,197 @@
+-- What `mongotx` prints: JSON lines for scripts (--json) and aligned
+-- tables for people, and ids written in the command line's own syntax
+-- (mongotx.cli.args) so that one can be pasted back into a command.
+--
+-- JSON is a small encoder for what the command prints: plain Lua values,
+-- decoded documents (their keys in stored order, arrays as arrays) and
+-- mongotx.core's values in MongoDB's relaxed Extended JSON ({"$oid": ...},
+-- {"$date": "...Z"}, {"$binary": ...}); an Int64 is a plain number.
+
+local core = require "mongotx.core"
+local args = require "mongotx.cli.args"
+
+local type, ipairs, tostring, select = type, ipairs, tostring, select
+local getmetatable, setmetatable = getmetatable, setmetatable
+local format, concat, sort = string.format, table.concat, table.sort
+local floor, huge = math.floor, math.huge
+
+local _M = {}
+
+local ESCAPES = { ['"'] = '\\"', ["\\"] = "\\\\", ["\b"] = "\\b", ["\f"] = "\\f",
+                  ["\n"] = "\\n", ["\r"] = "\\r", ["\t"] = "\\t" }
+
+local function quote(s)
+  return '"' .. s:gsub('[%c"\\]', function(c)
+    return ESCAPES[c] or format("\\u%04x", c:byte())
+  end) .. '"'
+end
+
+local function number(n)
+  if n ~= n or n == huge or n == -huge then return "null" end
+  if math.type(n) == "integer" or (n == floor(n) and n > -2 ^ 53 and n < 2 ^ 53) then
+    return format("%d", n)
+  end
+  local s = format("%.14g", n) -- shorter, unless it would not read back the same
+  if tonumber(s) ~= n then s = format("%.17g", n) end
+  return s
+end
+
+local B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+local function base64(s)
+  return (s:gsub("..?.?", function(chunk)
+    local a, b, c = chunk:byte(1, 3)
+    local n = a * 65536 + (b or 0) * 256 + (c or 0)
+    local out = {}
+    for i = 1, 4 do
+      local k = floor(n / 64 ^ (4 - i)) % 64
+      out[i] = B64:sub(k + 1, k + 1)
+    end
+    if not b then out[3], out[4] = "=", "=" elseif not c then out[4] = "=" end
+    return concat(out)
+  end))
+end
+
+-- An ISO 8601 UTC time for ms since the epoch.
+function _M.iso_time(ms)
+  local s = floor(ms / 1000)
+  return os.date("!%Y-%m-%dT%H:%M:%S", s) .. format(".%03dZ", floor(ms - s * 1000))
+end
+
+-- The keys of a table in the order it prints: a decoded document's (or
+-- core.doc's) stored order first, then the others sorted.
+local function keys_of(t)
+  local mt = getmetatable(t)
+  local out, seen = {}, {}
+  if type(mt) == "table" then
+    for _, k in ipairs(mt) do
+      if t[k] ~= nil then out[#out + 1], seen[k] = k, true end
+    end
+  end
+  local rest = {}
+  for k in next, t do
+    if not seen[k] then rest[#rest + 1] = k end
+  end
+  sort(rest, function(a, b) return tostring(a) < tostring(b) end)
+  for _, k in ipairs(rest) do out[#out + 1] = k end
+  return out
+end
+
+local function is_array(t)
+  local mt = getmetatable(t)
+  if type(mt) == "table" and mt.__mongotx then return mt.__mongotx == "array" end
+  local n = 0
+  for _ in next, t do n = n + 1 end
+  return n > 0 and n == rawlen(t)
+end
+
+local json
+
+local VALUES = {
+  objectId = function(v) return '{"$oid":' .. quote(v:value()) .. "}" end,
+  date = function(v) return '{"$date":' .. quote(_M.iso_time(v:value())) .. "}" end,
+  long = function(v) return tostring(v:value()) end,
+  binData = function(v)
+    local bytes, subtype = v:value()
+    return format('{"$binary":{"base64":%s,"subType":"%02x"}}', quote(base64(bytes)), subtype)
+  end,
+}
+
+function json(v)
+  local t = type(v)
+  if v == nil or v == core.null then return "null" end
+  if t == "boolean" then return tostring(v) end
+  if t == "number" then return number(v) end
+  if t == "string" then return quote(v) end
+  if t == "table" then
+    local parts = {}
+    if is_array(v) then
+      for i = 1, rawlen(v) do parts[i] = json(v[i]) end
+      return "[" .. concat(parts, ",") .. "]"
+    end
+    for _, k in ipairs(keys_of(v)) do
+      parts[#parts + 1] = quote(tostring(k)) .. ":" .. json(v[k])
+    end
+    return "{" .. concat(parts, ",") .. "}"
+  end
+  local kind = core.type(v)
+  if VALUES[kind] then return VALUES[kind](v) end
+  return quote(tostring(v)) -- decimal, timestamp, regex, ...: as mongotx prints them
+end
+_M.json = json
+
+-- A table that prints its keys in the order given: record("a", 1, "b",
+-- 2, ...); a nil value leaves its key out.  add(rec, k, v) appends one.
+function _M.record(...)
+  local order, t = { __mongotx = "document" }, {}
+  for i = 1, select("#", ...), 2 do
+    local k, v = select(i, ...)
+    order[#order + 1], t[k] = k, v
+  end
+  return setmetatable(t, order)
+end
+
+function _M.add(rec, k, v)
+  local order = getmetatable(rec)
+  order[#order + 1], rec[k] = k, v
+end
+
+-- An id as the command line takes it (mongotx.cli.args): a string that
+-- reads as something else gets the str: prefix.
+function _M.id_text(id)
+  local kind = core.type(id)
+  if kind == "objectId" then return "oid:" .. id:value() end
+  if kind == "long" then return "long:" .. tostring(id:value()) end
+  if type(id) == "number" then return number(id) end
+  if type(id) == "string" then
+    if args.plain_string(id) then return id end
+    return "str:" .. id
+  end
+  return tostring(id)
+end
+
+-- A value in a table cell: short and on one line.
+function _M.cell(v)
+  if v == nil or v == core.null then return "-" end
+  if type(v) == "number" then return number(v) end
+  if type(v) == "table" or type(v) == "userdata" then
+    local s = json(v)
+    if core.type(v) == "date" then s = _M.iso_time(v:value()) end
+    return s
+  end
+  return (tostring(v):gsub("%c", " "))
+end
+
+-- Prints rows (lists of strings) under headers, each column as wide as
+-- its widest cell.
+function _M.table(out, headers, rows)
+  local widths = {}
+  for i, h in ipairs(headers) do widths[i] = #h end
+  for _, row in ipairs(rows) do
+    for i, c in ipairs(row) do
+      if #c > widths[i] then widths[i] = #c end
+    end
+  end
+  local function line(cells)
+    local parts = {}
+    for i, c in ipairs(cells) do
+      parts[i] = i < #cells and c .. (" "):rep(widths[i] - #c) or c
+    end
+    out:write(concat(parts, "  "), "\n")
+  end
+  line(headers)
+  for _, row in ipairs(rows) do line(row) end
+end
+
+-- Prints name: value lines, names aligned.
+function _M.fields(out, list)
+  local width = 0
+  for i = 1, #list, 2 do
+    if #list[i] > width then width = #list[i] end
+  end
+  for i = 1, #list, 2 do
+    out:write(list[i], ":", (" "):rep(width - #list[i] + 1), list[i + 1], "\n")
+  end
+end
+
+return _M

@@ -1,0 +1,456 @@
+-- mongotx.queue: a job queue in a MongoDB collection (seed 002's second
+-- pattern).  Work that spans documents is pushed as one job document;
+-- workers claim jobs with findAndModify, run a handler that applies the
+-- job's effect idempotently, and mark the job done.  A worker that dies
+-- leaves its job `running` with a lease by the server's clock; once the
+-- lease expired, requeue_stale() makes the job ready again (or dead after
+-- max_attempts claims), and another worker runs it from the start.
+--
+--   local q = assert(db:queue{ collection = "jobs" })
+--   q:push("befriend", { a = "A", b = "B" }, { id = "A+B" })
+--   q:work({ befriend = function(job) ... end }, { idle = 0 })
+--
+-- States: ready -> running -> done, or running -> ready (fail with
+-- attempts left, or an expired lease) -> ... -> dead.  Each claim raises
+-- the job's `epoch`; heartbeat, done and fail match the job by (_id,
+-- epoch, state running), so a worker whose job was requeued or taken by
+-- another worker gets `fenced` and changes nothing.  Delivery is
+-- at-least-once: a handler may run twice for one job (its worker stalled
+-- past the lease, or died after the effect and before done), so the
+-- effect is exactly-once only when the handler is idempotent (README).
+--
+-- Fields of a job: _id, type, details, priority, state, ts (server time
+-- from which a ready job may be claimed; claims take the highest priority,
+-- then the oldest ts), created, attempts (claims so far), epoch, worker,
+-- claimed and lease_until (the last claim), error (the last failure),
+-- result and finished (done), and for dead jobs `died`.
+
+local core = require "mongotx.core"
+local errors = require "mongotx.errors"
+local validate = require "mongotx.validate"
+local clock = require "mongotx.clock"
+
+local type, tostring, setmetatable, pcall, next = type, tostring, setmetatable, pcall, next
+local rawget, rawlen = rawget, rawlen or function(t) return #t end
+local format, floor, Date, crash_point = string.format, math.floor, core.Date, core.crash_point
+
+local _M = {}
+
+-- The policies of a queue, with their defaults; db:queue{...} replaces any
+-- of them.
+_M.policy = {
+  -- Seconds a claim (or the last heartbeat) holds a job.  A handler that
+  -- runs longer must call heartbeat(job) within each lease.
+  lease = 30,
+  -- Claims a job gets: a job that failed (or whose lease expired) this
+  -- many times is dead-lettered (state dead) instead of made ready again.
+  max_attempts = 5,
+  -- Seconds a failed job waits before it is ready again, after its
+  -- `attempts`th claim failed with `err` (what the handler returned or
+  -- raised): 1, 2, 4, ... up to an hour.
+  backoff = function(attempts, err) -- luacheck: no unused args
+    return math.min(2 ^ (attempts - 1), 3600)
+  end,
+}
+
+-- Levels for error(): a misuse is reported at the caller of the public
+-- method (CALLER from the method, HELPER_CALLER from a helper it calls).
+local CALLER, HELPER_CALLER = 2, 3
+
+local Queue = {}
+Queue.__index = Queue
+
+local queue_options = { collection = true, write_concern = true, lease = true,
+                        max_attempts = true, backoff = true }
+
+local function invalid(step, message)
+  return nil, errors.new("invalid", message, { step = step })
+end
+
+-- A validation error (validate names its own step) as this call's.
+local function refused(err, step)
+  err.step = step
+  return nil, err
+end
+
+-- A ready job's place in the claim order; the index serves the claim's
+-- filter and sort.
+local CLAIM_ORDER = core.doc("state", 1, "priority", -1, "ts", 1)
+-- requeue_stale's filter: running jobs by the end of their lease.
+local LEASE_INDEX = core.doc("state", 1, "lease_until", 1)
+
+-- db:queue{ collection = "jobs", write_concern, lease, max_attempts,
+-- backoff }: a queue on that collection (its indexes created), or nil, err.
+function _M.new(db, opts)
+  local why
+  opts, why = validate.options(opts, queue_options, "queue", HELPER_CALLER)
+  if not opts then return nil, why end
+  local policy = {}
+  for k, v in next, _M.policy do
+    if opts[k] ~= nil then policy[k] = opts[k] else policy[k] = v end
+  end
+  local jobs = db.client:collection(db.name, opts.collection or "jobs")
+  local self = setmetatable({
+    db = db,
+    jobs = jobs,
+    policy = policy,
+    clock = clock.new(db),
+    wopts = { write_concern = opts.write_concern or { w = "majority", j = true } },
+  }, Queue)
+  for _, keys in ipairs { CLAIM_ORDER, LEASE_INDEX } do
+    local ok, err = jobs:create_index(keys)
+    if not ok then return nil, errors.wrap(err, "queue") end
+  end
+  return self
+end
+
+-- The server's time `seconds` from now, as a Date; nil, err.
+function Queue:at(seconds)
+  local now, err = self.clock:now()
+  if not now then return nil, err end
+  return Date(floor(now + seconds * 1000))
+end
+
+-- Runs one write between its crash points (queue.<step>, before and
+-- after), with the step named in its error.
+function Queue:write(step, fn, ...)
+  crash_point("queue." .. step, "before")
+  local res, err = fn(self.jobs, ...)
+  if res == nil then return nil, errors.wrap(err, step) end
+  crash_point("queue." .. step, "after")
+  return res
+end
+
+-- A job table passed back by a caller: its id as it goes into a filter and
+-- its epoch.  Not a job (no _id, no numeric epoch) raises.
+local function job_ref(job, step)
+  if type(job) ~= "table" or rawget(job, "_id") == nil or type(rawget(job, "epoch")) ~= "number" then
+    error(step .. " expects a job returned by claim (a table with _id and epoch)", HELPER_CALLER)
+  end
+  local id, why = validate.check_id(rawget(job, "_id"))
+  if id == nil then return refused(why, step) end
+  return id, rawget(job, "epoch")
+end
+
+-- The write of heartbeat, done or fail on the job held at `epoch`: true,
+-- or false when the job is no longer held (fenced), or nil, err.
+function Queue:held_write(step, id, epoch, update)
+  local res, err = self:write(step, self.jobs.update_one,
+    { _id = id, epoch = epoch, state = "running" }, update, self.wopts)
+  if not res then return nil, err end
+  return res.matched == 1
+end
+
+-- The `fenced` error of a job that is no longer held at `epoch`, saying
+-- what became of it.
+function Queue:fenced(step, id, epoch)
+  local doc, err = self.jobs:find_one({ _id = id }, { projection = { state = 1, epoch = 1 } })
+  if err then return nil, errors.wrap(err, step) end
+  local now = doc and format("it is %s at epoch %s", tostring(doc.state), tostring(doc.epoch))
+              or "it no longer exists"
+  return nil, errors.new("fenced", format("this worker no longer holds the job (claimed " ..
+    "at epoch %d; %s): its lease expired and it was requeued or taken", epoch, now),
+    { step = step, id = id })
+end
+
+-- push(type, details [, { id, at, priority }]): adds a ready job and
+-- returns it.  details: any storable value (no `$` or dotted keys).  id
+-- makes push idempotent: pushing an id again returns the existing job if
+-- type and details are the same, else an `idempotency` error.  at: seconds
+-- from now (server's clock) before the job may be claimed; priority: a
+-- whole number, higher first (default 0).
+local push_options = { id = true, at = true, priority = true }
+
+function Queue:push(kind, details, opts)
+  if type(kind) ~= "string" then error("push: type must be a string", CALLER) end
+  local why
+  opts, why = validate.options(opts, push_options, "push", CALLER)
+  if not opts then return nil, why end
+  if kind == "" or kind:find("%z") then
+    return invalid("push", "push: type must be a non-empty string without NUL")
+  end
+  local stored
+  stored, why = validate.value(details)
+  if details ~= nil and stored == nil then return invalid("push", "push: details: " .. why) end
+  local id = opts.id
+  if id == nil then
+    id = core.ObjectId()
+  else
+    id, why = validate.check_id(id)
+    if id == nil then return refused(why, "push") end
+  end
+  local now, err = self.clock:now()
+  if not now then return nil, err end
+  local job = { _id = id, type = kind, details = stored, priority = opts.priority or 0,
+                state = "ready", ts = Date(floor(now + (opts.at or 0) * 1000)),
+                created = Date(floor(now)), attempts = 0, epoch = 0 }
+  local res
+  res, err = self:write("push", self.jobs.insert_one, job, self.wopts)
+  if res then return job end
+  if err.server_code ~= 11000 then return nil, err end
+  local existing
+  existing, err = self.jobs:find_one({ _id = id })
+  if not existing then return nil, errors.wrap(err, "push", id) end
+  if existing.type == kind and validate.canon(existing.details) == validate.canon(stored) then
+    return existing
+  end
+  return nil, errors.new("idempotency", "push: this job id was used for another job",
+    { step = "push", id = id })
+end
+
+-- The types a claim takes: nil (any), or a non-empty list of types read
+-- raw.  Returns the filter's value, or nil, err.
+local function claim_types(types, step)
+  if types == nil then return nil end
+  if type(types) ~= "table" then error(step .. ": types must be a list of strings", HELPER_CALLER) end
+  local n, list = rawlen(types), {}
+  if n == 0 then return false, errors.new("invalid", step .. ": types is an empty list", { step = step }) end
+  for i = 1, n do
+    local t = rawget(types, i)
+    if type(t) ~= "string" or t == "" then
+      return false, errors.new("invalid", format("%s: types[%d] must be a job type (a " ..
+        "non-empty string)", step, i), { step = step })
+    end
+    list[i] = t
+  end
+  for k in next, types do
+    if type(k) ~= "number" or k < 1 or k > n or floor(k) ~= k then
+      return false, errors.new("invalid", step .. ": types must be a list (keys 1..n)", { step = step })
+    end
+  end
+  return { ["$in"] = list }
+end
+
+-- claim(worker [, types]): the ready job of the highest priority whose
+-- time came (oldest first), of one of these types, now running for
+-- `worker` with a lease; false when there is none, or nil, err.
+function Queue:claim(worker, types)
+  if type(worker) ~= "string" then error("claim: worker must be a string", CALLER) end
+  if worker == "" then return invalid("claim", "claim: worker may not be empty") end
+  local of, why = claim_types(types, "claim")
+  if of == false then return nil, why end
+  local now, err = self.clock:now()
+  if not now then return nil, err end
+  local filter = { state = "ready", ts = { ["$lte"] = Date(floor(now)) }, type = of }
+  local res
+  res, err = self:write("claim", self.jobs.find_and_modify, filter, {
+    sort = CLAIM_ORDER, new = true, write_concern = self.wopts.write_concern,
+    update = { ["$set"] = { state = "running", worker = worker, claimed = Date(floor(now)),
+                            lease_until = Date(floor(now + self.policy.lease * 1000)) },
+               ["$inc"] = { epoch = 1, attempts = 1 } } })
+  if not res then return nil, err end
+  return res.value or false
+end
+
+-- heartbeat(job): extends the lease of a job this worker holds by
+-- `lease` seconds; the new end of the lease (a Date), or nil and a
+-- `fenced` error when the job was requeued or taken meanwhile.
+function Queue:heartbeat(job)
+  local id, epoch = job_ref(job, "heartbeat")
+  if id == nil then return nil, epoch end
+  local until_, err = self:at(self.policy.lease)
+  if not until_ then return nil, err end
+  local held
+  held, err = self:held_write("heartbeat", id, epoch, { ["$set"] = { lease_until = until_ } })
+  if held == nil then return nil, err end
+  if not held then return self:fenced("heartbeat", id, epoch) end
+  return until_
+end
+
+-- done(job [, result]): the job this worker holds is done (result, any
+-- storable value, kept on it).  true; true again for a repeated done of
+-- the same claim; nil and `fenced` when the job was requeued or taken.
+function Queue:done(job, result)
+  local id, epoch = job_ref(job, "done")
+  if id == nil then return nil, epoch end
+  local stored, why = validate.value(result)
+  if result ~= nil and stored == nil then return invalid("done", "done: result: " .. why) end
+  local now, err = self.clock:now()
+  if not now then return nil, err end
+  local set = { state = "done", finished = Date(floor(now)), result = stored }
+  local held
+  held, err = self:held_write("done", id, epoch, { ["$set"] = set, ["$unset"] = { lease_until = "" } })
+  if held == nil then return nil, err end
+  if held then return true end
+  local doc = self.jobs:find_one({ _id = id, epoch = epoch, state = "done" })
+  if doc then return true end
+  return self:fenced("done", id, epoch)
+end
+
+-- A failure as stored on the job: a string of at most 4 KiB.
+local MAX_ERROR = 4096
+
+local function describe(err)
+  local s = type(err) == "table" and rawget(err, "message") or err
+  s = tostring(s)
+  if #s > MAX_ERROR then s = s:sub(1, MAX_ERROR) end
+  return s
+end
+
+-- fail(job, err): the handler of a job this worker holds failed with err
+-- (kept on the job as a string).  With attempts left the job is ready
+-- again after backoff(attempts, err) seconds, else dead.  Returns the new
+-- state ("ready" or "dead"), or nil and `fenced` (job requeued or taken)
+-- or `policy` (backoff raised or returned no duration: nothing written).
+function Queue:fail(job, err)
+  local id, epoch = job_ref(job, "fail")
+  if id == nil then return nil, epoch end
+  local attempts = rawget(job, "attempts")
+  if type(attempts) ~= "number" then error("fail expects a job returned by claim", CALLER) end
+  local message = describe(err)
+  local now, why = self.clock:now()
+  if not now then return nil, why end
+  local set = { error = message }
+  if attempts >= self.policy.max_attempts then
+    set.state, set.died = "dead", Date(floor(now))
+  else
+    local ok, wait = pcall(self.policy.backoff, attempts, err)
+    if not ok or type(wait) ~= "number" or not (wait >= 0 and wait <= 10 * 365 * 86400) then
+      return nil, errors.new("policy", "backoff must return a number of seconds, not " ..
+        tostring(wait), { step = "fail", id = id })
+    end
+    set.state, set.ts = "ready", Date(floor(now + wait * 1000))
+  end
+  local held
+  held, why = self:held_write("fail", id, epoch, { ["$set"] = set, ["$unset"] = { lease_until = "" } })
+  if held == nil then return nil, why end
+  if not held then return self:fenced("fail", id, epoch) end
+  return set.state
+end
+
+-- requeue_stale(): the running jobs whose lease expired (by the server's
+-- clock) become ready at once (keeping their ts: they have waited
+-- longest), or dead when they had max_attempts claims.
+-- Returns { requeued = n, dead = n }, or nil, err.  Safe to run anywhere,
+-- any time, by many processes: each change is one conditional write.
+function Queue:requeue_stale()
+  local now, err = self:at(0)
+  if not now then return nil, err end
+  local expired = { state = "running", lease_until = { ["$lt"] = now } }
+  local dead_filter = { state = "running", lease_until = { ["$lt"] = now },
+                        attempts = { ["$gte"] = self.policy.max_attempts } }
+  local dead, requeued
+  dead, err = self:write("requeue", self.jobs.update_many, dead_filter,
+    { ["$set"] = { state = "dead", died = now, error = "lease expired" },
+      ["$unset"] = { lease_until = "" } }, self.wopts)
+  if not dead then return nil, err end
+  requeued, err = self:write("requeue", self.jobs.update_many, expired,
+    { ["$set"] = { state = "ready", error = "lease expired" },
+      ["$unset"] = { lease_until = "" } }, self.wopts)
+  if not requeued then return nil, err end
+  return { requeued = requeued.modified or requeued.matched, dead = dead.modified or dead.matched }
+end
+
+-- The job with this id, or nil; nil, err.
+function Queue:get(id)
+  local sent, why = validate.check_id(id)
+  if sent == nil then return refused(why, "get") end
+  local doc, err = self.jobs:find_one({ _id = sent })
+  if err then return nil, errors.wrap(err, "get", id) end
+  return doc
+end
+
+-- The number of jobs in each state: { ready = n, running = n, done = n,
+-- dead = n }, or nil, err.
+function Queue:counts()
+  local out = {}
+  for _, state in ipairs { "ready", "running", "done", "dead" } do
+    local n, err = self.jobs:count({ state = state })
+    if not n then return nil, errors.wrap(err, "counts") end
+    out[state] = n
+  end
+  return out
+end
+
+-- Runs handler on a claimed job and records the outcome: "done",
+-- "failed" (ready again) or "dead"; nil, err (`fenced` when the job was
+-- taken meanwhile).  A result that cannot be stored fails the job.
+function Queue:run_one(handler, job)
+  local ok, res, herr = pcall(handler, job, self)
+  local state, err
+  if ok and (res ~= nil or herr == nil) then
+    state, err = self:done(job, res)
+    if state then return "done" end
+    if err.code ~= "invalid" then return nil, err end
+    herr = err
+  end
+  state, err = self:fail(job, ok and herr or res)
+  if state == "ready" then return "failed" end
+  return state, err
+end
+
+local work_options = { worker = true, types = true, idle = true, poll = true,
+                       max_jobs = true, stop = true }
+
+-- work(handlers [, { worker, types, idle, poll, max_jobs, stop }]): a
+-- worker loop.  handlers maps job types to function(job, queue) that
+-- return a result (anything storable; nil counts as success) or nil, err,
+-- or raise; the job is then done or failed.  The loop claims only the
+-- types of `types` (default: every type handlers has), runs
+-- requeue_stale() whenever it finds nothing to claim, and stops when the
+-- queue had nothing for `idle` seconds (default 0: at the first empty
+-- claim; it polls every `poll` seconds, default 0.5), after `max_jobs`
+-- jobs, or when stop() returns true (asked before each claim).  Returns
+-- { done, failed, dead, fenced } counts, or those counts and err for a
+-- database failure, which ends the loop.
+function Queue:work(handlers, opts)
+  if type(handlers) ~= "table" then error("work: handlers must be a table", CALLER) end
+  local why
+  opts, why = validate.options(opts, work_options, "work", CALLER)
+  if not opts then return nil, why end
+  local fns, names = {}, {}
+  for k, fn in next, handlers do
+    if type(k) ~= "string" or type(fn) ~= "function" then
+      error("work: handlers maps job types (strings) to functions", CALLER)
+    end
+    fns[k], names[#names + 1] = fn, k
+  end
+  local types = opts.types or names
+  local of
+  of, why = claim_types(types, "work")
+  if of == false then return nil, why end
+  for _, t in ipairs(of["$in"]) do
+    if not fns[t] then return invalid("work", "work: no handler for the type " .. t) end
+  end
+  local worker = opts.worker or ("worker-" .. core.ObjectId():value())
+  local idle, poll = opts.idle or 0, opts.poll or 0.5
+  local stats = { done = 0, failed = 0, dead = 0, fenced = 0 }
+  local empty_since, requeued_at
+  while not (opts.max_jobs and stats.done + stats.failed + stats.dead + stats.fenced >= opts.max_jobs)
+        and not (opts.stop and opts.stop()) do
+    local err
+    -- expired leases are requeued once a lease, busy or not, so that a
+    -- dead worker's jobs do not wait for the queue to run dry
+    local now = core.monotonic_ms()
+    local requeued = 0
+    if not requeued_at or now - requeued_at >= self.policy.lease * 1000 then
+      local res
+      res, err = self:requeue_stale()
+      if not res then return stats, err end
+      requeued, requeued_at = res.requeued, now
+    end
+    local job
+    job, err = self:claim(worker, of["$in"])
+    if job == nil then return stats, err end
+    if job then
+      empty_since = nil
+      local state
+      state, err = self:run_one(fns[job.type], job)
+      if state then
+        stats[state] = stats[state] + 1
+      elseif err.code == "fenced" then
+        stats.fenced = stats.fenced + 1
+      else
+        return stats, err
+      end
+    elseif requeued == 0 then
+      empty_since = empty_since or now
+      if now - empty_since >= idle * 1000 then break end
+      core.sleep(poll)
+      requeued_at = nil -- look for expired leases before the next claim
+    end
+  end
+  return stats
+end
+
+return _M

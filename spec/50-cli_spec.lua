@@ -1,0 +1,515 @@
+-- The `mongotx` command (bin/mongotx) as an operator runs it: a
+-- subprocess against the test server, its output (tables and --json),
+-- its exit codes, and what the database holds afterwards.  Bad input
+-- (unknown commands and flags, malformed ids, bad policy files, a server
+-- that does not answer) gets its exit code and message and writes
+-- nothing.  One case drives the command under tmux and reads the screen
+-- for the progress bar.
+--
+-- The command is a Lua 5.4 program: it runs with lua5.4 and the Lua 5.4
+-- build (build/lua54) whatever interpreter runs the specs.
+local helpers = require "spec.helpers"
+local server = require "spec.support.server"
+local mongotx = require "mongotx"
+
+local q = server.quote
+local CORE = "build/lua54/mongotx/core.so"
+local no_build = not server.exists(CORE) and
+  "bin/mongotx runs under Lua 5.4 and needs " .. CORE .. " (make)" or nil
+
+-- Runs bin/mongotx with `args` (a list; the test server's URI comes
+-- first unless opts.uri says otherwise, false for none) and returns its
+-- exit code, stdout and stderr.
+local function mongotx_cmd(args, opts)
+  opts = opts or {}
+  local words = {}
+  local uri = opts.uri
+  if uri == nil then uri = helpers.uri() end
+  if uri then words[#words + 1] = "--uri " .. q(uri) end
+  for _, a in ipairs(args) do words[#words + 1] = q(a) end
+  return string.format("env -u MONGOTX_URI MONGOTX_CPATH=%s lua5.4 bin/mongotx %s",
+    q(os.getenv("PWD") .. "/build/lua54/?.so"), table.concat(words, " "))
+end
+
+local function run(args, opts)
+  local out, err = os.tmpname(), os.tmpname()
+  local code = server.execute(mongotx_cmd(args, opts) .. " >" .. out .. " 2>" .. err)
+  local o, e = helpers.read_file(out), helpers.read_file(err)
+  os.remove(out)
+  os.remove(err)
+  return code, o, e
+end
+
+-- Decodes the JSON lines the command printed (with lua-cjson, a
+-- separate implementation from the command's encoder).
+local cjson = require "cjson"
+local function json_lines(s)
+  local out = {}
+  for line in s:gmatch("[^\n]+") do out[#out + 1] = cjson.decode(line) end
+  return out
+end
+
+local function sleep(s) mongotx.core.sleep(s) end
+
+describe("#server the mongotx command", function()
+  local db, dbname, accounts, txs, tm
+
+  before_each(function()
+    if no_build then return end
+    dbname = helpers.db_name()
+    db = assert(mongotx.connect(helpers.uri(), { database = dbname }))
+    tm = assert(db:manager{ application = "app-1", lease = 1, stale_after = 1 })
+    accounts = db:collection("accounts")
+    txs = db:collection("transactions")
+    assert(accounts:insert_many{
+      { _id = "A", balance = 1000, pendingTransactions = mongotx.array() },
+      { _id = "B", balance = 1000, pendingTransactions = mongotx.array() },
+    })
+  end)
+
+  local function check_build()
+    if no_build then pending(no_build) return false end
+    return true
+  end
+
+  local function cli(...)
+    return run({ "--database", dbname, ... })
+  end
+
+  local function transfer(n, id)
+    return assert(tm:begin({
+      { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -n } } },
+      { collection = "accounts", id = "B", update = { ["$inc"] = { balance = n } } },
+    }, { id = id }))
+  end
+
+  -- A transaction claimed and half applied by stepwise calls, then
+  -- abandoned past its owner's 1 s lease.
+  local function abandoned(n, id)
+    local t = transfer(n, id)
+    assert(tm:step("claim", t))
+    assert(tm:step("apply", t, 1))
+    return t
+  end
+
+  local function state(id) return assert(tm:get(id)).state end
+
+  -- The JSON lines of a --json command that must succeed.
+  local function json_ok(...)
+    local code, out, err = cli("--json", ...)
+    assert.are.equal(0, code, err)
+    return json_lines(out)
+  end
+
+  it("status counts by state, stale ones and the oldest open one (table and --json)", function()
+    if not check_build() then return end
+    assert(tm:transfer("accounts", "A", "B", 1, { id = "done-1" }))
+    abandoned(10, "half")
+    sleep(1.2)
+    transfer(5, 7)
+    local code, out, err = cli("status")
+    assert.are.equal(0, code, err)
+    assert.truthy(out:find("pending:%s+1\n"), out)
+    assert.truthy(out:find("initial:%s+1\n"), out)
+    assert.truthy(out:find("done:%s+1\n"), out)
+    assert.truthy(out:find("stale:%s+0 "), out) -- the command's own stale_after is 30 s
+    assert.truthy(out:find("oldest open: [%d.]+ s %(half%)"), out)
+    code, out, err = cli("--json", "status", "--stale-after", "1")
+    assert.are.equal(0, code, err)
+    local s = json_lines(out)
+    assert.are.equal(1, #s)
+    s = s[1]
+    assert.are.equal(1, s.pending)
+    assert.are.equal(1, s.initial)
+    assert.are.equal(2, s.active)
+    assert.are.equal(1, s.stale) -- "half", older than 1 s; 7 is younger
+    assert.are.equal("half", s.oldest_id)
+    assert.is_true(s.oldest >= 1.1, tostring(s.oldest))
+  end)
+
+  it("list filters by state, age and parked; show decodes ops, markers and versions", function()
+    if not check_build() then return end
+    abandoned(10, "half")
+    sleep(1.2)
+    transfer(5) -- an ObjectId id
+    assert(txs:update_one({ _id = "half" }, { ["$set"] = { parked = true } }))
+    local code, out, err = cli("list")
+    assert.are.equal(0, code, err)
+    assert.truthy(out:find("^ID%s+STATE"), out)
+    assert.truthy(out:find("\nhalf%s+pending%s+app%-1"), out)
+    local l = json_ok("list", "--state", "initial")
+    assert.are.equal(1, #l)
+    assert.are.equal("initial", l[1].state)
+    assert.are.equal("string", type(l[1]._id["$oid"]))
+    l = json_ok("list", "--older-than", "1")
+    assert.are.equal(1, #l)
+    assert.are.equal("half", l[1]._id)
+    assert.are.equal(1, #json_ok("list", "--parked"))
+    assert.are.equal(2, #json_ok("list"))
+    assert.are.equal(1, #json_ok("list", "--limit", "1"))
+
+    code, out, err = cli("show", "half")
+    assert.are.equal(0, code, err)
+    assert.truthy(out:find("state:%s+pending"), out)
+    assert.truthy(out:find("parked:%s+true"), out)
+    -- op 1 applied (marker on A, version 1), op 2 not (B untouched)
+    assert.truthy(out:find('\n1%s+update%s+accounts%s+A%s+{"%$inc":{"balance":%-10}}.-yes%s+%["half"%]%s+1'),
+      out)
+    assert.truthy(out:find('\n2%s+update%s+accounts%s+B%s+.-yes%s+%[%]%s+%-'), out)
+    local s = json_ok("show", "half")[1]
+    assert.are.equal("half", s.transaction._id)
+    assert.are.same({ ["$inc"] = { balance = -10 } }, s.transaction.ops[1].update)
+    assert.are.same({ "half" }, s.documents[1].marker)
+    assert.are.equal(1, s.documents[1].version)
+    -- typed ids: the number 7 and the string "7" are two transactions
+    transfer(1, 7)
+    transfer(2, "7")
+    assert.are.equal(-1, json_ok("show", "7")[1].transaction.ops[1].update["$inc"].balance)
+    assert.are.equal(-2, json_ok("show", "str:7")[1].transaction.ops[1].update["$inc"].balance)
+    code, out, err = cli("show", "nothing")
+    assert.are.equal(1, code)
+    assert.are.equal("", out)
+    assert.truthy(err:find("no such transaction nothing", 1, true), err)
+  end)
+
+  it("recover finishes what a killed worker and stepwise calls left, prints a report", function()
+    if not check_build() then return end
+    local wdb, w = helpers.stalled_owner()
+    helpers.signal(w.pid, "KILL")
+    assert.is_true(helpers.wait_exit(w.pid, 10))
+    os.remove(w.out)
+    os.remove(w.ready)
+    local wtx = assert(wdb:manager{})
+    local killed = assert(wtx:find({ state = "pending" }))
+    assert.are.equal(1, #killed)
+    local code, out, err = run({ "--database", wdb.name, "recover" })
+    assert.are.equal(0, code, err)
+    assert.truthy(out:find("done:%s+1\n"), out)
+    assert.are.equal("done", assert(wtx:get(killed[1]._id)).state)
+    local balances = helpers.balances(wdb:collection("accounts"))
+    assert.are.same({ A = 900, B = 1100 }, balances)
+
+    abandoned(10, "s1")
+    abandoned(20, "s2")
+    sleep(1.2)
+    code, out, err = cli("--json", "recover", "--batch", "1")
+    assert.are.equal(0, code, err)
+    local lines = json_lines(out)
+    local last = lines[#lines]
+    assert.are.equal("summary", last.event)
+    assert.are.equal(2, last.done)
+    assert.are.equal(0, last.failed)
+    assert.is_true(last.passes >= 2)
+    assert.are.equal("done", state("s1"))
+    assert.are.equal("done", state("s2"))
+    assert.are.same({ A = 970, B = 1030 }, (helpers.balances(accounts)))
+  end)
+
+  it("recover --loop is a worker: it sweeps again and again until stopped", function()
+    if not check_build() then return end
+    local out = os.tmpname()
+    local p = assert(io.popen(mongotx_cmd({ "--database", dbname, "--json", "recover", "--loop",
+      "0.2" }) .. " >" .. out .. " 2>&1 & echo $!"))
+    local pid = tonumber(p:read("*l"))
+    p:close()
+    local function finished(id)
+      for _ = 1, 300 do
+        if state(id) == "done" then return true end
+        sleep(0.1)
+      end
+      return false
+    end
+    abandoned(10, "w1")
+    local first = finished("w1")
+    abandoned(20, "w2") -- after the first one was recovered: a later sweep takes it
+    local second = finished("w2")
+    local alive = helpers.alive(pid)
+    helpers.signal(pid, "TERM")
+    assert.is_true(helpers.wait_exit(pid, 10))
+    local said = helpers.read_file(out)
+    os.remove(out)
+    assert.is_true(first, said)
+    assert.is_true(second, said)
+    assert.is_true(alive, "the worker stopped by itself:\n" .. said)
+    local summaries = 0
+    for line in said:gmatch("[^\n]+") do
+      -- stdout and stderr together: only the JSON lines count
+      if line:find("^{") and cjson.decode(line).event == "summary" then
+        summaries = summaries + 1
+      end
+    end
+    assert.is_true(summaries >= 2, said)
+    assert.are.same({ A = 970, B = 1030 }, (helpers.balances(accounts)))
+  end)
+
+  it("recover with a policy file: parked by max_attempts, unpark, then recovered", function()
+    if not check_build() then return end
+    abandoned(10, "p")
+    sleep(1.2)
+    local policy = os.tmpname()
+    local f = assert(io.open(policy, "w"))
+    f:write("return { max_attempts = 1, stale_pending = function() return 'back' end }\n")
+    f:close()
+    local code, out, err = cli("--policy", policy, "recover")
+    assert.are.equal(0, code, err)
+    assert.truthy(out:find("parked:%s+1\n"), out)
+    assert.is_true(assert(tm:get("p")).parked)
+    code, out, err = cli("unpark", "p")
+    assert.are.equal(0, code, err)
+    assert.truthy(out:find("p: unparked"), out)
+    local T = assert(tm:get("p"))
+    assert.is_nil(T.parked)
+    assert.are.equal(0, T.attempts)
+    -- the policy file's stale_pending rolls it back
+    code, out, err = cli("--policy", policy, "recover")
+    os.remove(policy)
+    assert.are.equal(0, code, err)
+    assert.truthy(out:find("cancelled:%s+1\n"), out)
+    assert.are.equal("cancelled", state("p"))
+    assert.are.same({ A = 1000, B = 1000 }, (helpers.balances(accounts)))
+  end)
+
+  it("rollback cancels, compensate undoes a done one, a committed one cannot roll back", function()
+    if not check_build() then return end
+    abandoned(10, "r")
+    sleep(1.2)
+    local code, out, err = cli("rollback", "r", "--reason", "operator said so")
+    assert.are.equal(0, code, err)
+    assert.truthy(out:find("r: cancelled"), out)
+    local T = assert(tm:get("r"))
+    assert.are.equal("cancelled", T.state)
+    assert.are.equal("operator said so", T.reason)
+    assert.are.same({ A = 1000, B = 1000 }, (helpers.balances(accounts)))
+
+    assert(tm:transfer("accounts", "A", "B", 100, { id = "d" }))
+    local before = helpers.db_dump(db.client, dbname)
+    code, out, err = cli("rollback", "d")
+    assert.are.equal(1, code)
+    assert.are.equal("", out)
+    assert.truthy(err:find("compensate it instead", 1, true), err)
+    helpers.assert_dump_unchanged(before, db.client, dbname)
+    code, out, err = cli("--json", "compensate", "d")
+    assert.are.equal(0, code, err)
+    local c = json_lines(out)[1]
+    assert.are.equal("done", c.state)
+    assert.are.equal("done", state(c.compensation))
+    assert.are.equal("d", assert(tm:get(c.compensation)).compensates)
+    assert.are.same({ A = 1000, B = 1000 }, (helpers.balances(accounts)))
+  end)
+
+  it("prune deletes finished transactions older than --older-than and nothing else", function()
+    if not check_build() then return end
+    for i = 1, 5 do assert(tm:transfer("accounts", "A", "B", 1, { id = "old" .. i })) end
+    transfer(1, "open")
+    sleep(1.5)
+    assert(tm:transfer("accounts", "A", "B", 1, { id = "young" }))
+    local code, out, err = cli("prune", "--older-than", "1", "--dry-run")
+    assert.are.equal(0, code, err)
+    assert.truthy(out:find("would delete 5 "), out)
+    assert.are.equal(7, assert(txs:count({})))
+    code, out, err = cli("--json", "prune", "--older-than", "1", "--batch", "2")
+    assert.are.equal(0, code, err)
+    local lines = json_lines(out)
+    assert.are.equal(5, lines[#lines].deleted)
+    assert.are.equal(4, #lines) -- passes of 2, 2, 1, then the summary
+    local left = {}
+    for _, T in ipairs(helpers.dump(txs)) do left[#left + 1] = T._id end
+    assert.are.same({ "open", "young" }, left)
+  end)
+
+  describe("bad input: exit code, message, nothing written", function()
+    local function policy_file(text)
+      local path = os.tmpname() .. ".lua"
+      local f = assert(io.open(path, "w"))
+      f:write(text)
+      f:close()
+      return path
+    end
+
+    -- { args, exit code, pattern the message must hold }; POLICY in an
+    -- argument is replaced by a policy file with the text in case[4].
+    local cases = {
+      { { "frobnicate" }, 2, "unknown command 'frobnicate'" },
+      { { "list", "--bogus" }, 2, "unknown option '%-%-bogus'" },
+      { { "--bogus", "status" }, 2, "unknown option '%-%-bogus'" },
+      { {}, 2, "a command is required" },
+      { { "list", "--limit", "0" }, 2, "whole number from 1" },
+      { { "list", "--state", "weird" }, 2, "'%-%-state' must be one of 'initial'" },
+      { { "recover", "--stale-after=-1" }, 2, "number of seconds" },
+      { { "prune", "--older-than", "nan" }, 2, "number of seconds" },
+      { { "show" }, 2, "missing argument 'id'" },
+      { { "show", '{"$gt":1}' }, 2, 'malformed id "{\\"%$gt\\":1}": it looks like JSON' },
+      { { "rollback", '{"$ne":null}' }, 2, "malformed id" },
+      { { "rollback", "[1]" }, 2, "malformed id" },
+      { { "unpark", "oid:xyz" }, 2, "oid: takes 24 hex digits" },
+      { { "compensate", "long:12a" }, 2, "long: takes digits" },
+      { { "rollback", "1e999" }, 2, "id may not be inf" },
+      { { "--collection", "$x", "status" }, 2, "%-%-collection must be a collection name" },
+      { { "--policy", "/nonexistent/p.lua", "recover" }, 2, "policy file /nonexistent/p%.lua" },
+      { { "--policy", "POLICY", "recover" }, 2, "policy file .-: .-expected", "return { x" },
+      { { "--policy", "POLICY", "recover" }, 2, "policy file .- raised an error: .-boom",
+        "error('boom')" },
+      { { "--policy", "POLICY", "recover" }, 2, "must return a table of policies, not number",
+        "return 42" },
+      { { "--policy", "POLICY", "recover" }, 2, "unknown option colour for policy file",
+        "return { colour = 'red' }" },
+      { { "--policy", "POLICY", "recover" }, 2, "option stale_after of policy file .- must be " ..
+        "a number, not string", "return { stale_after = 'soon' }" },
+      { { "--policy", "POLICY", "recover" }, 2, "option max_attempts of policy file .- must be " ..
+        "a whole number from 1 to 1000000, not 0", "return { max_attempts = 0 }" },
+      { { "rollback", "nothing" }, 1, "no such transaction" },
+      { { "unpark", "pend" }, 1, "not parked" },
+    }
+
+    it("every case of the table", function()
+      if not check_build() then return end
+      local t = transfer(10, "pend")
+      assert(tm:step("claim", t))
+      assert(tm:step("apply", t, 1))
+      sleep(1.2) -- past its lease: a rollback that got through would cancel it
+      local before = helpers.db_dump(db.client, dbname)
+      for _, case in ipairs(cases) do
+        local args, path = {}, nil
+        for i, a in ipairs(case[1]) do
+          if a == "POLICY" then
+            path = policy_file(case[4])
+            a = path
+          end
+          args[i] = a
+        end
+        local code, out, err = cli((table.unpack or unpack)(args))
+        if path then os.remove(path) end
+        local what = table.concat(case[1], " ")
+        assert.are.equal(case[2], code, what .. ": " .. err)
+        -- its line (libmongoc may add warnings of its own)
+        local said
+        for line in err:gmatch("[^\n]+") do
+          if line:find("^mongotx: ") then said = line end
+        end
+        assert.truthy(said and said:find(case[3]), what .. ": " .. err)
+        assert.are.equal("", out, what)
+        helpers.assert_dump_unchanged(before, db.client, dbname)
+      end
+      assert.are.equal("pending", state("pend"))
+    end)
+
+    it("no URI, an unknown database, a closed port and a server that does not answer", function()
+      if not check_build() then return end
+      local before = helpers.db_dump(db.client, dbname)
+      local code, _, err = run({ "status" }, { uri = false })
+      assert.are.equal(2, code)
+      assert.truthy(err:find("give --uri or set MONGOTX_URI", 1, true), err)
+      code, _, err = run({ "--database", "a/b", "status" })
+      assert.are.equal(2, code)
+      assert.truthy(err:find("option database of connect must be a database name", 1, true), err)
+      code, _, err = run({ "--database", dbname .. "x", "recover" })
+      assert.are.equal(1, code)
+      assert.truthy(err:find("has no collection transactions", 1, true), err)
+      local port = server.free_port()
+      code, _, err = run({ "--database", dbname, "recover" },
+        { uri = "mongodb://user:secret@127.0.0.1:" .. port })
+      assert.are.equal(1, code)
+      assert.truthy(err:find("cannot reach mongodb://user:***@127.0.0.1:" .. port, 1, true), err)
+      assert.falsy(err:find("secret", 1, true), err)
+      -- a listener that accepts and never answers: the command gives up
+      -- after its own 5 s timeout (libmongoc's default would be 30 s)
+      local ready = os.tmpname()
+      os.remove(ready)
+      local listener = io.popen(string.format([[python3 -c '
+import socket, time, sys
+s = socket.socket(); s.bind(("127.0.0.1", %d)); s.listen(8)
+open(sys.argv[1], "w").write("ok")
+conns = []
+while True:
+    c, _ = s.accept(); conns.append(c)
+' %s >/dev/null 2>&1 & echo $!]], port, q(ready)))
+      local lpid = tonumber(listener:read("*l"))
+      listener:close()
+      assert.is_true(helpers.wait_file(ready, 20), "the listener did not start")
+      local started = mongotx.core.monotonic_ms()
+      code, _, err = run({ "--database", dbname, "status" },
+        { uri = "mongodb://127.0.0.1:" .. port })
+      local took = (mongotx.core.monotonic_ms() - started) / 1000
+      helpers.signal(lpid, "KILL")
+      os.remove(ready)
+      assert.are.equal(1, code)
+      assert.truthy(err:find("cannot reach mongodb://127.0.0.1:" .. port, 1, true), err)
+      assert.is_true(took < 25, "gave up only after " .. took .. " s")
+      helpers.assert_dump_unchanged(before, db.client, dbname)
+    end)
+  end)
+
+  describe("progress", function()
+    -- n committed transactions left unfinished (finish = "deferred",
+    -- never finished), which recovery finishes.
+    -- (fewer on FerretDB, where recovery is a hundred times slower: the
+    -- bar is still seen midway at --batch 10)
+    local ferretdb = helpers.server_kind() == "ferretdb"
+    local N, PIPED = ferretdb and 150 or 2000, ferretdb and 50 or 500
+    local function backlog(first, n)
+      local deferred = assert(db:manager{ application = "app-1", finish = "deferred",
+                                          finish_batch = 100000 })
+      for b = 0, math.ceil(n / 500) - 1 do
+        local list = {}
+        for i = 1, math.min(500, n - b * 500) do
+          local k = first + b * 500 + i
+          -- an insert each: no document that many transactions share (a
+          -- batch on FerretDB would take those one at a time)
+          list[i] = { ops = { { collection = "events", id = k, doc = { n = k } } }, id = k }
+        end
+        local res, errs = deferred:commit_many(list)
+        for i = 1, #list do assert(res[i], tostring(errs[i])) end
+      end
+      assert.are.equal(n, assert(tm:stats()).applied)
+    end
+
+    local function tmux_missing()
+      return server.execute("command -v tmux >/dev/null") ~= 0 and
+        "tmux is not installed (spec/support/setup.sh deps installs it)" or nil
+    end
+
+    it("a terminal shows a bar with rate and ETA during recover; a pipe gets none", function()
+      if not check_build() then return end
+      local why = tmux_missing()
+      if why then pending(why) return end
+      backlog(0, N)
+      local sock = os.tmpname()
+      os.remove(sock)
+      local tmux = "tmux -S " .. q(sock)
+      local cmd = mongotx_cmd({ "--database", dbname, "recover", "--application", "app-1",
+                                "--stale-after", "0", "--batch", "10" })
+      assert.are.equal(0, server.execute(string.format(
+        "%s new-session -d -x 120 -y 30 -c %s %s", tmux, q(os.getenv("PWD")), q(cmd .. "; echo EXIT=$?; sleep 120"))))
+      local midway, final
+      for _ = 1, 1200 do
+        local screen = server.capture(tmux .. " capture-pane -p")
+        local done, total, rate, eta = screen:match(
+          "recover %[[#.]+%]%s+(%d+)/(%d+)%s+%d+%%%s+(%d+)/s%s+ETA (%d+:%d%d)")
+        if done and tonumber(done) < tonumber(total) and tonumber(rate) > 0 and eta then
+          midway = screen
+        end
+        if screen:find("EXIT=") then final = screen break end
+        sleep(0.1)
+      end
+      server.execute(tmux .. " kill-server")
+      assert.truthy(final, "the command did not finish under tmux")
+      assert.truthy(final:find("EXIT=0", 1, true), final)
+      assert.truthy(midway, "no bar with a rate and an ETA was seen while it ran:\n" .. final)
+      assert.truthy(final:find("recover %[#+%]%s+" .. N .. "/" .. N .. "%s+100%%%s+%d+/s%s+ETA 0:00"),
+        final)
+      assert.truthy(final:find("done:%s+" .. N), final)
+      assert.are.equal(N, assert(tm:stats()).done)
+
+      -- piped: the same sweep prints the report and no bar
+      backlog(N, PIPED)
+      local code, out, err = cli("recover", "--application", "app-1", "--stale-after", "0",
+        "--batch", "10")
+      assert.are.equal(0, code, err)
+      assert.truthy(out:find("done:%s+" .. PIPED .. "\n"), out)
+      assert.falsy(out:find("\r", 1, true), out)
+      assert.falsy(out:find("ETA", 1, true), out)
+      assert.falsy(out:find("\27", 1, true), out)
+      assert.are.equal(N + PIPED, assert(tm:stats()).done)
+    end)
+  end)
+end)
