@@ -491,33 +491,6 @@ local function check_where(where, owned, i)
   return check_filter(where, owned, i, 0)
 end
 
--- An inserted document (already snapshotted): string keys, none an
--- operator or a path, none of the `owned` fields, only finite numbers.
--- Returns a plain copy, or nil, err.
-local function check_doc(doc, owned, i)
-  if type(doc) ~= "table" then return invalid("insert needs a doc", i) end
-  local out = {}
-  for k, v in pairs(doc) do
-    if type(k) ~= "string" then return invalid("doc keys are strings", i) end
-    if k:sub(1, 1) == "$" then
-      return invalid(format("doc may not hold the key %q", k), i)
-    end
-    for _, field in ipairs(owned) do
-      if k == field then return invalid("doc may not set " .. field, i) end
-    end
-    out[k] = v
-  end
-  local op_key = operator_key(out, 0)
-  if op_key then return invalid(format("doc may not hold the key %q", op_key), i) end
-  local dotted = dotted_key(out, 0)
-  if dotted then
-    return invalid(format("doc may not hold the key %q (dots are paths)", dotted), i)
-  end
-  local bad = non_finite(out, 0)
-  if bad then return invalid("doc holds " .. tostring(bad), i) end
-  return out
-end
-
 -- Checks one op and returns its normal form (kind set, undo filled in)
 -- and its document's key.  op is the caller's table, read raw; every
 -- value kept is a snapshot.
@@ -562,12 +535,29 @@ local function normalise_op(op, i, ctx)
     return invalid("only an update op takes update and undo", i)
   end
   if kind == "insert" then
-    local doc
-    doc, err = check_doc(fields.doc, ctx.owned, i)
-    if not doc then return nil, err end
+    if type(fields.doc) ~= "table" then return invalid("insert needs a doc", i) end
+    local doc = {}
+    for k, v in pairs(fields.doc) do
+      if type(k) ~= "string" then return invalid("doc keys are strings", i) end
+      if k:sub(1, 1) == "$" then
+        return invalid(format("doc may not hold the key %q", k), i)
+      end
+      for _, field in ipairs(ctx.owned) do
+        if k == field then return invalid("doc may not set " .. field, i) end
+      end
+      doc[k] = v
+    end
     if doc._id ~= nil and _M.id_key(doc._id) ~= key then
       return invalid("doc._id differs from the op's id", i)
     end
+    local op_key = operator_key(doc, 0)
+    if op_key then return invalid(format("doc may not hold the key %q", op_key), i) end
+    local dotted = dotted_key(doc, 0)
+    if dotted then
+      return invalid(format("doc may not hold the key %q (dots are paths)", dotted), i)
+    end
+    local bad = non_finite(doc, 0)
+    if bad then return invalid("doc holds " .. tostring(bad), i) end
     doc._id = id
     out.doc = doc
   elseif fields.doc ~= nil then
@@ -620,10 +610,10 @@ function _M.ops(ops, ctx)
 end
 
 -- For the modules beside the transactions (mongotx.sync,
--- mongotx.versioned): a caller's update, or a document's content, checked
--- as an op's would be and snapshotted (what is sent), or nil and an
--- `invalid` error of that module's call `step`.  `owned`: the fields the
--- module keeps, which the caller may not touch.
+-- mongotx.versioned): a caller's update checked as an op's would be and
+-- snapshotted (what is sent), or a caller's id checked by check_id; nil
+-- and an `invalid` error of that module's call `step` when bad.
+-- `owned`: the fields the module keeps, which an update may not touch.
 local function as_step(step, v, err)
   if v == nil then err.step = step end
   return v, err
@@ -637,13 +627,6 @@ function _M.update(u, owned, step)
   return sent
 end
 
-function _M.content(doc, owned, step)
-  local sent, why = snapshot(doc)
-  if sent == nil then return as_step(step, invalid("doc cannot be stored: " .. why)) end
-  return as_step(step, check_doc(sent, owned))
-end
-
--- check_id for a module's call `step`.
 function _M.module_id(id, step)
   return as_step(step, check_id(id))
 end

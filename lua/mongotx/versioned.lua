@@ -62,11 +62,6 @@ Writer.__index = Writer
 -- Levels for error(): the caller of the public method (see manager.lua).
 local CALLER, HELPER_CALLER = 2, 3
 
--- The field names a caller's content may not use (validate.content's
--- `owned`): none, since the content is stored whole under `doc`, apart
--- from the fields this module keeps on an item version.
-local ITEM_FIELDS = {}
-
 -- The prefix of a root's field holding when the writer of a version began.
 local STARTED = "started"
 
@@ -190,8 +185,12 @@ function Writer:_insert(step, item, doc)
   end
   local version = core.doc("root", self.root, "itemId", sent, "version", self.version)
   if doc then
-    doc, err = validate.content(doc, ITEM_FIELDS, step)
-    if not doc then return nil, err end
+    -- stored whole under `doc`: the content may use any field name
+    local why
+    doc, why = validate.value(doc)
+    if not doc then
+      return nil, errors.new("invalid", "the document: " .. why, { step = step, id = item })
+    end
     version.doc = doc
   else
     version.deleted = true
