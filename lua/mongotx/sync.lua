@@ -35,9 +35,9 @@ local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local clock = require "mongotx.clock"
+local points = require "mongotx.points"
 
 local type, pairs, ipairs, pcall, tostring, setmetatable = type, pairs, ipairs, pcall, tostring, setmetatable
-local crash_point = core.crash_point
 
 local _M = {}
 
@@ -92,11 +92,7 @@ end
 
 -- One write of this module, between its crash points sync.<step>.
 local function write(step, fn, ...)
-  crash_point("sync." .. step, "before")
-  local res, err = fn(...)
-  if not res then return nil, errors.wrap(err, step) end
-  crash_point("sync." .. step, "after")
-  return res
+  return points.write("sync", step, fn, ...)
 end
 
 -- Runs propagate(master) and ends the change master.syncId: clears the
@@ -187,9 +183,12 @@ function Sync:repair(opts)
   local cutoff
   cutoff, err = self.clock:ago(opts.older_than or 60)
   if not cutoff then return nil, err end
-  cutoff = core.Date(math.floor(cutoff))
+  -- flagged at the cutoff's millisecond or before: mongo-java-server
+  -- keeps $currentDate finer than a millisecond, so $lte of the
+  -- millisecond would miss a flag set within it
+  cutoff = core.Date(math.floor(cutoff) + 1)
   local todo
-  todo, err = self.coll:find_all({ [self.flag] = { ["$lte"] = cutoff },
+  todo, err = self.coll:find_all({ [self.flag] = { ["$lt"] = cutoff },
                                    -- also flags set without syncAttempts
                                    [ATTEMPTS] = { ["$not"] = { ["$gte"] = self.max_attempts } } },
                                  { sort = { [self.flag] = 1 }, limit = opts.limit or 100 })

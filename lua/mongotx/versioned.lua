@@ -46,9 +46,9 @@ local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local clock = require "mongotx.clock"
+local points = require "mongotx.points"
 
 local type, ipairs, tostring, setmetatable = type, ipairs, tostring, setmetatable
-local crash_point = core.crash_point
 local id_key = validate.id_key
 
 local _M = {}
@@ -100,11 +100,7 @@ end
 
 -- One write of this module, between its crash points versioned.<step>.
 local function write(step, fn, ...)
-  crash_point("versioned." .. step, "before")
-  local res, err = fn(...)
-  if not res then return nil, errors.wrap(err, step) end
-  crash_point("versioned." .. step, "after")
-  return res
+  return points.write("versioned", step, fn, ...)
 end
 
 local function is_duplicate(err)
