@@ -282,11 +282,17 @@ describe("#server mongotx.sync", function()
     it("keep every comment consistent with its user, one killed on the way", function()
       local db, dbname = fresh()
       local loops = patterns.loops("sync-loop", helpers.uri(), dbname, 3)
-      local violations = {}
+      local violations, notes = {}, {}
       for round = 1, 20 do
         helpers.core.sleep(0.1)
         if round == 8 then helpers.signal(loops.pids[1], "KILL") end
-        for _, v in ipairs(patterns.sync_running(db)) do violations[#violations + 1] = v end
+        local bad, noted = patterns.sync_running(db)
+        for _, v in ipairs(bad) do violations[#violations + 1] = v end
+        for _, v in ipairs(noted) do notes[#notes + 1] = v end
+      end
+      if #notes > 0 then
+        print(("\n  note (mongo-java-server's half-applied reads, spec/support/patterns.lua): " ..
+          "%d sightings, first %s"):format(#notes, notes[1]))
       end
       assert.is_true(patterns.stop_loops(loops))
       assert.are.same({}, violations)

@@ -137,7 +137,7 @@ local function kills(ctx, which, mod, result)
   end
   for _ = 1, ctx.workers or 3 do spawn() end
   local repairer = proc.spawn({ "repair", ctx.uri, dbname, which, stop }, nil, WORKER)
-  local killed, stops, polls, seen = 0, 0, 0, {}
+  local killed, stops, polls, seen, notes = 0, 0, 0, {}, 0
   local finish = core.monotonic_ms() + seconds * 1000
   while core.monotonic_ms() < finish do
     core.sleep(0.2 + math.random() * 0.6)
@@ -156,7 +156,9 @@ local function kills(ctx, which, mod, result)
       spawn()
     end
     polls = polls + 1
-    for _, v in ipairs(mod.running(db)) do
+    local bad, noted = mod.running(db)
+    notes = notes + #(noted or {})
+    for _, v in ipairs(bad) do
       if not seen[v] then
         seen[v] = true
         result.violations = result.violations + 1
@@ -188,8 +190,8 @@ local function kills(ctx, which, mod, result)
     result.failures[#result.failures + 1] = which .. " kills (final): " .. v
   end
   result.cases = result.cases + 1
-  return ("%d s, %d kills, %d stops, %d polls, %s"):format(seconds, killed, stops, polls,
-    mod.work(db))
+  return ("%d s, %d kills, %d stops, %d polls (%d half-applied-read notes), %s"):format(
+    seconds, killed, stops, polls, notes, mod.work(db))
 end
 
 local function section(which)

@@ -101,10 +101,16 @@ end
 function Sync:settle(master)
   local ok, done, reason = pcall(self.propagate, master)
   if not ok then done, reason = nil, tostring(done) end
-  -- a flag set by a writer that knows nothing of syncId (seed 002's
-  -- recipe) is cleared only while no change of ours came after it
-  local mine = { _id = master._id, [ID] = master[ID] }
-  if master[ID] == nil then mine[ID] = { ["$exists"] = false } end
+  -- The state propagated, as the condition of the writes that end it:
+  -- syncId says no change came after the read; syncSeq too, and catches
+  -- a read that saw a change half applied (mongo-java-server returns one
+  -- now and then): its flag stays for repair.  A flag set by a writer
+  -- that knows nothing of these fields (seed 002's recipe) is cleared
+  -- only while no change of ours came after it.
+  local mine = { _id = master._id }
+  for _, f in ipairs { ID, SEQ } do
+    if master[f] == nil then mine[f] = { ["$exists"] = false } else mine[f] = master[f] end
+  end
   if done then
     local _, err = write("clear", self.coll.update_one, self.coll, mine,
       { ["$unset"] = { [self.flag] = "", [ID] = "", [ATTEMPTS] = "", [FAILURE] = "" } }, self.wopts)
