@@ -74,6 +74,7 @@ build = {
     ["mongotx.pool"] = "lua/mongotx/pool.lua",
     ["mongotx.resty"] = "lua/mongotx/resty.lua",
     ["mongotx.clock"] = "lua/mongotx/clock.lua",
+    ["mongotx.ledger"] = "lua/mongotx/ledger.lua",
     ["mongotx.points"] = "lua/mongotx/points.lua",
     ["mongotx.sync"] = "lua/mongotx/sync.lua",
     ["mongotx.versioned"] = "lua/mongotx/versioned.lua",

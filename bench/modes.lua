@@ -247,37 +247,129 @@ _M.commit_many = { label = "tm:commit_many", run = many("commit_many") }
 _M.transfer_many = { label = "tm:transfer_many", run = many("transfer_many") }
 _M.transfer_many_guarded = { label = "tm:transfer_many min=0", run = many("transfer_many", 0) }
 
--- recovery: ctx.n transactions left in state initial by an application
--- that is gone (tm:begin without commit), then the time one manager
--- (stale_after = 0, lease = 0) takes to recover all of them.  Latency is
--- a recover() pass's time divided by the transactions it drove.
-_M.recovery = {
-  label = "recover stale",
-  run = function(ctx)
+-- ledger: mongotx.ledger transfers (one inserted entry each), one per
+-- call or ctx.batch per transfer_many, unguarded like tm:transfer.  Then
+-- (not timed) every moved account's entries must sum to what the completed
+-- transfers moved, and twenty accounts are committed and reconciled.
+local function ledger(ctx)
+  local db = bank.open(ctx.uri, "ledger" .. (ctx.batch or 1), 0)
+  local L = assert(db:ledger {})
+  local from, to = bank.plan(ctx.accounts, ctx.n, ctx.batch)
+  local batch = ctx.batch or 1
+  local sample, moved = timed(db, ctx.n, function(lat, moved)
+    local ok = 0
+    for first = 1, #from, batch do
+      local last = math.min(first + batch - 1, #from)
+      local t = now()
+      local done = {}
+      if batch == 1 then
+        done[first] = L:transfer(from[first], to[first], 1) ~= nil
+      else
+        local list = {}
+        for i = first, last do list[#list + 1] = { from = from[i], to = to[i], amount = 1 } end
+        local res = assert(L:transfer_many(list))
+        for k in ipairs(list) do done[first + k - 1] = res[k] ~= false end
+      end
+      local per = (now() - t) / (last - first + 1)
+      for i = first, last do
+        lat[i] = per
+        if done[i] then ok = ok + 1; move(moved, from[i], to[i]) end
+      end
+    end
+    return ok
+  end)
+  -- every entry once: each account's values sum to what it moved, at
+  -- seqIds 1..n; then the committer and a replay for twenty accounts
+  local sums, seqs = {}, {}
+  for _, e in ipairs(assert(db:collection("ledger"):find_all({}))) do
+    for _, c in ipairs(e.changes) do
+      sums[c.account] = (sums[c.account] or 0) + c.value
+      seqs[c.account] = (seqs[c.account] or 0) + 1
+    end
+  end
+  local checked = 0
+  for account, delta in pairs(moved) do
+    assert(sums[account] == delta, "ledger entries of " .. account)
+    if checked < 20 then
+      assert(L:commit { account = account })
+      local r = assert(L:reconcile(account))
+      assert(r.ok and r.balance == delta and r.seq == seqs[account], "ledger reconcile of " .. account)
+      checked = checked + 1
+    end
+  end
+  bank.drop(db)
+  return sample
+end
+
+_M.ledger = { label = "ledger:transfer", run = ledger }
+_M.ledger_many = { label = "ledger:transfer_many", run = ledger }
+
+-- Recovery: ctx.n transactions of one kind left behind by an application
+-- that is gone (lease 0), then the time one manager (stale_after = 0,
+-- lease = 0) takes to recover all of them through tm:recover{ limit =
+-- 1000, batch = ctx.batch } (batch 1: one at a time, as before batched
+-- recovery).  Latency is a recover() pass's time divided by the
+-- transactions it drove.  The kinds, as left:
+--   initial    tm:begin without commit
+--   pending    claimed, its debit applied (tm:step)
+--   applied    committed, not finished (commit_many, finish deferred)
+--   canceling  claimed, its debit applied, then cancelled (tm:step)
+local function leave(db, kind, from, to)
+  local gone = assert(db:manager { application = "gone", lease = 0, finish = "deferred",
+                                   finish_batch = 100000 })
+  if kind == "applied" then
+    for first = 1, #from, 100 do
+      local list = {}
+      for i = first, math.min(first + 99, #from) do list[#list + 1] = bank.ops(from[i], to[i], 1) end
+      local res, errs = gone:commit_many(list)
+      for k = 1, #list do assert(res[k], tostring(errs[k])) end
+    end
+    return
+  end
+  for i = 1, #from do
+    local t = assert(gone:begin(bank.ops(from[i], to[i], 1)))
+    if kind ~= "initial" then
+      assert(gone:step("claim", t))
+      assert(gone:step("apply", t, 1))
+      if kind == "canceling" then assert(gone:step("cancel", t)) end
+    end
+  end
+end
+
+local function recovery(kind)
+  return function(ctx)
     local db = bank.open(ctx.uri, "recovery", ctx.accounts)
     local from, to = bank.plan(ctx.accounts, ctx.n, ctx.n)
-    local gone = assert(db:manager { application = "crashed" })
-    for i = 1, ctx.n do assert(gone:begin(bank.ops(from[i], to[i], 1))) end
+    leave(db, kind, from, to)
     local tm = assert(db:manager { application = "recoverer", stale_after = 0, lease = 0 })
     local sample, moved = timed(db, ctx.n, function(lat)
       local ok = 0
       repeat
         local t = now()
-        local report = assert(tm:recover { limit = 1000 })
+        local report = assert(tm:recover { limit = 1000, batch = ctx.batch })
         local driven = report.done + report.cancelled
         assert(report.failed == 0 and report.parked == 0, "recovery failed or parked")
         for _ = 1, driven do lat[#lat + 1] = (now() - t) / driven end
-        ok = ok + report.done
+        ok = ok + driven
       until driven == 0
       return ok
     end)
-    for i = 1, ctx.n do move(moved, from[i], to[i]) end
     assert(sample.ok == ctx.n, ("recovered %d of %d"):format(sample.ok, ctx.n))
-    bank.check_accounts(db, ctx.accounts, moved)
-    bank.check_transactions(db, { done = ctx.n })
+    if kind == "canceling" then
+      bank.check_accounts(db, ctx.accounts, {})
+      bank.check_transactions(db, { cancelled = ctx.n })
+    else
+      for i = 1, ctx.n do move(moved, from[i], to[i]) end
+      bank.check_accounts(db, ctx.accounts, moved)
+      bank.check_transactions(db, { done = ctx.n })
+    end
     bank.drop(db)
     return sample
-  end,
-}
+  end
+end
+
+for _, kind in ipairs { "initial", "pending", "applied", "canceling" } do
+  _M["recover_" .. kind] = { label = "tm:recover " .. kind, run = recovery(kind) }
+end
 
 return _M

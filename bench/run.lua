@@ -75,6 +75,9 @@ for _, b in ipairs { { 1, 1000, 5 }, { 10, 1000, 5 }, { 100, 3000, 5 }, { 1000, 
                       runs = b[3], latency = b[1] > 1 }
 end
 plan[#plan + 1] = { key = "transfer_many100", mode = modes.transfer_many, batch = 100, n = 3000 }
+-- mongotx.ledger beside them (issue 12): one entry per transfer
+plan[#plan + 1] = { key = "ledger", mode = modes.ledger, n = 1000 }
+plan[#plan + 1] = { key = "ledger_many100", mode = modes.ledger_many, batch = 100, n = 3000 }
 -- guarded (min = 0): on 10 000 accounts, and hot: 10 accounts, each
 -- debited and credited about ten times within every batch of 100
 plan[#plan + 1] = { key = "transfer_many100_guarded", mode = modes.transfer_many_guarded,
@@ -87,7 +90,14 @@ for _, accounts in ipairs { 10, 10000 } do
                         procs = procs, accounts = accounts, n = 800, runs = 3 }
   end
 end
-plan[#plan + 1] = { key = "recovery", mode = modes.recovery, n = 10000, runs = 3, latency = true }
+-- recovery of each kind, batched and one at a time (batch 1), with
+-- their latency rows: what batching recovery is for
+for _, kind in ipairs { "initial", "pending", "applied", "canceling" } do
+  for _, batch in ipairs { 100, 1 } do
+    plan[#plan + 1] = { key = ("recover_%s%d"):format(kind, batch), mode = modes["recover_" .. kind],
+                        batch = batch, n = 10000, runs = 3, latency = true }
+  end
+end
 
 -- A latency row's run aims at this many seconds (the loopback row's time
 -- per transfer plus its round trips at the measured round trip); its runs
@@ -222,7 +232,9 @@ end
 
 local function label(e)
   local s = e.mode.label
-  if e.batch and e.batch > 1 or e.key:match("^commit_many") then s = s .. " (batch " .. e.batch .. ")" end
+  if e.batch and e.batch > 1 or e.key:match("^commit_many") or e.key:match("^recover_") then
+    s = s .. " (batch " .. e.batch .. ")"
+  end
   if e.procs then s = ("%s %d on %d accounts"):format(s, e.procs, e.accounts)
   elseif e.accounts then s = ("%s on %d accounts"):format(s, e.accounts) end
   if e.level then s = ("%s, +%s"):format(s, e.level.label) end
@@ -289,6 +301,7 @@ local function target_lines()
     cm_tps and raw and cm_tps / (raw.tps * BOUND), 0.8,
     cm_tps and raw and ("%s / (%s × 2/7 = %s) = %s"):format(fmt(cm_tps), fmt(raw.tps),
       fmt(raw.tps * BOUND), fmt(cm_tps / (raw.tps * BOUND), 2)) or missing)
+  ratio("ledger", "transfer", 2) -- issue 12: one inserted entry against 2PC
   local best, parts = nil, {}
   for _, key in ipairs { "transfer", "transfer_deferred", "begin_commit" } do
     local r = by_key[key]
@@ -315,6 +328,16 @@ local function target_lines()
     d and ping and 3.2 / (d.p50 / ping.median), 1,
     d and ping and ("p50 %s ms over a measured round trip (median ping) of %s ms = %s round trips")
       :format(fmt(d.p50, 3), fmt(ping.median, 3), fmt(d.p50 / ping.median, 2)) or "not run")
+  -- batched recovery (issue 11): ≥ 4 × one at a time, ≥ 0.5 × commit_many
+  -- at batch 100, on loopback and at +1 ms
+  for _, kind in ipairs { "initial", "pending", "applied", "canceling" } do
+    ratio("recover_" .. kind .. "100", "recover_" .. kind .. "1", 4)
+    ratio("recover_" .. kind .. "100", "commit_many100", 0.5)
+  end
+  for _, kind in ipairs { "initial", "pending", "applied", "canceling" } do
+    ratio("recover_" .. kind .. "100", "recover_" .. kind .. "1", 4, one_ms)
+    ratio("recover_" .. kind .. "100", "commit_many100", 0.5, one_ms)
+  end
   return table.concat(out, "\n")
 end
 

@@ -121,14 +121,33 @@ set_hint(lua_State *L, int meta, enum mtx_hint hint)
 	lua_pop(L, 1);
 }
 
-/* Pushes the table for the container whose elements `it` walks. */
+/* Pushes the metatable of the container at t (on top of the stack), with
+ * `first` as its first key when given; returns its index, t + 1. */
+static int
+new_meta(lua_State *L, int t, int array, const char *first, uint32_t first_len)
+{
+	lua_newtable(L); /* metatable: kind, key order, type hints */
+	lua_pushstring(L, array ? "array" : "document");
+	lua_setfield(L, t + 1, "__mongotx");
+	if (first) {
+		lua_pushlstring(L, first, first_len);
+		lua_rawseti(L, t + 1, 1);
+	}
+	return t + 1;
+}
+
+/* Pushes the table for the container whose elements `it` walks.  Its
+ * metatable is made only when there is something to keep: a second key's
+ * order, or a type hint (most documents a batch decodes have one key). */
 static void
 push_container(lua_State *L, bson_iter_t *it, int array, int depth)
 {
 	lua_Integer n = 0;
-	int t, meta;
+	int t, meta = 0;
 	enum mtx_hint hint;
 	uint32_t len = it->len; /* the walk's end clears it */
+	const char *key, *first = NULL;
+	uint32_t keylen, first_len = 0;
 
 	if (depth > MTX_MAX_DECODE_DEPTH)
 		luaL_error(L, "mongotx: document nested more than %d levels deep",
@@ -136,33 +155,37 @@ push_container(lua_State *L, bson_iter_t *it, int array, int depth)
 	luaL_checkstack(L, 8, "mongotx: document too deep");
 	lua_newtable(L);
 	t = lua_gettop(L);
-	lua_newtable(L); /* metatable: kind, key order, type hints */
-	meta = t + 1;
-	lua_pushstring(L, array ? "array" : "document");
-	lua_setfield(L, meta, "__mongotx");
 	while (bson_iter_next(it)) {
 		n++;
+		key = bson_iter_key(it);
+		keylen = bson_iter_key_len(it);
 		/* what encode refuses (see encode_field), and bson_validate too,
 		 * but not past a regex that is not UTF-8 (found by fuzz/) */
-		if (!array && !bson_utf8_validate(bson_iter_key(it),
-						  bson_iter_key_len(it), false))
+		if (!array && !mtx_utf8_valid(key, keylen))
 			luaL_error(L, "mongotx: corrupt BSON (a key that is not UTF-8)");
+		if (!array && n == 1)
+			first = key, first_len = keylen;
+		else if (!array && !meta)
+			meta = new_meta(L, t, array, first, first_len);
 		hint = push_element(L, it, depth);
 		if (array) {
 			lua_rawseti(L, t, (int)n);
 		} else {
-			lua_pushlstring(L, bson_iter_key(it), bson_iter_key_len(it));
-			lua_pushvalue(L, -1);
-			lua_rawseti(L, meta, (int)n);
+			lua_pushlstring(L, key, keylen);
+			if (meta) {
+				lua_pushvalue(L, -1);
+				lua_rawseti(L, meta, (int)n);
+			}
 			lua_insert(L, -2);
 			lua_rawset(L, t);
 		}
 		if (hint != MTX_HINT_NONE) {
+			if (!meta)
+				meta = new_meta(L, t, array, array ? NULL : first, first_len);
 			if (array)
 				lua_pushinteger(L, n);
 			else
-				lua_pushlstring(L, bson_iter_key(it),
-						bson_iter_key_len(it));
+				lua_pushlstring(L, key, keylen);
 			set_hint(L, meta, hint);
 		}
 	}
@@ -172,17 +195,11 @@ push_container(lua_State *L, bson_iter_t *it, int array, int depth)
 	 * document vanished without a word (found by fuzz/bson_roundtrip.c) */
 	if (bson_iter_offset(it) + 1 != len)
 		luaL_error(L, "mongotx: corrupt BSON");
-	lua_getfield(L, meta, "__types");
-	if (array && lua_isnil(L, -1)) {
+	if (!meta) {
+		if (!array)
+			return; /* at most one key: no order to keep */
 		/* no hints: share one metatable among all plain arrays */
-		lua_pop(L, 2);
 		luaL_getmetatable(L, MTX_ARRAY_MT);
-	} else if (!array && n < 2 && lua_isnil(L, -1)) {
-		/* a single key has no order to keep */
-		lua_pop(L, 2);
-		return;
-	} else {
-		lua_pop(L, 1);
 	}
 	lua_setmetatable(L, t);
 }

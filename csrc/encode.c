@@ -215,6 +215,19 @@ encode_array_items(encoder *e, int idx, bson_t *b, lua_Integer n, int types)
 	}
 }
 
+/* bson_utf8_validate, but plain ASCII (the common case) without asking
+ * libbson: 4% of a batch's client instructions went there. */
+int
+mtx_utf8_valid(const char *s, size_t len)
+{
+	size_t i;
+
+	for (i = 0; i < len; i++)
+		if ((unsigned char)s[i] & 0x80)
+			return bson_utf8_validate(s, len, false);
+	return 1;
+}
+
 /* Encodes the field whose key is at -2 and value at -1. */
 static void
 encode_field(encoder *e, bson_t *b, int types)
@@ -232,7 +245,7 @@ encode_field(encoder *e, bson_t *b, int types)
 		encode_fail(e, "a key containing a NUL byte");
 	/* bson_validate refuses a key that is not UTF-8, so core.decode could
 	 * not read back what this wrote (found by fuzz/lua_encode.c) */
-	if (!bson_utf8_validate(key, len, false))
+	if (!mtx_utf8_valid(key, len))
 		encode_fail(e, "a key that is not valid UTF-8");
 	if (types) {
 		lua_pushvalue(L, -2);
@@ -422,7 +435,7 @@ encode_value(encoder *e, int idx, bson_t *b, const char *key, int keylen,
 }
 
 static bson_t *
-check_document(lua_State *L, int idx, int with_id)
+check_document(lua_State *L, int idx, int with_id, int reused)
 {
 	encoder e;
 	bson_t *b;
@@ -436,7 +449,7 @@ check_document(lua_State *L, int idx, int with_id)
 	lua_pop(L, 1);
 	if (kind && strcmp(kind, "array") == 0)
 		luaL_argerror(L, idx, "a document, not an array");
-	b = mtx_scratch(L);
+	b = reused ? mtx_scratch_take(L) : mtx_scratch(L);
 	e.L = L;
 	e.depth = 0;
 	e.tables[0] = lua_topointer(L, idx);
@@ -468,13 +481,19 @@ check_document(lua_State *L, int idx, int with_id)
 bson_t *
 mtx_check_document(lua_State *L, int idx)
 {
-	return check_document(L, idx, 0);
+	return check_document(L, idx, 0, 0);
+}
+
+bson_t *
+mtx_check_document_reused(lua_State *L, int idx)
+{
+	return check_document(L, idx, 0, 1);
 }
 
 bson_t *
 mtx_check_insert(lua_State *L, int idx)
 {
-	return check_document(L, idx, 1);
+	return check_document(L, idx, 1, 0);
 }
 
 bson_t *
@@ -497,7 +516,7 @@ mtx_check_ordered(lua_State *L, int idx)
 		}
 	}
 	lua_pop(L, 1);
-	return check_document(L, idx, 0);
+	return check_document(L, idx, 0, 0);
 }
 
 void
@@ -528,8 +547,9 @@ mtx_plain_is_array(lua_State *L, int idx)
 int
 mtx_l_encode(lua_State *L)
 {
-	bson_t *b = mtx_check_document(L, 1);
+	bson_t *b = mtx_check_document_reused(L, 1);
 
 	lua_pushlstring(L, (const char *)bson_get_data(b), b->len);
+	mtx_scratch_give(L, -2);
 	return 1;
 }

@@ -70,10 +70,14 @@ kb_printf(keybuf *kb, const char *fmt, ...)
 static void
 kb_hex(keybuf *kb, const uint8_t *p, uint32_t n)
 {
+	static const char digits[] = "0123456789abcdef";
+	char pair[2];
 	uint32_t i;
 
-	for (i = 0; i < n; i++)
-		kb_printf(kb, "%02x", p[i]);
+	for (i = 0; i < n; i++) {
+		pair[0] = digits[p[i] >> 4], pair[1] = digits[p[i] & 15];
+		kb_add(kb, pair, 2);
+	}
 }
 
 /* An integral double within int64's range reads as that integer, as the
@@ -181,6 +185,45 @@ walk_document(keybuf *kb, bson_iter_t *it)
 	return NULL;
 }
 
+/* The key and snapshot of the ids most calls pass, made without the
+ * encoder: an integer (how the encoder sends it: mtx_number_kind) and a
+ * string that fits (sent as it is).  Pushes both and returns 1, or 0 for
+ * the general way. */
+static int
+quick_key(lua_State *L)
+{
+	int64_t i;
+	double d;
+	size_t len;
+	const char *s;
+	char key[32];
+	luaL_Buffer buf;
+
+	switch (lua_type(L, 1)) {
+	case LUA_TNUMBER:
+		if (mtx_number_kind(L, 1, &i, &d) == MTX_NUM_DOUBLE)
+			return 0;
+		snprintf(key, sizeof key, "i%" PRId64, i);
+		lua_pushstring(L, key);
+		break;
+	case LUA_TSTRING:
+		s = lua_tolstring(L, 1, &len);
+		/* its bytes: length, the string and its NUL */
+		if (len + 5 > MAX_ID_BYTES)
+			return 0;
+		luaL_buffinit(L, &buf);
+		snprintf(key, sizeof key, "s%zu:", len);
+		luaL_addstring(&buf, key);
+		luaL_addlstring(&buf, s, len);
+		luaL_pushresult(&buf);
+		break;
+	default:
+		return 0;
+	}
+	lua_pushvalue(L, 1);
+	return 1;
+}
+
 /* id_key(v) -> key, snapshot | nil, message
  * key: a string equal for two ids exactly when the server matches them as
  * one _id; snapshot: the id as it is sent (decoded from what the encoder
@@ -193,6 +236,7 @@ l_id_key(lua_State *L)
 	bson_iter_t it;
 	keybuf kb = {NULL, 0, 0};
 	const char *why;
+	int at;
 
 	luaL_checkany(L, 1);
 	if (lua_isnil(L, 1)) {
@@ -200,7 +244,10 @@ l_id_key(lua_State *L)
 		lua_pushliteral(L, "an id is needed");
 		return 2;
 	}
-	holder = mtx_scratch(L);
+	if (quick_key(L))
+		return 2;
+	holder = mtx_scratch_take(L);
+	at = lua_gettop(L);
 	mtx_append_value(L, 1, holder, "v");
 	/* the value's bytes: the holder less its length, type, "v" and end */
 	if (holder->len - 8 > MAX_ID_BYTES) {
@@ -218,6 +265,7 @@ l_id_key(lua_State *L)
 	}
 	lua_pushlstring(L, (const char *)*kb.slot, kb.len);
 	mtx_push_iter(L, &it);
+	mtx_scratch_give(L, at);
 	return 2;
 }
 

@@ -31,6 +31,13 @@
  * a raise (luaL_error, a failed encode, out of memory) anywhere in the call
  * leaks nothing: the garbage collector frees what the call did not. */
 MTX_HIDDEN bson_t *mtx_scratch(lua_State *L);
+/* mtx_scratch for the hot paths (core.encode, a batch's documents): pushes
+ * the scratch document kept from an earlier call, emptied, when there is
+ * one, and takes it out of the registry so that a nested call makes its
+ * own.  mtx_scratch_give(L, idx) keeps the one at idx for the next call; a
+ * raise in between leaves it to the garbage collector. */
+MTX_HIDDEN bson_t *mtx_scratch_take(lua_State *L);
+MTX_HIDDEN void mtx_scratch_give(lua_State *L, int idx);
 /* Pushes a userdata that will call destroy(*slot) when collected unless the
  * slot was cleared; returns the slot. */
 MTX_HIDDEN void **mtx_guard(lua_State *L, void (*destroy)(void *));
@@ -77,6 +84,8 @@ MTX_HIDDEN int mtx_open_bson(lua_State *L);
  * stack) and returns it.  Raises, naming the path of the value, when
  * something cannot be encoded. */
 MTX_HIDDEN bson_t *mtx_check_document(lua_State *L, int idx);
+/* The same into mtx_scratch_take's document (mtx_scratch_give it back). */
+MTX_HIDDEN bson_t *mtx_check_document_reused(lua_State *L, int idx);
 /* The same, but a document without _id gets a new ObjectId first; pushes
  * the scratch document and then the _id. */
 MTX_HIDDEN bson_t *mtx_check_insert(lua_State *L, int idx);
@@ -92,6 +101,8 @@ MTX_HIDDEN void mtx_append_value(lua_State *L, int idx, bson_t *b,
 enum mtx_numkind { MTX_NUM_INT32, MTX_NUM_INT64, MTX_NUM_DOUBLE };
 MTX_HIDDEN enum mtx_numkind mtx_number_kind(lua_State *L, int idx, int64_t *i,
 					    double *d);
+/* Is s (len bytes) valid UTF-8?  ASCII without asking libbson. */
+MTX_HIDDEN int mtx_utf8_valid(const char *s, size_t len);
 /* The __mongotx kind ("document"/"array") of the table at idx, with its
  * metatable pushed (or nil pushed when it has none of ours). */
 MTX_HIDDEN const char *mtx_table_kind(lua_State *L, int idx);

@@ -432,11 +432,7 @@ describe("errors", function()
         %s
         io.stdout:write("reached the end\n")
       ]], os.getenv("MONGOTX_CPATH") or "./build/lua54/?.so", body))
-      assert.is_true(helpers.wait_exit(pid, 10))
-      local output = helpers.read_file(out)
-      os.remove(out)
-      os.remove(script)
-      return output
+      return helpers.script_output(pid, out, script, 10)
     end
 
     it("core.crash_point ends the process at the armed point, and only there", function()

@@ -262,6 +262,45 @@ describe("#server transactions run at once", function()
       assert.are.same({}, states(tm))
     end)
 
+    it("a batch over 100 runs as batches of 100, each item keeping its own outcome", function()
+      if deadline_reason then return pending(deadline_reason) end
+      local tm = assert(db:manager {})
+      -- three batches of the six round trips each (Manager:_run_batch)
+      local n, results = round_trips(tm, function() return tm:transfer_many(ring(250, 1)) end)
+      assert.are.equal(18, n)
+      for i = 1, 250 do assert.are.equal("done", results[i].state) end
+      -- items that fail, in every batch and across their edges: each
+      -- result sits at its own index, the others ran
+      local list = ring(250, 2)
+      list[100].to = "nobody"       -- last of the first batch
+      list[101].amount = -1         -- first of the second: invalid, left out
+      list[150].amount = 5000       -- its guard (min = 0) fails
+      list[201].from = { ["$gt"] = "" }
+      local errs
+      results, errs = tm:transfer_many(list)
+      local expected = { [100] = "missing", [101] = "invalid", [150] = "guard", [201] = "invalid" }
+      local moved = { A9 = -1, A10 = 1 } -- round_trips' first transfer
+      for i = 1, 250 do
+        if expected[i] then
+          assert.is_false(results[i], i)
+          assert.are.equal(expected[i], errs[i].code, i)
+        else
+          assert.is_false(errs[i], i)
+          assert.are.equal("done", results[i].state, i)
+          assert.are.same({ list[i].from, list[i].to }, { results[i].source, results[i].destination })
+          moved[list[i].from] = (moved[list[i].from] or 0) - 2
+          moved[list[i].to] = (moved[list[i].to] or 0) + 2
+        end
+      end
+      assert.are.same({ done = 251 + 246, cancelled = 2 }, states(tm))
+      local b, sum = balances()
+      for i = 1, 10 do
+        local id = "A" .. i
+        assert.are.equal(1000 + (moved[id] or 0), b[id], id)
+      end
+      assert.are.equal(10000, sum)
+    end)
+
     it("the deferred finisher runs by itself every finish_batch commits", function()
       local tm = assert(db:manager { finish = "deferred", finish_batch = 10 })
       local results = tm:transfer_many(ring(6, 1))

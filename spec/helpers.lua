@@ -170,6 +170,17 @@ function helpers.spawn_script(source, ...)
   return pid, out, script
 end
 
+-- Waits (up to `seconds`, default 60) for a program spawn_script
+-- started, asserting that it ended; returns its output and removes its
+-- files.
+function helpers.script_output(pid, out, script, seconds)
+  luassert.is_true(helpers.wait_exit(pid, seconds or 60))
+  local output = helpers.read_file(out)
+  os.remove(out)
+  os.remove(script)
+  return output
+end
+
 -- Is the process still running?
 function helpers.alive(pid)
   return require("spec.support.server").execute(

@@ -15,8 +15,7 @@ local core = require "mongotx.core"
 
 local M = {}
 
--- The points a traced run passed (MONGOTX_FAULT_TRACE file), each as
--- "<point>:<when>:<nth time>" in the order passed: a MONGOTX_FAULT value.
+-- The cases a trace file lists: "<point>:<when>:<nth time>" per line.
 local function trace_points(path)
   local seen, list = {}, {}
   local f = io.open(path)
@@ -32,7 +31,7 @@ local function trace_points(path)
   f:close()
   return list
 end
-M.trace_points = trace_points -- also torture/batchjob.lua's, queue.lua's and patterns.lua's
+M.trace_points = trace_points -- also torture/batchjob.lua's, queue.lua's, ledger.lua's and patterns.lua's
 
 -- Runs one phase in a child; returns its status class and output.
 local function phase(env, uri, dbname, s, kind, which)

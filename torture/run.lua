@@ -16,6 +16,8 @@
 --   stalls       SIGSTOP past the lease          torture/stalls.lua
 --   queue-crashpoints, queue-kills   mongotx.queue's crash matrix and its
 --                random kill -9 / SIGSTOP run   torture/queue.lua
+--   ledger       mongotx.ledger: its crash points, then random kill -9 of
+--                workers moving money with min = 0  torture/ledger.lua
 --   server       server kill -9, durability, connection drop
 --                                                torture/server_faults.lua
 --   sync, versioned  mongotx.sync / mongotx.versioned: their crash
@@ -97,6 +99,8 @@ local sections = {
       return with_server("memory", require("torture.queue").crashpoints) end },
   { name = "queue-kills", run = function()
       return with_server("memory", require("torture.queue").kills) end },
+  { name = "ledger", run = function()
+      return with_server("memory", require("torture.ledger").run) end },
   { name = "server", run = function()
       return with_server(nil, require("torture.server_faults").run) end },
   { name = "sync", run = function()

@@ -62,7 +62,7 @@ local function create(eng, entries)
       fail(e, err)
     elseif item.ok and sure then
       e.created = true
-      eng:event("create", { id = e.T._id })
+      eng:event_id("create", e.T._id)
     elseif item.ok or item.server_code == 11000 then
       -- exists, or not known: settle it alone
       e.slow = "create"
@@ -162,7 +162,7 @@ local function apply(eng, entries, deadline, versions)
       for i in ipairs(e.T.ops) do
         if not e.applied[i] then e.slow = "apply" end
       end
-      if not e.slow then eng:event("apply", { id = e.T._id }) end
+      if not e.slow then eng:event_id("apply", e.T._id) end
     end
   end
 end
@@ -194,7 +194,7 @@ local function commit(eng, entries)
   end
   for _, e in ipairs(entries) do
     eng:hold(e.T._id, nil) -- past the commit point: nothing to fence
-    if e.T.state == "applied" then eng:event("commit", { id = e.T._id }) end
+    if e.T.state == "applied" then eng:event_id("commit", e.T._id) end
   end
 end
 
@@ -224,8 +224,8 @@ function _M.finish(eng, list)
   if not res then return nil, err end
   for _, T in ipairs(list) do
     T.state = "done"
-    eng:event("finish", { id = T._id })
-    eng:event("done", { id = T._id })
+    eng:event_id("finish", T._id)
+    eng:event_id("done", T._id)
   end
   return #list
 end
@@ -272,11 +272,14 @@ local function settle(eng, e, deadline, versions)
     return
   end
   local final, err = eng:drive(T, nil)
-  if not final then return fail(e, e.failure or err) end
+  -- the op failure explains a cancel; when the cancel did not happen (the
+  -- transaction was taken over meanwhile) the caller learns what did
+  if not final then return fail(e, (not err or err.code == "cancelled") and e.failure or err) end
   e.T = final
 end
 
--- Runs specs[i] = { ops = <validated ops>, id =, meta =, extra = <fields
+-- Runs specs[i] = { ops = <validated ops>, stored = <as stored, when
+-- validate.ops made it>, id =, meta =, extra = <fields
 -- of the transaction document> } as one batch up to the commit point.
 -- Returns results, errs, committed: results[i] the transaction (state
 -- `applied`, or `done` when it went the one-at-a-time way) or false,
@@ -301,7 +304,7 @@ function _M.run(eng, specs)
     for k, v in pairs(spec.extra or {}) do T[k] = v end
     local doc = {}
     for k, v in pairs(T) do doc[k] = v end
-    doc.ops = stored.ops(spec.ops)
+    doc.ops = spec.stored or stored.ops(spec.ops)
     entries[i] = { T = T, doc = doc, err = not now and err or nil }
   end
   local versions
@@ -343,5 +346,10 @@ function _M.run(eng, specs)
   end
   return results, errs, committed
 end
+
+-- Batched recovery (mongotx.recovery) drives the transactions it claimed
+-- pending with the same apply, and settles the ones left behind the same
+-- way: entries { T, err, slow } as above.
+_M.apply, _M.settle = apply, settle
 
 return _M

@@ -12,7 +12,9 @@
 --   malformed    recovery found a transaction document it cannot read (left as it is)
 --   fenced       another owner took the transaction (or a queue's job) over while
 --                this one worked on it
---   removing, contention, busy  op failures (see policy.on_op_failure)
+--   removing, contention, busy  op failures (see policy.on_op_failure);
+--                contention also when mongotx.ledger kept finding its seqIds taken
+--   mismatch     mongotx.ledger's committer found a cached balance its entries contradict
 --   policy       a policy function raised (in a recover report) or returned
 --                what it may not (queue:fail's backoff)
 --   propagation  mongotx.sync: the caller's propagate failed (the change

@@ -11,6 +11,7 @@
 
 local core = require "mongotx.core"
 local manager = require "mongotx.manager"
+local ledger = require "mongotx.ledger"
 local options = require "mongotx.options"
 local sync = require "mongotx.sync"
 local versioned = require "mongotx.versioned"
@@ -62,6 +63,13 @@ end
 function Database:versioned(opts)
   local v, err = versioned.new(self, opts) -- not a tail call: its errors name our caller
   return v, err
+end
+
+-- db:ledger{ collection, accounts, write_concern, retries }: transfers as
+-- log entries with per-account sequence ids (mongotx.ledger)
+function Database:ledger(opts)
+  local l, err = ledger.new(self, opts) -- not a tail call: its errors name our caller
+  return l, err
 end
 
 -- db:queue{ collection, write_concern, lease, max_attempts, backoff }

@@ -20,7 +20,7 @@ local stepwise = require "mongotx.stepwise"
 local each = require "mongotx.each"
 
 local canon = validate.canon
-local stored_ops, live = stored.ops, stored.live
+local live = stored.live
 local key = engine.key
 local ipairs, pairs, type, tostring, setmetatable = ipairs, pairs, type, tostring, setmetatable
 local format = string.format
@@ -129,18 +129,19 @@ end
 
 local begin_options = { id = true, meta = true }
 
--- Checks what begin and run take: a batch spec { ops, id, meta, extra }
--- (batch.lua), or nil, err.  Wrong argument types raise at `level`.
-function Manager:_spec(ops, opts, extra, what, level)
+-- Checks what begin and run take: a batch spec { ops, stored, id, meta,
+-- extra } (batch.lua), or nil, err.  Wrong argument types raise at
+-- `level`.  `built`: ops made by mongotx from checked scalars
+-- (validate.ops).
+function Manager:_spec(ops, opts, extra, what, level, built)
   local err
   opts, err = validate.options(opts, begin_options, what, level + 1)
   if not opts then return nil, err end
-  local norm
-  norm, err = validate.ops(ops, self.engine.vctx)
-  if not norm then return nil, err end
+  local norm, stored_form = validate.ops(ops, self.engine.vctx, built)
+  if not norm then return nil, stored_form end
   if opts.meta ~= nil then
     local ok
-    ok, err = options.meta(opts.meta, norm, what)
+    ok, err = options.meta(opts.meta, stored_form, what)
     if not ok then return nil, err end
   end
   local id = opts.id
@@ -149,7 +150,7 @@ function Manager:_spec(ops, opts, extra, what, level)
     id, why = validate.check_tid(id)
     if id == nil then return nil, why end
   end
-  return { ops = norm, id = id, meta = opts.meta, extra = extra }
+  return { ops = norm, stored = stored_form, id = id, meta = opts.meta, extra = extra }
 end
 
 -- Creates the transaction (state initial) after checking every op.  With
@@ -160,7 +161,7 @@ function Manager:begin(ops, opts, extra)
   if not spec then return nil, err end
   local id = spec.id
   if id == nil then id = core.ObjectId() end
-  local doc = { _id = id, state = "initial", ops = stored_ops(spec.ops), epoch = 0,
+  local doc = { _id = id, state = "initial", ops = spec.stored, epoch = 0,
                 attempts = 0, meta = spec.meta }
   for k, v in pairs(extra or {}) do doc[k] = v end
   local res
@@ -186,21 +187,33 @@ function Manager:commit(t)
   return self.engine:drive(T, nil)
 end
 
--- Runs specs as one batch; the i-th result, or false and its error.
+-- The most transactions one batch.run takes: a caller's bigger batch runs
+-- as several.  The server matches each transaction of a commit or done
+-- update against the whole `$in` list of the batch's ids, so a step's cost
+-- per transaction grows with the batch; on mongo-java-server, batches of
+-- 50-100 cost the least per transaction, 1000 three times more in those
+-- steps (bench/README.md, "Client CPU and batch size").
+local CHUNK = 100
+
+-- Runs specs as batches of at most CHUNK; the i-th result, or false and
+-- its error.
 function Manager:_run_batch(specs, errs)
-  local todo, where = {}, {}
-  for i = 1, #errs do
-    if specs[i] then
-      todo[#todo + 1], where[#todo + 1] = specs[i], i
-    end
-  end
   local results = {}
   for i = 1, #errs do results[i] = false end
-  if #todo > 0 then
+  local todo, where = {}, {}
+  local function run()
     local res, bad, committed = batch.run(self.engine, todo)
     for k, i in ipairs(where) do results[i], errs[i] = res[k], bad[k] end
     self:_finish_committed(committed)
+    todo, where = {}, {}
   end
+  for i = 1, #errs do
+    if specs[i] then
+      todo[#todo + 1], where[#todo + 1] = specs[i], i
+      if #todo == CHUNK then run() end
+    end
+  end
+  if #todo > 0 then run() end
   return results, errs
 end
 
@@ -251,7 +264,7 @@ function Manager:_transfer_spec(collection, from, to, amount, opts, level)
       where = where },
     { collection = collection, id = to, update = { ["$inc"] = { [field] = amount } } },
   }, { id = opts.id, meta = opts.meta }, { source = from, destination = to, value = amount },
-    "transfer", level + 1)
+    "transfer", level + 1, true)
 end
 
 function Manager:transfer(collection, from, to, amount, opts)
@@ -435,14 +448,15 @@ function Manager:compensate(t)
 end
 
 -- Finds stale transactions and drives each to done or cancelled under the
--- policies (mongotx.recovery).  Returns a report: { examined, done,
--- cancelled, skipped, parked, failed, malformed, errors = { {id, error},
--- ... } }.
+-- policies (mongotx.recovery), opts.batch (default 100) at a time with
+-- one round trip per step for the batch; batch = 1 drives each alone.
+-- Returns a report: { examined, done, cancelled, skipped, parked, failed,
+-- malformed, errors = { {id, error}, ... } }.
 function Manager:recover(opts)
   local err
-  opts, err = validate.options(opts, { limit = true }, "recover", CALLER)
+  opts, err = validate.options(opts, { limit = true, batch = true }, "recover", CALLER)
   if not opts then return nil, err end
-  return recovery.recover(self.engine, opts.limit or 1000)
+  return recovery.recover(self.engine, opts.limit or 1000, opts.batch or recovery.BATCH)
 end
 
 -- Deletes finished transactions older than the retention period (or

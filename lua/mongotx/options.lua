@@ -142,7 +142,7 @@ local checks = {
   types = typed("table"),
   max_jobs = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
   stop = typed("function"),
-  -- each (mongotx.each)
+  -- each (mongotx.each), recover
   batch = typed("number", "a whole number from 1 to 100000", whole(1, 100000)),
   key = typed("function"),
   progress = typed("function"),
@@ -150,6 +150,7 @@ local checks = {
 }
 checks.version_field, checks.flag = checks.marker, checks.marker
 checks.roots, checks.items = checks.collection, checks.collection
+checks.accounts = checks.collection -- db:ledger's heads (mongotx.ledger)
 checks.lease, checks.retention = checks.stale_after, checks.stale_after
 checks.at, checks.idle, checks.poll = checks.older_than, checks.older_than, checks.older_than
 -- Any other policy (the functions) only needs the type of its default.
@@ -242,18 +243,18 @@ end
 local MAX_CONTENT = 16 * 1024 * 1024 - 64 * 1024
 _M.MAX_REASON = MAX_CONTENT
 
--- The content of `meta` (already a table) next to the normalised ops: it
--- must encode (no table containing itself, at most 100 levels, only
--- values BSON has) and fit in the transaction with them.  Returns true, or
--- nil and an `invalid` error; `what` is the call (the error's step).
-function _M.meta(meta, ops, what)
-  local ok, bytes = pcall(core.encode, { ops = ops, meta = meta })
+-- The content of `meta` (already a table) next to the ops as stored
+-- (validate.ops' second result): it must encode (no table containing
+-- itself, at most 100 levels, only values BSON has) and fit in the
+-- transaction with them.  Returns true, or nil and an `invalid` error;
+-- `what` is the call (the error's step).
+function _M.meta(meta, stored_ops, what)
+  local ok, bytes = pcall(core.encode, { ops = stored_ops, meta = meta })
   if not ok then
     return nil, errors.new("invalid", "meta cannot be stored: " ..
       tostring(bytes):gsub("^mongotx: ", ""), { step = what })
   end
-  -- as in validate.ops: update, undo and where are stored wrapped in binaries
-  if #bytes + 15 * #ops > MAX_CONTENT then
+  if #bytes > MAX_CONTENT then
     return nil, errors.new("invalid", format("the ops and meta take %d bytes: a " ..
       "transaction is one document of at most 16 MiB", #bytes), { step = what })
   end

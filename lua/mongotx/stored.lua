@@ -3,26 +3,54 @@
 -- (lua/mongotx/batch.lua).
 
 local core = require "mongotx.core"
-local validate = require "mongotx.validate"
-local id_key, is_floor = validate.id_key, validate.is_floor
 
-local ipairs, pairs, type = ipairs, pairs, type
+local ipairs, pairs, next, type = ipairs, pairs, next, type
+local encode, Binary, core_id_key = core.encode, core.Binary, core.id_key
 
 local _M = {}
+
+-- The key of an id read back from the database (a marker, a stored op's
+-- id), or nil when it is no valid id: equal to validate.check_id's for
+-- the same _id.  (Here rather than in mongotx.validate, which sits above
+-- this module: it stores the ops it checks.)
+local function id_key(id) return (core_id_key(id)) end
+_M.id_key = id_key
+
 
 -- An op's update, undo and where hold `$` keys, which servers refuse in a
 -- stored document (MongoDB before 5.0, FerretDB): the transaction keeps
 -- them as BSON inside a Binary, and loading turns them back into tables.
 local OPERATOR_FIELDS = { "update", "undo", "where" }
 
+-- Is where a floor (only $gte / $gt of numbers on fields)?  A floor may
+-- read values that uncommitted debits have lowered (csrc/txn.c, "Guards").
+function _M.is_floor(where)
+  if type(where) ~= "table" or next(where) == nil then return false end
+  for field, cond in pairs(where) do
+    if type(field) ~= "string" or field:byte(1) == 36 or type(cond) ~= "table"
+        or next(cond) == nil then
+      return false
+    end
+    for opname, bound in pairs(cond) do
+      if (opname ~= "$gte" and opname ~= "$gt") or type(bound) ~= "number" then return false end
+    end
+  end
+  return true
+end
+local is_floor = _M.is_floor
+
 -- The ops as they are stored (`floor` is derived again on loading).
-function _M.ops(ops)
+-- encoded[i], when given, holds op i's operator fields already encoded
+-- (validate.ops keeps the BSON its snapshots made), so that no op is
+-- encoded twice; the others are encoded here.
+function _M.ops(ops, encoded)
   local out = {}
   for i, op in ipairs(ops) do
-    local s = {}
+    local s, bytes = {}, encoded and encoded[i]
     for k, v in pairs(op) do s[k] = v end
     for _, f in ipairs(OPERATOR_FIELDS) do
-      if op[f] ~= nil then s[f] = core.Binary(core.encode(op[f])) end
+      local v = op[f]
+      if v ~= nil then s[f] = Binary(bytes and bytes[f] or encode(v)) end
     end
     s.floor = nil
     out[i] = s

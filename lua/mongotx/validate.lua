@@ -8,6 +8,7 @@
 
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
+local stored = require "mongotx.stored"
 
 local type, pairs, ipairs, tostring = type, pairs, ipairs, tostring
 local sort, concat, format = table.sort, table.concat, string.format
@@ -60,8 +61,10 @@ end
 -- than what would be sent.  Values that go into filters or documents are
 -- then snapshotted through the encoder (snapshot below) and the checks
 -- run on the copy, which is what is sent.
+-- (LuaJIT has no rawlen, and its # ignores __len: the same thing.)
 local next, rawget, rawlen = next, rawget, rawlen or function(t) return #t end
 local raw_metatable = debug.getmetatable
+_M.rawlen = rawlen
 
 -- The first key starting with `$` anywhere in v, or nil.
 local function operator_key(v, depth)
@@ -103,13 +106,16 @@ end
 
 -- v as it would be sent: encoded and decoded again, so that later checks
 -- and every write see the same plain tables; nil and why when v cannot be
--- encoded (a function, a table holding itself, over 16 MiB, ...).
+-- encoded (a function, a table holding itself, over 16 MiB, ...).  For a
+-- table, also the BSON of the copy as a document, which is how the
+-- transaction stores it (stored.ops): each op is encoded once.
 local encode, decode = core.encode, core.decode
 local function snapshot(v)
   if type(v) ~= "table" then return v end
   local ok, bytes = pcall(encode, { v = v })
-  if not ok then return nil, tostring(bytes):gsub("^mongotx: ", "") end
-  return decode(bytes).v
+  if not ok then return nil, (tostring(bytes):gsub("^mongotx: ", "")) end
+  -- { v = <v> } is int32 size, type, "v\0", v's bytes, 0: v's start at 8
+  return decode(bytes).v, bytes:sub(8, -2)
 end
 _M.snapshot = snapshot
 
@@ -146,9 +152,15 @@ function _M.value(v)
   return snap
 end
 
+-- Does path reach field, or a part of it (a.b touches a, and a touches
+-- a.b)?  (No strings made: it runs for every path of every op.)
 local function touches(path, field)
-  return path == field or path:sub(1, #field + 1) == field .. "."
-      or field:sub(1, #path + 1) == path .. "."
+  if path == field then return true end
+  local np, nf = #path, #field
+  if np > nf then
+    return path:byte(nf + 1) == 46 and path:find(field, 1, true) == 1
+  end
+  return np < nf and field:byte(np + 1) == 46 and field:find(path, 1, true) == 1
 end
 
 local update_operators = {
@@ -177,8 +189,9 @@ local function check_update(u, owned, what, i)
       return invalid(format("%s: %s needs a table of fields", what, opname), i)
     end
     for path, value in pairs(fieldset) do
-      if type(path) ~= "string" or path == "" or path:sub(1, 1) == "$"
-          or (path .. "."):find("^%.") or (path .. "."):find("%.%.") then
+      -- (no dot first or last, no two dots in a row)
+      if type(path) ~= "string" or path == "" or path:byte(1) == 36 or path:byte(1) == 46
+          or path:byte(-1) == 46 or path:find("..", 1, true) then
         return invalid(format("%s: %s has a bad field name %s", what, opname,
           tostring(path)), i)
       end
@@ -233,22 +246,6 @@ local function update_effect(update, undo)
   -- undoing it must only raise values again (a $set could lower them)
   if inc_sign(update) == -1 and inc_sign(undo) == 1 then return "lowers" end
   return nil
-end
-
--- Is where a floor (only $gte / $gt of numbers on fields)?  A floor may
--- read values that uncommitted debits have lowered.
-function _M.is_floor(where)
-  if type(where) ~= "table" or next(where) == nil then return false end
-  for field, cond in pairs(where) do
-    if type(field) ~= "string" or field:sub(1, 1) == "$" or type(cond) ~= "table"
-        or next(cond) == nil then
-      return false
-    end
-    for opname, bound in pairs(cond) do
-      if (opname ~= "$gte" and opname ~= "$gt") or type(bound) ~= "number" then return false end
-    end
-  end
-  return true
 end
 
 -- The automatic undo of an update made only of $inc: the same $inc negated.
@@ -319,12 +316,7 @@ function _M.check_tid(id)
   return sent, key
 end
 
--- The key of an id read back from the database (a marker, a stored op's
--- id), or nil when it is no valid id: equal to check_id's for the same
--- _id.
-function _M.id_key(id)
-  return (id_key(id))
-end
+_M.id_key = stored.id_key
 
 local function check_collection(name, txcoll, i)
   if type(name) ~= "string" or name == "" then
@@ -491,10 +483,15 @@ local function check_where(where, owned, i)
   return check_filter(where, owned, i, 0)
 end
 
--- Checks one op and returns its normal form (kind set, undo filled in)
--- and its document's key.  op is the caller's table, read raw; every
--- value kept is a snapshot.
-local function normalise_op(op, i, ctx)
+local SNAPSHOT_FIELDS = { "update", "undo", "doc", "where" }
+
+-- Checks one op and returns its normal form (kind set, undo filled in),
+-- its document's key and the BSON of its update, undo and where as the
+-- snapshots made it (stored.ops reuses them).  op is the caller's table,
+-- read raw; every value kept is a snapshot, except with `built`: then
+-- mongotx built op's tables itself from scalars (tm:transfer), so there
+-- is no caller table to copy.
+local function normalise_op(op, i, ctx, built)
   if type(op) ~= "table" then return invalid("must be a table", i) end
   for k in next, op do
     if not op_keys[k] then return invalid("unknown key " .. tostring(k), i) end
@@ -504,14 +501,17 @@ local function normalise_op(op, i, ctx)
   if not ok then return nil, err end
   local id, key = check_id(rawget(op, "id"), i)
   if id == nil then return nil, key end
-  local fields = {}
-  for _, f in ipairs { "update", "undo", "doc", "where" } do
-    local v, why = snapshot(rawget(op, f))
-    if v == nil and rawget(op, f) ~= nil then
-      return invalid(format("%s cannot be stored: %s", f, why), i)
+  local fields, bytes = {}, {}
+  for _, f in ipairs(SNAPSHOT_FIELDS) do
+    local given = rawget(op, f)
+    local v, b = given, nil
+    if not built then v, b = snapshot(given) end
+    if v == nil and given ~= nil then
+      return invalid(format("%s cannot be stored: %s", f, b), i)
     end
-    fields[f] = v
+    fields[f], bytes[f] = v, b
   end
+  bytes.doc = nil -- stored as a document, not as BSON in a binary
   local kind = rawget(op, "kind") or (fields.doc ~= nil and "insert")
                or (fields.update ~= nil and "update") or nil
   if not kinds[kind] then
@@ -523,12 +523,17 @@ local function normalise_op(op, i, ctx)
   if kind == "update" then
     ok, err = check_update(fields.update, ctx.owned, "update", i)
     if not ok then return nil, err end
-    local undo = fields.undo or inverse_inc(fields.update)
+    local undo = fields.undo
     if undo == nil then
-      return invalid("an update other than $inc needs an explicit undo", i)
+      -- the checked update's paths, its numbers negated: nothing more to check
+      undo = inverse_inc(fields.update)
+      if undo == nil then
+        return invalid("an update other than $inc needs an explicit undo", i)
+      end
+    else
+      ok, err = check_update(undo, ctx.owned, "undo", i)
+      if not ok then return nil, err end
     end
-    ok, err = check_update(undo, ctx.owned, "undo", i)
-    if not ok then return nil, err end
     out.update, out.undo = fields.update, undo
     out.effect = update_effect(fields.update, undo)
   elseif fields.update ~= nil or fields.undo ~= nil then
@@ -563,18 +568,26 @@ local function normalise_op(op, i, ctx)
   elseif fields.doc ~= nil then
     return invalid("only an insert op takes a doc", i)
   end
-  out.floor = _M.is_floor(out.where) or nil
-  return out, key
+  out.floor = stored.is_floor(out.where) or nil
+  return out, key, bytes
 end
 
 -- What a transaction's ops may take of its 16 MiB document, leaving the
 -- rest to its state, owner, meta and the like.
 local MAX_OPS_BYTES = 16 * 1024 * 1024 - 64 * 1024
 
+-- The BSON of ops as stored, and that stored form (stored.ops).
+local function encode_stored(ops, encoded)
+  local stored_ops = stored.ops(ops, encoded)
+  return encode({ ops = stored_ops }), stored_ops
+end
+
 -- ops: the caller's op list; ctx: { collection = transactions collection
 -- name, owned = { "_id", marker, version } }.  Returns the normalised
--- list, or nil, err.  The list and its ops are read raw.
-function _M.ops(ops, ctx)
+-- list and the ops as the transaction stores them (stored.ops), or nil,
+-- err.  The list and its ops are read raw.  `built`: the ops are
+-- mongotx's own, made from checked scalars (normalise_op).
+function _M.ops(ops, ctx, built)
   if type(ops) ~= "table" then error("ops must be a table", 3) end
   local n = rawlen(ops)
   if n == 0 then return invalid("a transaction needs at least one op") end
@@ -583,9 +596,9 @@ function _M.ops(ops, ctx)
       return invalid("ops must be a list")
     end
   end
-  local out, seen = {}, {}
+  local out, encoded, seen = {}, {}, {}
   for i = 1, n do
-    local norm, key = normalise_op(rawget(ops, i), i, ctx)
+    local norm, key, bytes = normalise_op(rawget(ops, i), i, ctx, built)
     if not norm then return nil, key end
     key = norm.collection .. "\0" .. key
     if seen[key] then
@@ -594,19 +607,19 @@ function _M.ops(ops, ctx)
         norm.collection, seen[key]), i)
     end
     seen[key] = i
-    out[i] = norm
+    out[i], encoded[i] = norm, bytes
   end
   -- Too big for one document is bad content, found here rather than as a
-  -- raise from the insert.  The stored form wraps update, undo and where
-  -- in binaries (5 more bytes each), and the transaction's own fields
-  -- need room too.
-  local ok, bytes = pcall(core.encode, { ops = out })
+  -- raise from the insert: the stored form (update, undo and where as
+  -- BSON in binaries) measured, and room left for the transaction's own
+  -- fields.
+  local ok, bytes, stored_ops = pcall(encode_stored, out, encoded)
   if not ok then return invalid("the ops cannot be stored: " .. tostring(bytes)) end
-  if #bytes + 15 * #out > MAX_OPS_BYTES then
+  if #bytes > MAX_OPS_BYTES then
     return invalid(format("the ops take %d bytes: a transaction is one document of " ..
       "at most 16 MiB", #bytes))
   end
-  return out
+  return out, stored_ops
 end
 
 -- For the modules beside the transactions (mongotx.sync,
