@@ -18,6 +18,8 @@
 --   mismatch     mongotx.ledger's committer found a cached balance its entries contradict
 --   policy       a policy function raised (in a recover report) or returned
 --                what it may not (queue:fail's backoff)
+--   propagation  mongotx.sync: the caller's propagate failed (the change
+--                is made and stays flagged for repair)
 --   plus the C core's codes, libmongoc's domain names (server, stream,
 --   write_concern, ...), for database failures, with the server's number
 --   in server_code (csrc/error.c)

@@ -1,6 +1,7 @@
 -- The options of every public call (connect, db:manager, begin, run,
--- transfer, the batches, recover, prune, db:queue and its calls),
--- checked in one place before anything is written.
+-- transfer, the batches, recover, prune, db:queue and its calls, db:sync,
+-- db:versioned and theirs), checked in one place before anything is
+-- written.
 --
 -- A wrong type or an unknown name is a programming error and raises
 -- ("option lease of manager must be a number, not string").  A value of
@@ -129,7 +130,9 @@ local checks = {
   meta = typed("table"),
   field = typed("string"),
   min = typed("number"),
-  -- recover, prune
+  -- db:sync and db:versioned (mongotx.sync, mongotx.versioned)
+  propagate = typed("function"),
+  -- recover, prune, and the repairs of the modules beside transactions
   limit = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
   older_than = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
   dry_run = typed("boolean"),
@@ -145,7 +148,8 @@ local checks = {
   progress = typed("function"),
   wait = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
 }
-checks.version_field = checks.marker
+checks.version_field, checks.flag = checks.marker, checks.marker
+checks.roots, checks.items = checks.collection, checks.collection
 checks.accounts = checks.collection -- db:ledger's heads (mongotx.ledger)
 checks.lease, checks.retention = checks.stale_after, checks.stale_after
 checks.at, checks.idle, checks.poll = checks.older_than, checks.older_than, checks.older_than
