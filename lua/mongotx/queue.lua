@@ -90,12 +90,6 @@ function _M.new(db, opts)
   if opts.lease == 0 then
     return invalid("queue", "option lease of queue must be a number of seconds above 0, not 0")
   end
-  -- unacknowledged writes return no job from a claim and no match count,
-  -- which is how heartbeat, done and fail tell a held job from a taken one
-  if opts.write_concern and rawget(opts.write_concern, "w") == 0 then
-    return invalid("queue", "option write_concern.w of queue must be acknowledged (not 0): " ..
-      "claims and fencing read the server's replies")
-  end
   local policy = {}
   for k, v in next, _M.policy do
     if opts[k] ~= nil then policy[k] = opts[k] else policy[k] = v end
