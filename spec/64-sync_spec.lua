@@ -99,6 +99,66 @@ describe("#server mongotx.sync", function()
     assert.are.equal("Cy", comments_of(db, "u1")[1].name)
   end)
 
+  -- A propagation that is idempotent but not monotone (it sets the name,
+  -- whatever seq it has): a slow run for an older state lands after a
+  -- later change was propagated and cleared.  The later change must
+  -- still win: the older run's clear fails, and the module propagates
+  -- the master as it is now instead of leaving the stale names unflagged.
+  local function naive(db)
+    local comments = db:collection("comments")
+    return function(u)
+      local ok, err = comments:update_many({ user = u._id }, { ["$set"] = { name = u.name } })
+      if not ok then return nil, tostring(err) end
+      return true
+    end
+  end
+
+  it("lets a later change win over a slow, non-monotone propagation of an earlier one", function()
+    local db = fresh()
+    local later = assert(db:sync { collection = "users", propagate = naive(db) })
+    local nested = false
+    local s = assert(db:sync { collection = "users", propagate = function(u)
+      if not nested then
+        nested = true
+        -- another writer changes u1 meanwhile: propagated and cleared
+        assert(later:change("u1", { ["$set"] = { name = "Cy" } }))
+        assert.is_nil(user(db, "u1").syncing)
+      end
+      return naive(db)(u) -- then this run writes the older name
+    end })
+    assert(s:change("u1", { ["$set"] = { name = "Bo" } }))
+    local u = user(db, "u1")
+    assert.are.equal("Cy", u.name)
+    assert.are.equal(2, u.syncSeq)
+    assert.is_nil(u.syncing)
+    for _, c in ipairs(comments_of(db, "u1")) do
+      assert.are.equal("Cy", c.name, "a comment kept the older change's name")
+    end
+  end)
+
+  it("lets a live change win over a repair running a non-monotone propagation", function()
+    local db = fresh()
+    local live = assert(db:sync { collection = "users", propagate = naive(db) })
+    -- a flag left by a crash: u2 renamed to Old, comments not rewritten
+    assert(db:collection("users"):update_one({ _id = "u2" },
+      { ["$set"] = { name = "Old", syncSeq = 1 }, ["$currentDate"] = { syncing = true } }))
+    local nested = false
+    local sweeper = assert(db:sync { collection = "users", propagate = function(u)
+      if not nested then
+        nested = true
+        assert(live:change("u2", { ["$set"] = { name = "New" } }))
+      end
+      return naive(db)(u)
+    end })
+    assert(sweeper:repair { older_than = 0 })
+    local u = user(db, "u2")
+    assert.are.equal("New", u.name)
+    assert.is_nil(u.syncing)
+    for _, c in ipairs(comments_of(db, "u2")) do
+      assert.are.equal("New", c.name, "a comment kept the repaired (older) name")
+    end
+  end)
+
   for _, how in ipairs { "raise", "return" } do
     it("keeps the flag when the propagation fails (" .. how .. "s), and repair retries", function()
       local db = fresh()
