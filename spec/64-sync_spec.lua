@@ -76,22 +76,27 @@ describe("#server mongotx.sync", function()
   it("does not clear the flag of a later change made while propagating", function()
     local db = fresh()
     local later = patterns.syncer(db, "return")
-    local nested = false
+    local runs = 0
     local s = assert(db:sync { collection = "users", propagate = function(u)
-      if not nested then
-        nested = true
+      runs = runs + 1
+      if runs == 1 then
         -- another writer changes u1 meanwhile, and its propagation fails
         local _, err = later:change("u1", { ["$set"] = { name = "Cy" } })
         assert.are.equal("propagation", err.code)
+        return patterns.propagate(db)(u)
       end
-      return patterns.propagate(db)(u)
+      -- the rerun for u1 as it is now fails too
+      return nil, "dependents unavailable"
     end })
-    assert(s:change("u1", { ["$set"] = { name = "Bo" } }))
+    local res, err = s:change("u1", { ["$set"] = { name = "Bo" } })
+    assert.is_nil(res)
+    assert.are.equal("propagation", err.code)
+    assert.are.equal(2, runs)
     local u = user(db, "u1")
     assert.are.equal("Cy", u.name)
     assert.are.equal(2, u.syncSeq)
     assert.are.equal("date", mongotx.type(u.syncing), "the later change's flag was cleared")
-    assert.are.equal(1, u.syncAttempts)
+    assert.are.equal(2, u.syncAttempts)
     -- repair propagates the later change
     local report = assert(patterns.syncer(db):repair { older_than = 0 })
     assert.are.equal(1, report.repaired)
@@ -331,6 +336,28 @@ describe("#server mongotx.sync", function()
       end)
     end
   end)
+
+  -- sync.rerun: a change whose propagation another change overtook
+  -- (spec/support/pattern_worker.lua sync-raced) crashes around the
+  -- write that flags the master again.
+  for _, when in ipairs { "before", "after" } do
+    it("recovers from a crash at sync.rerun:" .. when .. ":1", function()
+      local db, dbname = fresh()
+      local said = patterns.child("sync-raced", helpers.uri(), dbname, "u1", "Gus",
+        "sync.rerun:" .. when .. ":1")
+      assert.matches("later ok 2", said)
+      assert.matches("fault injected", said)
+      local u = user(db, "u1")
+      assert.are.equal("Gus2", u.name)
+      if when == "after" then
+        assert.are.equal("date", mongotx.type(u.syncing), "the crash left no flag")
+      end
+      assert.are.same({}, patterns.sync_running(db))
+      assert(patterns.syncer(db):repair { older_than = 0 })
+      assert.are.same({}, patterns.sync_final(db))
+      assert.are.equal("Gus2", comments_of(db, "u1")[1].name)
+    end)
+  end
 
   describe("#concurrency several processes", function()
     local reason = helpers.no_concurrency()

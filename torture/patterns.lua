@@ -39,6 +39,7 @@ local modules = {
     scenarios = {
       { name = "rename", mode = "sync-rename", args = { "u1", "Gus", "-", "-" } },
       { name = "rename-failing", mode = "sync-rename", args = { "u1", "Gus", "raise", "-" } },
+      { name = "rename-raced", mode = "sync-raced", args = { "u1", "Gus", "-" } },
     },
   },
   versioned = {

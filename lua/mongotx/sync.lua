@@ -24,7 +24,13 @@
 -- and repair may run it while the writer still does) and should be
 -- monotone: condition each dependent write on master.syncSeq being newer
 -- than the one the dependent holds, so that a late run for an older
--- state cannot overwrite a newer one (examples/10-sync.lua).  It returns
+-- state cannot overwrite a newer one (examples/10-sync.lua).  One that
+-- is not is made safe at a cost: a run whose clear finds the master
+-- changed since its read may have written its older state over a later
+-- change's propagation, so the master is flagged again under a new
+-- syncId (which also voids the clear of any run from an older read) and
+-- propagated as it is now (`rerun`, at most RERUNS times, then the flag
+-- is left to repair).  It returns
 -- true, or nil and a message; a raise counts as nil, message.  A failed
 -- propagation leaves the flag, counts an attempt (syncAttempts, with the
 -- message in syncError) and is retried by repair; after max_attempts
@@ -95,10 +101,20 @@ local function write(step, fn, ...)
   return points.write("sync", step, fn, ...)
 end
 
+-- How many times in a row a propagation whose clear found the master
+-- changed runs again before it leaves the flag to repair (each round
+-- lost means yet another writer changed the master meanwhile).
+local RERUNS = 3
+
+local function is_token(v, token)
+  return core.type(v) == "objectId" and v:value() == token:value()
+end
+
 -- Runs propagate(master) and ends the change master.syncId: clears the
 -- flag, or counts a failed attempt.  true, or nil, err
--- (`propagation` with the reason, or the database's error).
-function Sync:settle(master)
+-- (`propagation` with the reason, or the database's error).  `reruns`:
+-- how many rounds of rerun led here.
+function Sync:settle(master, reruns)
   local ok, done, reason = pcall(self.propagate, master)
   if not ok then done, reason = nil, tostring(done) end
   -- The state propagated, as the condition of the writes that end it:
@@ -112,9 +128,10 @@ function Sync:settle(master)
     if master[f] == nil then mine[f] = { ["$exists"] = false } else mine[f] = master[f] end
   end
   if done then
-    local _, err = write("clear", self.coll.update_one, self.coll, mine,
+    local res, err = write("clear", self.coll.update_one, self.coll, mine,
       { ["$unset"] = { [self.flag] = "", [ID] = "", [ATTEMPTS] = "", [FAILURE] = "" } }, self.wopts)
-    if err then return nil, err end
+    if not res then return nil, err end
+    if res.matched == 0 then return self:rerun(master._id, reruns or 0) end
     return true
   end
   reason = tostring(reason or "propagate returned nothing")
@@ -123,6 +140,25 @@ function Sync:settle(master)
   if err then return nil, err end
   return nil, errors.new("propagation", "propagate failed: " .. reason,
     { step = "propagate", id = master._id, seq = master[SEQ], reason = reason })
+end
+
+-- After a propagation whose clear found the master changed since its
+-- read (see the head of this file): flags the master again under a new
+-- syncId, in one write, and unless this is round RERUNS, reads it back
+-- and settles it as it is now.  true when it is settled, gone, or left
+-- flagged for repair or a later change; nil, err as settle.
+function Sync:rerun(id, round)
+  local token = core.ObjectId()
+  local res, err = write("rerun", self.coll.update_one, self.coll, { _id = id },
+    { ["$currentDate"] = { [self.flag] = true }, ["$set"] = { [ID] = token } }, self.wopts)
+  if not res then return nil, err end
+  if res.matched == 0 or round >= RERUNS then return true end
+  local master
+  master, err = self.coll:find_one({ _id = id })
+  if err then return nil, errors.wrap(err, "rerun", id) end
+  -- gone, or changed again: that change's own propagation covers it
+  if not master or not is_token(master[ID], token) then return true end
+  return self:settle(master, round + 1)
 end
 
 -- Applies `update` (update operators, none touching the module's fields)
@@ -166,7 +202,7 @@ function Sync:change(id, update)
     return nil, errors.new("missing", "the document was removed after the change",
       { step = "change", id = id })
   end
-  if core.type(master[ID]) ~= "objectId" or master[ID]:value() ~= token:value() then
+  if not is_token(master[ID], token) then
     -- a later change came first: its own propagation covers this one
     return master
   end

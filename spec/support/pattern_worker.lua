@@ -6,6 +6,10 @@
 --
 --   pattern_worker.lua sync-rename <uri> <db> <user> <name> <fail> <fault>
 --       one change (<fail>: "-", "raise" or "return": the propagation fails)
+--   pattern_worker.lua sync-raced <uri> <db> <user> <name> <fault>
+--       one change to <name>, and while it propagates another to
+--       <name>2: the first one's clear finds the master changed, and it
+--       propagates again (sync's rerun)
 --   pattern_worker.lua sync-loop <uri> <db> <stop-file>
 --       random renames until the stop file exists
 --   pattern_worker.lua versioned-move <uri> <db> <fault>
@@ -53,6 +57,18 @@ if mode == "sync-rename" then
   local fail = arg[6] ~= "-" and arg[6] or nil
   local s = patterns.syncer(db, fail)
   arm(arg[7])
+  say("result", outcome(s:change(arg[4], { ["$set"] = { name = arg[5] } })))
+elseif mode == "sync-raced" then
+  local later, propagate = patterns.syncer(db), patterns.propagate(db)
+  local raced = false
+  local s = assert(db:sync { collection = "users", propagate = function(u)
+    if not raced then
+      raced = true
+      say("later", outcome(later:change(arg[4], { ["$set"] = { name = arg[5] .. "2" } })))
+    end
+    return propagate(u)
+  end })
+  arm(arg[6])
   say("result", outcome(s:change(arg[4], { ["$set"] = { name = arg[5] } })))
 elseif mode == "sync-loop" then
   local s = patterns.syncer(db)
