@@ -191,6 +191,22 @@ describe("#server mongotx.versioned", function()
     assert.are.same({}, tree.items)
   end)
 
+  -- A root whose numbers reach 2^53 as doubles (written by another
+  -- program, or by LuaJIT, whose numbers are all doubles): next + 1 ==
+  -- next there, and handing that number out twice would let two writers
+  -- share a version (and the second publish over the first).
+  it("refuses to hand out a version number that cannot be raised exactly", function()
+    local db, dbname, trees = fresh(false)
+    local big = 2.0 ^ 53
+    assert(db:collection("trees"):insert_one({ _id = "big", version = big, next = big,
+      open = mongotx.array(), dead = mongotx.array() }))
+    local before = helpers.db_dump(db.client, dbname)
+    local w, err = trees:begin("big")
+    assert.is_nil(w, "a writer got version " .. tostring(w and w.version))
+    assert.are.equal("malformed", err.code)
+    helpers.assert_dump_unchanged(before, db.client, dbname)
+  end)
+
   it("creates its indexes", function()
     local db = fresh()
     local idx = assert(db.client:command(db.name, { listIndexes = "nodes" }))
