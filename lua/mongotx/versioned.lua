@@ -137,7 +137,10 @@ function Versioned:begin(root)
         { _id = sent, version = 0, next = 0, open = core.array(),
           dead = core.array() }, self.wopts)
       if not created and not is_duplicate(err) then return nil, err end
-    elseif type(doc.version) == "number" and type(doc.next) == "number" then
+    elseif type(doc.version) == "number" and type(doc.next) == "number"
+        -- (a double from 2^53 on, or math.maxinteger, has no exact
+        -- successor: the same number would go to every writer)
+        and doc.next + 1 > doc.next then
       base, v = doc.version, doc.next + 1
       res, err = write("begin", self.roots.update_one, self.roots,
         { _id = sent, version = base, next = doc.next },
@@ -146,7 +149,8 @@ function Versioned:begin(root)
       if err then return nil, err end
       if res.matched == 0 then res = nil end
     else
-      return nil, errors.new("malformed", "the root has no numeric version and next",
+      return nil, errors.new("malformed", "the root has no numeric version and next " ..
+        "(next below 2^53 for doubles)",
         { step = "begin", id = root })
     end
     if res then
