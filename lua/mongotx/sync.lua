@@ -120,7 +120,7 @@ function Sync:settle(master, reruns)
   -- The state propagated, as the condition of the writes that end it:
   -- syncId says no change came after the read; syncSeq too, and catches
   -- a read that saw a change half applied (mongo-java-server returns one
-  -- now and then): its flag stays for repair.  A flag set by a writer
+  -- now and then): it is propagated again (rerun).  A flag set by a writer
   -- that knows nothing of these fields (seed 002's recipe) is cleared
   -- only while no change of ours came after it.
   local mine = { _id = master._id }

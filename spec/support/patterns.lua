@@ -100,8 +100,8 @@ end
 -- update half applied: measured once in 20 000 reads of a document that
 -- one writer changed with $set, $inc, $currentDate and $unset.  A
 -- propagation of such a read writes the new name under the previous seq
--- (sync's clear, conditioned on the seq too, then leaves the flag for
--- repair), so "one name per (user, seq)" is a note there, not a
+-- (sync's clear, conditioned on the seq too, then fails and the master
+-- is propagated again), so "one name per (user, seq)" is a note there, not a
 -- violation; it is one on servers that isolate readers.
 local TORN_READS = { memory = true, h2 = true }
 
