@@ -336,7 +336,10 @@ function Versioned:_gc_root(doc, cutoff, report)
   for _, v in ipairs(type(doc.open) == "table" and doc.open or {}) do
     local at = doc[STARTED .. tostring(v)]
     local stale = core.type(at) ~= "date" or at:value() <= cutoff
-    if type(v) == "number" and (v < doc.version or stale) then
+    -- (a root without a numeric version, not written by this module,
+    -- has only the second reason)
+    local below = type(v) == "number" and type(doc.version) == "number" and v < doc.version
+    if type(v) == "number" and (below or stale) then
       local n, err = self:_kill(doc._id, v)
       if not n then return nil, err end
       if n == 1 then report.aborted, dead[#dead + 1] = report.aborted + 1, v end
