@@ -179,6 +179,48 @@ describe("#server mongotx.versioned", function()
     assert.are.same({}, patterns.versioned_final(db))
   end)
 
+  -- A publish whose reply is lost (a network error, a write concern
+  -- timeout) after the server applied it: the outcome is unknown to the
+  -- writer, which tries again or gives up.  Neither may delete the items
+  -- of the version the root now shows.  (The roots collection is wrapped
+  -- so that the first publish's reply is lost after the real write.)
+  local function losing_reply(trees)
+    local real, lose = trees.roots, false
+    trees.roots = setmetatable({
+      update_one = function(_, ...)
+        local res, err = real:update_one(...)
+        if res and lose then
+          lose = false
+          return nil, { code = "network", message = "the reply was lost" }
+        end
+        return res, err
+      end,
+    }, { __index = function(_, k) return function(_, ...) return real[k](real, ...) end end })
+    return function() lose = true end
+  end
+
+  for _, retry in ipairs { "publish", "abandon" } do
+    it("keeps a published version's items when a publish whose reply was lost is followed by "
+        .. retry, function()
+      local db, _, trees = fresh()
+      local lose = losing_reply(trees)
+      local w = assert(trees:begin(patterns.ROOT))
+      assert(w:put("a", { n = 19 }))
+      assert(w:put("b", { n = 21 }))
+      lose()
+      assert.is_nil((w:publish()))
+      assert.are.equal(w.version, root(db).version) -- the server applied it
+      local res = w[retry](w)
+      if retry == "publish" then assert.are.equal(w.version, res) end
+      assert.are.equal(2, assert(db:collection("nodes"):count({ version = w.version })),
+        "the published version's items were deleted")
+      local now = counts(trees)
+      assert.are.equal(19, now.a)
+      assert.are.equal(21, now.b)
+      assert.are.same({}, patterns.versioned_running(db))
+    end)
+  end
+
   it("refuses a second version of one item in one writer, and an abandoned writer", function()
     local db, dbname, trees = fresh()
     local w = assert(trees:begin(patterns.ROOT))
