@@ -224,11 +224,26 @@ end
 
 -- Moves this writer's version from open to dead and deletes its items:
 -- they can never be published.  true, or nil, err.
+-- nil, `state` when the version turns out published (by a publish whose
+-- reply was lost): its items stay.
 function Writer:abandon()
   local ok, err = usable(self, "abandon")
   if not ok then return nil, err end
   self.state = "abandoned"
-  return self.v:_abort(self.root, self.version)
+  local killed
+  killed, err = self.v:_abort(self.root, self.version)
+  if not killed then return nil, err end
+  if killed == 0 then
+    local done
+    done, err = self.v:_published(self.root, self.version, "abandon")
+    if done == nil then return nil, err end
+    if done then
+      self.state = "published"
+      return nil, errors.new("state", "version " .. self.version .. " was published " ..
+        "(by a publish whose reply was lost)", { step = "abandon", id = self.root })
+    end
+  end
+  return true
 end
 
 -- Publishes: the root's version becomes this writer's, on condition
@@ -236,8 +251,8 @@ end
 -- version is still open.  Returns the published version, or nil,
 -- `conflict` (another writer published first, or gc aborted this one;
 -- this writer's items are discarded: begin again) or the database's
--- error (then the outcome is unknown: read the root, or leave the
--- version to gc).
+-- error (then the outcome is unknown: publish again, which tells, or
+-- leave the version to gc).
 function Writer:publish()
   local ok, err = usable(self, "publish")
   if not ok then return nil, err end
@@ -249,6 +264,15 @@ function Writer:publish()
     self.v.wopts)
   if not res then return nil, err end
   if res.matched == 1 then
+    self.state = "published"
+    return self.version
+  end
+  -- lost to another writer or gc, or published by an earlier call
+  -- whose reply was lost
+  local done
+  done, err = self.v:_published(self.root, self.version, "publish")
+  if done == nil then return nil, err end
+  if done then
     self.state = "published"
     return self.version
   end
@@ -272,12 +296,17 @@ function Versioned:_kill(root, v)
   return res.matched
 end
 
--- _kill, then deletes v's items.  true, or nil, err.
+-- _kill, then deletes v's items if it was v's kill (else v is dead
+-- already, its items gc's, or published).  The number of roots changed
+-- (0 or 1), or nil, err.
 function Versioned:_abort(root, v)
-  local ok, err = self:_kill(root, v)
-  if ok then ok, err = self:_discard(root, { v }) end
-  if not ok then return nil, err end
-  return true
+  local n, err = self:_kill(root, v)
+  if n == 1 then
+    local ok
+    ok, err = self:_discard(root, { v })
+    if not ok then return nil, err end
+  end
+  return n, err
 end
 
 -- Deletes the items of the dead versions `vs` of root.
@@ -295,6 +324,15 @@ local function hidden(doc)
     for _, v in ipairs(type(list) == "table" and list or {}) do out[v] = true end
   end
   return out
+end
+
+-- Whether version v of root left `open` by its publish rather than by
+-- an abort (which lists it in `dead`): how a writer learns the outcome
+-- of a publish whose reply it did not get.  true or false, or nil, err.
+function Versioned:_published(root, v, step)
+  local doc, err = self.roots:find_one({ _id = root })
+  if err then return nil, errors.wrap(err, step) end
+  return doc ~= nil and not hidden(doc)[v]
 end
 
 -- The structure as of the root's published version: { version, items =
