@@ -63,12 +63,13 @@ describe("#server a process with a pool", function()
   -- that failed before its exit cannot pass for one that exited cleanly.
   for _, case in ipairs {
     { how = "closed", what = "closes its Lua state (all clients back) and exits cleanly" },
-    { how = "collected", what = "closes its Lua state with a client not closed (its __gc gives it back) and exits cleanly" },
+    { how = "collected",
+      what = "closes its Lua state with a client not closed (its __gc gives it back) and exits cleanly" },
     { how = "open", what = "exits without closing its Lua state, a client still out, and exits cleanly" },
   } do
     it(case.what, function()
       local code, last = run_child(db, "exit-" .. case.how, case.how)
-      assert.are.equal(0, code) -- 139 (SIGSEGV) without the pin
+      assert.are.equal(0, code) -- 139 (SIGSEGV) with neither the pin nor the exit handler
       assert.are.equal("the end", last)
       assert.are.same({ { _id = "exit-" .. case.how, how = case.how } }, helpers.dump(coll))
     end)
