@@ -304,37 +304,72 @@ end
 _M.ledger = { label = "ledger:transfer", run = ledger }
 _M.ledger_many = { label = "ledger:transfer_many", run = ledger }
 
--- recovery: ctx.n transactions left in state initial by an application
--- that is gone (tm:begin without commit), then the time one manager
--- (stale_after = 0, lease = 0) takes to recover all of them.  Latency is
--- a recover() pass's time divided by the transactions it drove.
-_M.recovery = {
-  label = "recover stale",
-  run = function(ctx)
+-- Recovery: ctx.n transactions of one kind left behind by an application
+-- that is gone (lease 0), then the time one manager (stale_after = 0,
+-- lease = 0) takes to recover all of them through tm:recover{ limit =
+-- 1000, batch = ctx.batch } (batch 1: one at a time, as before batched
+-- recovery).  Latency is a recover() pass's time divided by the
+-- transactions it drove.  The kinds, as left:
+--   initial    tm:begin without commit
+--   pending    claimed, its debit applied (tm:step)
+--   applied    committed, not finished (commit_many, finish deferred)
+--   canceling  claimed, its debit applied, then cancelled (tm:step)
+local function leave(db, kind, from, to)
+  local gone = assert(db:manager { application = "gone", lease = 0, finish = "deferred",
+                                   finish_batch = 100000 })
+  if kind == "applied" then
+    for first = 1, #from, 100 do
+      local list = {}
+      for i = first, math.min(first + 99, #from) do list[#list + 1] = bank.ops(from[i], to[i], 1) end
+      local res, errs = gone:commit_many(list)
+      for k = 1, #list do assert(res[k], tostring(errs[k])) end
+    end
+    return
+  end
+  for i = 1, #from do
+    local t = assert(gone:begin(bank.ops(from[i], to[i], 1)))
+    if kind ~= "initial" then
+      assert(gone:step("claim", t))
+      assert(gone:step("apply", t, 1))
+      if kind == "canceling" then assert(gone:step("cancel", t)) end
+    end
+  end
+end
+
+local function recovery(kind)
+  return function(ctx)
     local db = bank.open(ctx.uri, "recovery", ctx.accounts)
     local from, to = bank.plan(ctx.accounts, ctx.n, ctx.n)
-    local gone = assert(db:manager { application = "crashed" })
-    for i = 1, ctx.n do assert(gone:begin(bank.ops(from[i], to[i], 1))) end
+    leave(db, kind, from, to)
     local tm = assert(db:manager { application = "recoverer", stale_after = 0, lease = 0 })
     local sample, moved = timed(db, ctx.n, function(lat)
       local ok = 0
       repeat
         local t = now()
-        local report = assert(tm:recover { limit = 1000 })
+        local report = assert(tm:recover { limit = 1000, batch = ctx.batch })
         local driven = report.done + report.cancelled
         assert(report.failed == 0 and report.parked == 0, "recovery failed or parked")
         for _ = 1, driven do lat[#lat + 1] = (now() - t) / driven end
-        ok = ok + report.done
+        ok = ok + driven
       until driven == 0
       return ok
     end)
-    for i = 1, ctx.n do move(moved, from[i], to[i]) end
     assert(sample.ok == ctx.n, ("recovered %d of %d"):format(sample.ok, ctx.n))
-    bank.check_accounts(db, ctx.accounts, moved)
-    bank.check_transactions(db, { done = ctx.n })
+    if kind == "canceling" then
+      bank.check_accounts(db, ctx.accounts, {})
+      bank.check_transactions(db, { cancelled = ctx.n })
+    else
+      for i = 1, ctx.n do move(moved, from[i], to[i]) end
+      bank.check_accounts(db, ctx.accounts, moved)
+      bank.check_transactions(db, { done = ctx.n })
+    end
     bank.drop(db)
     return sample
-  end,
-}
+  end
+end
+
+for _, kind in ipairs { "initial", "pending", "applied", "canceling" } do
+  _M["recover_" .. kind] = { label = "tm:recover " .. kind, run = recovery(kind) }
+end
 
 return _M

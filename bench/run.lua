@@ -90,7 +90,14 @@ for _, accounts in ipairs { 10, 10000 } do
                         procs = procs, accounts = accounts, n = 800, runs = 3 }
   end
 end
-plan[#plan + 1] = { key = "recovery", mode = modes.recovery, n = 10000, runs = 3, latency = true }
+-- recovery of each kind, batched and one at a time (batch 1), with
+-- their latency rows: what batching recovery is for
+for _, kind in ipairs { "initial", "pending", "applied", "canceling" } do
+  for _, batch in ipairs { 100, 1 } do
+    plan[#plan + 1] = { key = ("recover_%s%d"):format(kind, batch), mode = modes["recover_" .. kind],
+                        batch = batch, n = 10000, runs = 3, latency = true }
+  end
+end
 
 -- A latency row's run aims at this many seconds (the loopback row's time
 -- per transfer plus its round trips at the measured round trip); its runs
@@ -225,7 +232,9 @@ end
 
 local function label(e)
   local s = e.mode.label
-  if e.batch and e.batch > 1 or e.key:match("^commit_many") then s = s .. " (batch " .. e.batch .. ")" end
+  if e.batch and e.batch > 1 or e.key:match("^commit_many") or e.key:match("^recover_") then
+    s = s .. " (batch " .. e.batch .. ")"
+  end
   if e.procs then s = ("%s %d on %d accounts"):format(s, e.procs, e.accounts)
   elseif e.accounts then s = ("%s on %d accounts"):format(s, e.accounts) end
   if e.level then s = ("%s, +%s"):format(s, e.level.label) end
@@ -319,6 +328,16 @@ local function target_lines()
     d and ping and 3.2 / (d.p50 / ping.median), 1,
     d and ping and ("p50 %s ms over a measured round trip (median ping) of %s ms = %s round trips")
       :format(fmt(d.p50, 3), fmt(ping.median, 3), fmt(d.p50 / ping.median, 2)) or "not run")
+  -- batched recovery (issue 11): ≥ 4 × one at a time, ≥ 0.5 × commit_many
+  -- at batch 100, on loopback and at +1 ms
+  for _, kind in ipairs { "initial", "pending", "applied", "canceling" } do
+    ratio("recover_" .. kind .. "100", "recover_" .. kind .. "1", 4)
+    ratio("recover_" .. kind .. "100", "commit_many100", 0.5)
+  end
+  for _, kind in ipairs { "initial", "pending", "applied", "canceling" } do
+    ratio("recover_" .. kind .. "100", "recover_" .. kind .. "1", 4, one_ms)
+    ratio("recover_" .. kind .. "100", "commit_many100", 0.5, one_ms)
+  end
   return table.concat(out, "\n")
 end
 

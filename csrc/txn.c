@@ -97,18 +97,6 @@ append_removing(bson_t *update, const char *op, const fields *f,
 	bson_append_document_end(update, &sub);
 }
 
-/* {_id: op.id} */
-static bson_t *
-id_filter(lua_State *L, int op)
-{
-	bson_t *filter = mtx_scratch(L);
-
-	lua_getfield(L, op, "id");
-	mtx_append_value(L, -1, filter, "_id");
-	lua_pop(L, 1);
-	return filter;
-}
-
 /* Appends op.where's conditions to filter: flattened, or with a deadline
  * (stack index, 0 for none) $and: [where, {$expr: {$lt: ["$$NOW",
  * deadline]}}], so that neither can shadow a key of the other.  Returns
@@ -601,9 +589,13 @@ op_step_args(lua_State *L, bson_t **tid, fields *f, bson_t **opts)
 	return coll;
 }
 
+/* What an op's write is: an update_one, a delete_one of its filter, or an
+ * update_one that upserts. */
+enum { OP_UPDATE, OP_DELETE, OP_UPSERT };
+
 /* The finish of op: filter {_id, marker: tid}; update $pull marker (and
  * `held`) and $inc version (unused for a remove, which deletes the
- * document).  Returns whether the op is a remove. */
+ * document: OP_DELETE), else OP_UPDATE. */
 static int
 build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	     bson_t *filter, bson_t *update)
@@ -615,9 +607,9 @@ build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	lua_pop(L, 1);
 	append_marker_eq(filter, f, tid);
 	if (kind == K_REMOVE)
-		return 1;
+		return OP_DELETE;
 	merge_update(update, NULL, f, "$pull", tid, op_holds(L, op, kind));
-	return 0;
+	return OP_UPDATE;
 }
 
 /* steps:finish(coll, tid, op) -> { finished = bool }
@@ -635,7 +627,7 @@ l_finish(lua_State *L)
 	coll = op_step_args(L, &tid, &f, &opts);
 	filter = mtx_scratch(L);
 	update = mtx_scratch(L);
-	if (build_finish(L, OP_ARG, tid, &f, filter, update))
+	if (build_finish(L, OP_ARG, tid, &f, filter, update) == OP_DELETE)
 		rc = run_delete(L, "finish", coll, filter, opts, &n);
 	else
 		rc = run_update(L, "finish", coll, filter, update, opts, 0, &n);
@@ -644,31 +636,76 @@ l_finish(lua_State *L)
 	return push_bool_result(L, "finished", n);
 }
 
+/* Builds an op's write into filter and update (build_finish, build_undo,
+ * build_fence); returns one of the enum above. */
+typedef int (*op_builder)(lua_State *L, int op, const bson_t *tid, const fields *f,
+			  bson_t *filter, bson_t *update);
+
+/* The writes `build` makes of a batch of ops of one collection (steps,
+ * coll, items), in one unordered bulk write at crash point `point`. */
+static int
+op_batch_run(lua_State *L, op_builder build, const char *point)
+{
+	op_batch b;
+	bson_error_t err;
+	bson_t *upsert;
+	int i;
+
+	op_batch_open(L, &b);
+	upsert = mtx_scratch(L);
+	BSON_APPEND_BOOL(upsert, "upsert", true);
+	for (i = 1; i <= b.n; i++) {
+		int top = lua_gettop(L), op = op_batch_item(L, &b, i);
+		int how = build(L, op, b.tid, &b.f, b.filter, b.update);
+		bool ok;
+
+		if (how == OP_DELETE)
+			ok = mongoc_bulk_operation_remove_one_with_opts(b.bulk, b.filter,
+									NULL, &err);
+		else
+			ok = mongoc_bulk_operation_update_one_with_opts(
+				b.bulk, b.filter, b.update, how == OP_UPSERT ? upsert : NULL, &err);
+		check_added(L, ok, i, &err);
+		lua_settop(L, top);
+	}
+	return mtx_bulk_execute(L, b.bulk, point, b.n, 0);
+}
+
 /* steps:finish_many(coll, items) -> bulk result or nil, err.
  * items[i] = { tid, op }: finish's writes for many ops of one collection
  * in one unordered bulk write. */
 static int
 l_finish_many(lua_State *L)
 {
-	op_batch b;
-	bson_error_t err;
-	int i;
+	return op_batch_run(L, build_finish, "finish");
+}
 
-	op_batch_open(L, &b);
-	for (i = 1; i <= b.n; i++) {
-		int top = lua_gettop(L), op = op_batch_item(L, &b, i);
-		bool ok;
+/* The undo of op: filter {_id, marker: tid}; update op.undo (update
+ * kind) + $pull marker (and `held`) + $inc version, and $unset of
+ * `removing` for a remove: OP_UPDATE; an insert's undo deletes the
+ * document: OP_DELETE. */
+static int
+build_undo(lua_State *L, int op, const bson_t *tid, const fields *f,
+	   bson_t *filter, bson_t *update)
+{
+	bson_t *undo = NULL;
+	int kind = op_kind(L, op), top = lua_gettop(L);
 
-		if (build_finish(L, op, b.tid, &b.f, b.filter, b.update))
-			ok = mongoc_bulk_operation_remove_one_with_opts(b.bulk, b.filter,
-									NULL, &err);
-		else
-			ok = mongoc_bulk_operation_update_one_with_opts(b.bulk, b.filter,
-									b.update, NULL, &err);
-		check_added(L, ok, i, &err);
-		lua_settop(L, top);
+	lua_getfield(L, op, "id");
+	mtx_append_value(L, -1, filter, "_id");
+	lua_pop(L, 1);
+	append_marker_eq(filter, f, tid);
+	if (kind == K_INSERT)
+		return OP_DELETE;
+	if (kind == K_UPDATE) {
+		lua_getfield(L, op, "undo");
+		undo = mtx_check_document(L, -1);
 	}
-	return mtx_bulk_execute(L, b.bulk, "finish", b.n, 0);
+	merge_update(update, undo, f, "$pull", tid, op_holds(L, op, kind));
+	if (kind == K_REMOVE)
+		append_removing(update, "$unset", f, tid);
+	lua_settop(L, top);
+	return OP_UPDATE;
 }
 
 /* steps:undo(coll, tid, op) -> { undone = bool }
@@ -678,31 +715,58 @@ static int
 l_undo(lua_State *L)
 {
 	mongoc_collection_t *coll;
-	bson_t *tid, *filter, *undo = NULL, *update, *opts;
+	bson_t *tid, *filter, *update, *opts;
 	fields f;
 	int64_t n = 0;
-	int rc, kind;
+	int rc;
 
 	coll = op_step_args(L, &tid, &f, &opts);
-	kind = op_kind(L, OP_ARG);
-	filter = id_filter(L, OP_ARG);
-	append_marker_eq(filter, &f, tid);
-	if (kind == K_INSERT) {
-		if ((rc = run_delete(L, "undo", coll, filter, opts, &n)))
-			return rc;
-		return push_bool_result(L, "undone", n);
-	}
-	if (kind == K_UPDATE) {
-		lua_getfield(L, OP_ARG, "undo");
-		undo = mtx_check_document(L, -1);
-	}
+	filter = mtx_scratch(L);
 	update = mtx_scratch(L);
-	merge_update(update, undo, &f, "$pull", tid, op_holds(L, OP_ARG, kind));
-	if (kind == K_REMOVE)
-		append_removing(update, "$unset", &f, tid);
-	if ((rc = run_update(L, "undo", coll, filter, update, opts, 0, &n)))
+	if (build_undo(L, OP_ARG, tid, &f, filter, update) == OP_DELETE)
+		rc = run_delete(L, "undo", coll, filter, opts, &n);
+	else
+		rc = run_update(L, "undo", coll, filter, update, opts, 0, &n);
+	if (rc)
 		return rc;
 	return push_bool_result(L, "undone", n);
+}
+
+/* steps:undo_many(coll, items) -> bulk result or nil, err.
+ * items[i] = { tid, op }: undo's writes for many ops of one collection in
+ * one unordered bulk write (batched recovery of canceling transactions;
+ * lua/mongotx/recovery.lua).  An op that was never applied matches
+ * nothing, as with undo. */
+static int
+l_undo_many(lua_State *L)
+{
+	return op_batch_run(L, build_undo, "undo");
+}
+
+/* The fence of op: filter {_id, marker: {$ne: tid}}; update $inc version,
+ * and for an insert $setOnInsert of the placeholder field, upserted (a
+ * late insert then fails on its _id): OP_UPSERT, else OP_UPDATE. */
+static int
+build_fence(lua_State *L, int op, const bson_t *tid, const fields *f,
+	    bson_t *filter, bson_t *update)
+{
+	bson_t set;
+	bson_iter_t it;
+
+	lua_getfield(L, op, "id");
+	mtx_append_value(L, -1, filter, "_id");
+	lua_pop(L, 1);
+	append_marker_ne(filter, f, tid);
+	if (op_kind(L, op) != K_INSERT) {
+		merge_update(update, NULL, f, NULL, tid, 0);
+		return OP_UPDATE;
+	}
+	bson_append_document_begin(update, "$setOnInsert", -1, &set);
+	bson_iter_init_find(&it, tid, "t");
+	bson_append_iter(&set, f->placeholder, -1, &it);
+	bson_append_document_end(update, &set);
+	merge_update(update, NULL, f, NULL, tid, 0);
+	return OP_UPSERT;
 }
 
 /* steps:fence(coll, tid, op) -> { fenced = bool }
@@ -721,27 +785,24 @@ l_fence(lua_State *L)
 	int rc;
 
 	coll = op_step_args(L, &tid, &f, &opts);
-	filter = id_filter(L, OP_ARG);
-	append_marker_ne(filter, &f, tid);
+	filter = mtx_scratch(L);
 	update = mtx_scratch(L);
-	if (op_kind(L, OP_ARG) == K_INSERT) {
-		bson_t set;
-
-		bson_iter_t it;
-
-		/* upsert a placeholder so a late insert fails on its _id */
-		bson_append_document_begin(update, "$setOnInsert", -1, &set);
-		bson_iter_init_find(&it, tid, "t");
-		bson_append_iter(&set, f.placeholder, -1, &it);
-		bson_append_document_end(update, &set);
-		merge_update(update, NULL, &f, NULL, tid, 0);
+	if (build_fence(L, OP_ARG, tid, &f, filter, update) == OP_UPSERT)
 		BSON_APPEND_BOOL(opts, "upsert", true);
-	} else {
-		merge_update(update, NULL, &f, NULL, tid, 0);
-	}
 	if ((rc = run_update(L, "fence", coll, filter, update, opts, 0, &n)))
 		return rc;
 	return push_bool_result(L, "fenced", n);
+}
+
+/* steps:fence_many(coll, items) -> bulk result or nil, err.
+ * items[i] = { tid, op }: fence's writes for many ops of one collection
+ * in one unordered bulk write; `matched + upserted` short of the items
+ * means some document is missing or carries the marker again (a late
+ * apply: the caller reads which and undoes it). */
+static int
+l_fence_many(lua_State *L)
+{
+	return op_batch_run(L, build_fence, "fence");
 }
 
 /* Runs findAndModify(query, update) returning the new document, at crash
@@ -930,6 +991,15 @@ l_cancelled(lua_State *L)
 	return move(L, s, froms[from], "cancelled", 5, "reason", 6);
 }
 
+/* steps:cancelled_many(txcoll, tids) -> { moved = <count> }: canceling ->
+ * cancelled for many transactions whose ops are all undone. */
+static int
+l_cancelled_many(lua_State *L)
+{
+	lua_settop(L, 3);
+	return move_many(L, check_steps(L), "canceling", "cancelled", 0);
+}
+
 /* steps:renew(txcoll, tid, epoch, deadline): pending -> pending with a new
  * deadline, by the owner at that epoch (an owner working past its
  * deadline renews it before it applies again). */
@@ -1042,32 +1112,22 @@ l_create_many(lua_State *L)
 	return mtx_bulk_execute(L, bulk, "create", n, 0);
 }
 
-/* steps:claim(txcoll, tid, expect, set) -> the claimed document or false
- * findAndModify {_id: tid, ...expect} with {$set: set, $inc: {epoch: 1,
- * attempts: 1}, $currentDate: {lastModified: true}}, returning the new
- * document.  expect carries what the claimer saw (state, epoch,
- * lastModified), so two claimers cannot both win. */
-static int
-l_claim(lua_State *L)
+/* A claim's filter {_id: tid, ...expect} and update {$set: set, $inc:
+ * {epoch: 1, attempts: 1}, $currentDate: {lastModified: true}}; expect
+ * and set are documents at those stack indices. */
+static void
+build_claim(lua_State *L, const bson_t *tid, int expect, int set, bson_t *query,
+	    bson_t *update)
 {
-	mtx_steps *s = check_steps(L);
-	mongoc_collection_t *coll = arg_collection(L, 2);
-	bson_t *tid, *query, *expect, *set, *update, *opts, sub;
+	bson_t sub;
 	bson_iter_t it;
 
-	lua_settop(L, 5);
-	tid = check_tid(L, 3);
-	expect = mtx_check_document(L, 4);
-	set = mtx_check_document(L, 5);
-	opts = step_opts(L, s);
-	query = mtx_scratch(L);
 	bson_iter_init_find(&it, tid, "t");
 	bson_append_iter(query, "_id", 3, &it);
-	bson_iter_init(&it, expect);
+	bson_iter_init(&it, mtx_check_document(L, expect));
 	while (bson_iter_next(&it))
 		bson_append_iter(query, NULL, 0, &it);
-	update = mtx_scratch(L);
-	BSON_APPEND_DOCUMENT(update, "$set", set);
+	BSON_APPEND_DOCUMENT(update, "$set", mtx_check_document(L, set));
 	bson_append_document_begin(update, "$inc", 4, &sub);
 	BSON_APPEND_INT32(&sub, "epoch", 1);
 	BSON_APPEND_INT32(&sub, "attempts", 1);
@@ -1075,7 +1135,65 @@ l_claim(lua_State *L)
 	bson_append_document_begin(update, "$currentDate", -1, &sub);
 	BSON_APPEND_BOOL(&sub, "lastModified", true);
 	bson_append_document_end(update, &sub);
+}
+
+/* steps:claim(txcoll, tid, expect, set) -> the claimed document or false
+ * findAndModify of build_claim's query and update, returning the new
+ * document.  expect carries what the claimer saw (state, epoch,
+ * lastModified), so two claimers cannot both win. */
+static int
+l_claim(lua_State *L)
+{
+	mtx_steps *s = check_steps(L);
+	mongoc_collection_t *coll = arg_collection(L, 2);
+	bson_t *tid, *query, *update, *opts;
+
+	lua_settop(L, 5);
+	tid = check_tid(L, 3);
+	opts = step_opts(L, s);
+	query = mtx_scratch(L);
+	update = mtx_scratch(L);
+	build_claim(L, tid, 4, 5, query, update);
 	return find_and_modify(L, "claim", coll, query, update, opts);
+}
+
+/* steps:claim_many(txcoll, items) -> bulk result or nil, err.
+ * items[i] = { tid, expect, set }: claim's writes for many transactions in
+ * one unordered bulk write.  MongoDB counts matches for the whole batch
+ * only: when `matched` falls short, the caller reads which claims it won
+ * (set names the claimer, and a won claim moved the epoch one on). */
+static int
+l_claim_many(lua_State *L)
+{
+	mtx_steps *s = check_steps(L);
+	mongoc_collection_t *coll = arg_collection(L, 2);
+	mongoc_bulk_operation_t *bulk;
+	bson_t *tid, *query, *update;
+	bson_error_t err;
+	int i, n;
+
+	lua_settop(L, 3);
+	luaL_checktype(L, 3, LUA_TTABLE);
+	n = (int)mtx_rawlen(L, 3);
+	bulk = new_bulk(L, coll, batch_opts(L, s, n));
+	tid = mtx_scratch(L);
+	query = mtx_scratch(L);
+	update = mtx_scratch(L);
+	for (i = 1; i <= n; i++) {
+		int top = lua_gettop(L), item = batch_item(L, 3, i);
+
+		item_tid(L, item, i, tid);
+		lua_getfield(L, item, "expect");
+		lua_getfield(L, item, "set");
+		bson_reinit(query);
+		bson_reinit(update);
+		build_claim(L, tid, item + 1, item + 2, query, update);
+		check_added(L, mongoc_bulk_operation_update_one_with_opts(bulk, query, update,
+									  NULL, &err),
+			    i, &err);
+		lua_settop(L, top);
+	}
+	return mtx_bulk_execute(L, bulk, "claim", n, 0);
 }
 
 /* Monotonic milliseconds, for leases measured by this process. */
@@ -1166,7 +1284,9 @@ mtx_open_txn(lua_State *L)
 		{"apply_many", l_apply_many},
 		{"cancel", l_cancel},
 		{"cancelled", l_cancelled},
+		{"cancelled_many", l_cancelled_many},
 		{"claim", l_claim},
+		{"claim_many", l_claim_many},
 		{"commit", l_commit},
 		{"commit_many", l_commit_many},
 		{"create", l_create},
@@ -1174,10 +1294,12 @@ mtx_open_txn(lua_State *L)
 		{"done", l_done},
 		{"done_many", l_done_many},
 		{"fence", l_fence},
+		{"fence_many", l_fence_many},
 		{"finish", l_finish},
 		{"finish_many", l_finish_many},
 		{"renew", l_renew},
 		{"undo", l_undo},
+		{"undo_many", l_undo_many},
 		{NULL, NULL},
 	};
 

@@ -307,4 +307,31 @@ describe("#server tm:each", function()
         delay, paid, text))
     end)
   end)
+
+  describe("job ids and keys", function()
+    -- Two different (job, key) pairs must never share a transaction id: a
+    -- "/" in the job id would let <job>/<key> of one read as another's.
+    it("jobs whose ids hold / never take each other's transactions", function()
+      assert(accounts:insert_one { _id = 1, balance = 0 })
+      local pairs_of = { { "a", "/s1:z" }, { "a/s5:", "z" }, { "a", "/i7" }, { "a/s3:", 7 },
+                         { "a/b", "c" }, { "a", "b/c" }, { "a%2F", "x" }, { "a/", "x" } }
+      local ids = {}
+      for _, p in ipairs(pairs_of) do
+        local report = assert(tm:each({ p[2] }, function() return credit(1, 1) end,
+          { id = p[1], key = function(item) return item end }))
+        assert.are.same({ 1, 0 }, { report.committed, report.skipped },
+          ("job %q key %q"):format(p[1], tostring(p[2])))
+      end
+      assert.are.equal(#pairs_of, balance(1))
+      for id, st in pairs(states()) do
+        assert.are.equal("done", st)
+        ids[#ids + 1] = id
+      end
+      assert.are.equal(#pairs_of, #ids)
+      -- a job id without / or % keeps its plain form
+      assert(tm:each({ 5 }, function() return credit(1, 1) end,
+        { id = "interest-2026-11", key = function(item) return item end }))
+      assert.are.equal("done", assert(tm:get("interest-2026-11/i5")).state)
+    end)
+  end)
 end)

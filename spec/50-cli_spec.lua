@@ -357,7 +357,15 @@ describe("#server the mongotx command", function()
         "a number, not string", "return { stale_after = 'soon' }" },
       { { "--policy", "POLICY", "recover" }, 2, "option max_attempts of policy file .- must be " ..
         "a whole number from 1 to 1000000, not 0", "return { max_attempts = 0 }" },
+      -- past 2^63 a number is no integer: it would become a nearby double
+      -- (another transaction's id), so it is refused
+      { { "rollback", "9223372036854775809" }, 2, "malformed id .-whole number" },
+      { { "show", "--", "-99999999999999999999" }, 2, "malformed id .-whole number" },
+      -- a policy file that exits: an error, never a silent exit 0
+      { { "--policy", "POLICY", "rollback", "pend" }, 2, "policy file .- called os%.exit",
+        "os.exit(0)" },
       { { "rollback", "nothing" }, 1, "no such transaction" },
+      { { "show", "str:" }, 1, "no such transaction str:$" }, -- the empty string, shown
       { { "unpark", "pend" }, 1, "not parked" },
     }
 
@@ -402,6 +410,14 @@ describe("#server the mongotx command", function()
       code, _, err = run({ "--database", "a/b", "status" })
       assert.are.equal(2, code)
       assert.truthy(err:find("option database of connect must be a database name", 1, true), err)
+      -- a malformed URI is bad usage (2), named, its password hidden
+      for _, uri in ipairs { "http://x", "mongodb://127.0.0.1:1/?serverSelectionTimeoutMS=abc",
+                             "mongodb://u:pw@/", "mongodb://u:pw:pw@127.0.0.1" } do
+        code, _, err = run({ "--database", dbname, "recover" }, { uri = uri })
+        assert.are.equal(2, code, uri .. ": " .. err)
+        assert.truthy(err:find("mongotx: bad URI ", 1, true), err)
+        assert.falsy(err:find("pw", 1, true), err)
+      end
       code, _, err = run({ "--database", dbname .. "x", "recover" })
       assert.are.equal(1, code)
       assert.truthy(err:find("has no collection transactions", 1, true), err)
@@ -436,6 +452,118 @@ while True:
       assert.truthy(err:find("cannot reach mongodb://127.0.0.1:" .. port, 1, true), err)
       assert.is_true(took < 25, "gave up only after " .. took .. " s")
       helpers.assert_dump_unchanged(before, db.client, dbname)
+    end)
+  end)
+
+  describe("what reaches a terminal, a script and a closed output", function()
+    it("control characters in ids and reasons are escaped in tables and messages", function()
+      if not check_build() then return end
+      local id = "x\27[31mRED\nrow"
+      assert(tm:transfer("accounts", "A", "B", 1, { id = id }))
+      assert(tm:rollback(transfer(1, "r"), "why\27[2J\r"))
+      local code, out, err = cli("list")
+      assert.are.equal(0, code, err)
+      assert.falsy((out:gsub("\n", "")):find("%c"), out)
+      assert.are.equal(3, select(2, out:gsub("\n", "")), out) -- headers and two rows
+      assert.truthy(out:find("x\\x1b[31mRED\\nrow", 1, true), out)
+      assert.truthy(out:find("why\\x1b[2J\\r", 1, true), out)
+      code, out, err = cli("show", "nothing\27]0;title\7")
+      assert.are.equal(1, code)
+      assert.are.equal("", out)
+      assert.falsy((err:gsub("\n", "")):find("%c"), err)
+      assert.truthy(err:find("no such transaction nothing\\x1b]0;title\\x07", 1, true), err)
+      -- --json keeps the exact string, escaped as JSON
+      local lines = json_ok("list")
+      assert.are.equal(id, lines[1]._id)
+    end)
+
+    it("--json writes valid UTF-8 whatever the bytes of a string", function()
+      local output = require "mongotx.cli.output"
+      for _, s in ipairs { "ok \xc3\xa9", "bad\xff\xfe", "cut\xc3", "\xed\xa0\x80surrogate",
+                           "\xc0\xafoverlong", "\xf4\x90\x80\x80big", "nul\0" } do
+        local text = output.json({ s = s })
+        local ok, decoded = pcall(cjson.decode, text)
+        assert.is_true(ok, text)
+        if s:find("^ok") or s:find("^nul") then
+          assert.are.equal(s, decoded.s)
+        else
+          assert.truthy(decoded.s:find("\xef\xbf\xbd", 1, true), text) -- U+FFFD
+        end
+        -- what it wrote is valid UTF-8 (Python's strict decoder is a second reader)
+        local f = assert(io.popen("python3 -c 'import sys; sys.stdin.buffer.read().decode(\"utf-8\")'", "w"))
+        f:write(text)
+        assert.is_true(f:close(), text)
+      end
+    end)
+
+    it("output that cannot be written is a failure (exit 1), not a silent 0", function()
+      if not check_build() then return end
+      assert(tm:transfer("accounts", "A", "B", 1, { id = "t" }))
+      local err = os.tmpname()
+      local code = server.execute(mongotx_cmd({ "--database", dbname, "show", "t" }) ..
+        " >&- 2>" .. err)
+      local said = helpers.read_file(err)
+      os.remove(err)
+      assert.are.equal(1, code, said)
+      assert.truthy(said:find("mongotx: cannot write the output: standard output is closed", 1,
+        true), said)
+      -- a full disk
+      if not server.exists("/dev/full") then return end
+      code = server.execute(mongotx_cmd({ "--database", dbname, "--json", "list" }) ..
+        " >/dev/full 2>" .. err)
+      said = helpers.read_file(err)
+      os.remove(err)
+      assert.are.equal(1, code, said)
+      assert.truthy(said:find("mongotx: cannot write the output: No space left", 1, true), said)
+    end)
+  end)
+
+  describe("recover's counts over several passes", function()
+    it("a malformed transaction counts once, however many passes read it", function()
+      if not check_build() then return end
+      -- two hand-edited transactions recovery cannot read, oldest, then
+      -- five stale ones: --batch 2 sweeps in several passes
+      assert(txs:insert_many { { _id = "bad-1", state = "pending", ops = "garbage" },
+                               { _id = "bad-2", state = "pending", ops = 42 } })
+      for i = 1, 5 do transfer(1, "t" .. i) end
+      local code, out, err = cli("--json", "recover", "--application", "app-1",
+                                 "--stale-after", "0", "--batch", "2")
+      assert.are.equal(1, code, err)
+      local lines = json_lines(out)
+      local summary, failed_lines = lines[#lines], 0
+      for _, l in ipairs(lines) do
+        if l.event == "failed" then failed_lines = failed_lines + 1 end
+      end
+      assert.are.equal("summary", summary.event)
+      assert.is_true(summary.passes > 1, out)
+      assert.are.same({ 2, 0, 5 }, { summary.malformed, summary.failed, summary.cancelled + summary.done })
+      assert.are.equal(2, failed_lines, out) -- one line per malformed transaction
+      assert.truthy(err:find("recover: 0 failed, 2 malformed", 1, true), err)
+      code, out = cli("recover", "--application", "app-1", "--stale-after", "0", "--batch", "2")
+      assert.are.equal(1, code)
+      assert.truthy(out:find("malformed:%s+2\n"), out)
+      assert.are.equal(2, select(2, out:gsub("\nbad%-%d%s+malformed", "")), out)
+      assert.are.equal("pending", assert(txs:find_one({ _id = "bad-1" })).state)
+    end)
+
+    it("a transaction that fails in every pass counts once", function()
+      if not check_build() then return end
+      for i = 1, 5 do transfer(1, "t" .. i) end
+      local path = os.tmpname() .. ".lua"
+      local f = assert(io.open(path, "w"))
+      f:write("return { max_attempts = 100, may_recover = function(tx) " ..
+              "if tx._id == 't1' then error('not t1') end return true end }")
+      f:close()
+      local code, out, err = cli("--policy", path, "--json", "recover", "--application",
+                                 "app-1", "--stale-after", "0", "--batch", "2")
+      os.remove(path)
+      assert.are.equal(1, code, err)
+      local lines = json_lines(out)
+      local summary = lines[#lines]
+      assert.is_true(summary.passes > 1, out)
+      assert.are.same({ 1, 0, 4 }, { summary.failed, summary.malformed, summary.done + summary.cancelled })
+      assert.truthy(err:find("recover: 1 failed, 0 malformed", 1, true), err)
+      assert.are.equal("initial", state("t1"))
     end)
   end)
 

@@ -281,6 +281,43 @@ for _, s in ipairs {
     end },
 } do M.list[#M.list + 1] = s end
 
+-- Batched recovery (issue 11): an owner gone left T pending (its credit
+-- of B applied) and U applied but not finished; one recover() drives both
+-- in one batch (versions, claim, apply, commit, finish, done: one bulk
+-- write each), and the recovering process crashes at each of its points.
+-- With stale_pending "back", T is cancelled instead (undo, fence and
+-- cancelled as bulk writes) while U finishes.
+local function leave_TU(tm, ctx)
+  local T = assert(tm:begin(M.ops(ctx.kind), { id = M.ID }))
+  assert(tm:step("claim", T))
+  assert(tm:step("apply", T, 2))
+  local U = assert(tm:begin(other_ops, { id = M.OTHER }))
+  assert(tm:step("claim", U))
+  assert(tm:step("apply", U, 1))
+  assert(tm:step("apply", U, 2))
+  return tm:step("commit", U)
+end
+
+-- Past T's deadline (the owner's lease, SHORT), so that both are claimed
+-- in one batch.
+local function recover_TU(tm)
+  require("mongotx.core").sleep(0.3)
+  M.settle(tm, M.OTHER)
+  return M.settle(tm, M.ID)
+end
+
+for _, s in ipairs {
+  { name = "recover-batch", prepare = leave_TU, prepare_manager = SHORT,
+    manager = M.recovery_manager(), allowed = { done = true }, other = { done = true },
+    ci_kinds = { "update", "insert" }, run = recover_TU },
+  -- the final recovery rolls T back too: nobody rolls it forward, so it
+  -- only ends cancelled
+  { name = "recover-batch-back", prepare = leave_TU, prepare_manager = SHORT,
+    manager = M.recovery_manager { stale_pending = function() return "back" end },
+    recover = "back", allowed = { cancelled = true }, other = { done = true },
+    ci_kinds = { "update", "remove" }, run = recover_TU },
+} do M.list[#M.list + 1] = s end
+
 function M.find(name)
   for _, s in ipairs(M.list) do
     if s.name == name then return s end

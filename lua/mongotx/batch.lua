@@ -272,7 +272,9 @@ local function settle(eng, e, deadline, versions)
     return
   end
   local final, err = eng:drive(T, nil)
-  if not final then return fail(e, e.failure or err) end
+  -- the op failure explains a cancel; when the cancel did not happen (the
+  -- transaction was taken over meanwhile) the caller learns what did
+  if not final then return fail(e, (not err or err.code == "cancelled") and e.failure or err) end
   e.T = final
 end
 
@@ -344,5 +346,10 @@ function _M.run(eng, specs)
   end
   return results, errs, committed
 end
+
+-- Batched recovery (mongotx.recovery) drives the transactions it claimed
+-- pending with the same apply, and settles the ones left behind the same
+-- way: entries { T, err, slow } as above.
+_M.apply, _M.settle = apply, settle
 
 return _M

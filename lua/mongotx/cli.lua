@@ -7,8 +7,8 @@
 --
 -- Exit codes: 0 ok, 1 something failed at run time (named on stderr),
 -- 2 bad usage (unknown command or flag, a malformed id or value, a bad
--- policy file, no URI).  Everything a command takes is checked before it
--- connects, so bad usage writes nothing.
+-- policy file, no URI or a malformed one).  Everything a command takes
+-- is checked before it connects, so bad usage writes nothing.
 
 local argparse = require "argparse"
 local mongotx = require "mongotx"
@@ -16,6 +16,7 @@ local options = require "mongotx.options"
 local args = require "mongotx.cli.args"
 local policy_file = require "mongotx.cli.policy"
 local commands = require "mongotx.cli.commands"
+local output = require "mongotx.cli.output"
 
 local format = string.format
 
@@ -49,7 +50,8 @@ end
 
 local function parser()
   local p = argparse("mongotx", "Look at and steer mongotx transactions.")
-    :epilog("Ids: a number, oid:<24 hex digits>, long:<digits>, str:<text> or other text.\n" ..
+    :epilog("Ids: a number, oid:<24 hex digits>, long:<digits>, str:<text> or other text;\n" ..
+            "a negative number after --, as in: mongotx rollback -- -7.\n" ..
             "Exit codes: 0 ok, 1 something failed, 2 bad usage.")
     :command_target("command")
   p:option("--uri", "Server to connect to (default: $MONGOTX_URI).")
@@ -103,8 +105,16 @@ end
 -- Prints "mongotx: <message>" on stderr (an error's tostring already
 -- starts so) and returns the exit code.
 local function fail(code, message)
-  io.stderr:write("mongotx: ", (tostring(message):gsub("^mongotx: ", "")), "\n")
+  io.stderr:write("mongotx: ", output.visible((tostring(message):gsub("^mongotx: ", "")), true), "\n")
   return code
+end
+
+-- Is this standard stream open?  A closed one's descriptor would be taken
+-- by the connection's socket, and what the command prints would go to
+-- the server.
+local function is_open(file)
+  local _, _, errno = file:seek("cur")
+  return errno ~= 9 -- EBADF; a pipe or a terminal says ESPIPE
 end
 
 -- The URI with a password hidden, for messages.
@@ -132,6 +142,19 @@ end
 local function connect(o)
   local db, err = mongotx.connect(with_timeouts(o.uri), { database = o.database })
   if not db then
+    -- libmongoc refuses a malformed URI with MONGOC_ERROR_COMMAND_INVALID_ARG
+    -- (22): bad usage, like a bad --database
+    if err.code == "command" and err.server_code == 22 then
+      local message, password = err.message, o.uri:match("^mongodb[^:]*://[^:@/]*:([^@/]*)@")
+      if password and password ~= "" then -- libmongoc's message may quote it
+        local at = message:find(password, 1, true)
+        while at do
+          message = message:sub(1, at - 1) .. "***" .. message:sub(at + #password)
+          at = message:find(password, at + 3, true)
+        end
+      end
+      return nil, fail(USAGE, format("bad URI %s: %s", shown(o.uri), message))
+    end
     return nil, fail(err.code == "invalid" and USAGE or FAILED, err.message or tostring(err))
   end
   local reply
@@ -152,6 +175,10 @@ end
 
 -- Runs the command line `argv` (a list of strings); returns the exit code.
 function _M.main(argv)
+  if not is_open(io.stderr) then return FAILED end
+  if not is_open(io.stdout) then
+    return fail(FAILED, "cannot write the output: standard output is closed")
+  end
   local p = parser()
   -- usage errors are raised to here instead of exiting inside argparse
   p.error = function(cmd, message) error({ usage = cmd:get_usage(), message = message }, 0) end
@@ -188,8 +215,14 @@ function _M.main(argv)
     db:close()
     return fail(FAILED, tostring(err))
   end
-  code = commands[o.command](tm, o, fail)
+  -- a raise (a policy's, say) is a failure named like the others
+  ok, code = policy_file.pcall_no_exit(commands[o.command], tm, o, fail)
   db:close()
+  if not ok then code = fail(FAILED, format("%s raised an error: %s", o.command, tostring(code))) end
+  err = output.stdout:flush().err
+  if err and code == OK then
+    return fail(FAILED, "cannot write the output: " .. tostring(err))
+  end
   return code
 end
 

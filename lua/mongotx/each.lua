@@ -1,6 +1,6 @@
 -- Resumable batch jobs (tm:each): one transaction per item of a list or
 -- a cursor, committed batch by batch through tm:commit_many, each under an
--- id derived from the job's id and the item's key.  A run that is killed
+-- id derived from the job's id and the item's key (job_text below).  A run that is killed
 -- at any moment is finished by running the same job again:
 --
 --   * before anything of a batch is computed, one read finds the
@@ -83,6 +83,15 @@ local function key_text(k)
   end
   return nil, format("the key must be a string or a finite number, not %s",
     t == "number" and tostring(k) or (k == nil and "nil" or "a " .. t))
+end
+
+-- The job's id as the first part of a transaction id: "/" and "%" are
+-- written %2F and %25, so that the first "/" of <job>/<key> always ends
+-- the job's part and two different (job, key) pairs never share an id
+-- (job "a" with key "/s1:z" and job "a/s5:" with key "z" would).
+local ESCAPED = { ["%"] = "%25", ["/"] = "%2F" }
+local function job_text(job)
+  return (job:gsub("[%%/]", ESCAPED))
 end
 
 local function new_report()
@@ -309,6 +318,7 @@ function _M.run(tm, source, fn, opts, level)
   end
   opts.batch = opts.batch or 100
   local wait = opts.wait or (tm.policy.lease + tm.policy.stale_after)
+  job = job_text(job)
   local next_item = items_of(source, level + 1)
   local report, seen, held = new_report(), {}, {}
   while true do

@@ -142,8 +142,9 @@ function Engine:step(name, id, ...)
   return res, err
 end
 
--- Runs the batched form of step `name` (create, apply, commit, finish,
--- done) with retries; the batch reports its own events.
+-- Runs the batched form of step `name` (create, claim, apply, commit,
+-- finish, done, undo, fence, cancelled) with retries; the batch reports
+-- its own events.
 function Engine:many(name, ...)
   local steps = self.steps
   return self:retry(name, nil, steps[name .. "_many"], steps, ...)
@@ -264,27 +265,96 @@ end
 -- time read before this call (read here when not given): the claim then
 -- runs later still.
 function Engine:claim(T, set, now)
-  set = set or {}
-  set.application, set.instance, set.lease = self.application, self.instance, self.policy.lease
-  if T.state == "pending" or set.state == "pending" then
-    -- this owner's applies are fenced by its own deadline (csrc/txn.c)
-    local deadline, err = self:new_deadline()
-    if err then return nil, err end
-    set.deadline = deadline
+  local deadline, err = self:claim_deadline(T, set)
+  if err then return nil, err end
+  if not now and T.deadline ~= nil and T.state == "pending" then
+    now, err = self:server_now()
+    if not now then return nil, err end
   end
-  local expect = { state = T.state, epoch = T.epoch or 0 }
-  if T.deadline ~= nil and T.state == "pending" then
-    if not now then
-      local err
-      now, err = self:server_now()
-      if not now then return nil, err end
-    end
-    expect.deadline = { ["$lt"] = core.Date(now) }
-  end
-  local doc, err = self:step("claim", T._id, self.tx, T._id, expect, set)
+  local expect
+  expect, set = self:claim_terms(T, set, now, deadline)
+  local doc
+  doc, err = self:step("claim", T._id, self.tx, T._id, expect, set)
   if doc == nil then return nil, err end
   if doc then self.held[key(T._id)] = doc.epoch end
   return live(doc)
+end
+
+-- Does a claim of T (`set` as for claim) leave it pending?
+local function leaves_pending(T, set)
+  return T.state == "pending" or (set and set.state) == "pending"
+end
+
+-- The deadline a claim of T sets: this owner's applies are fenced by its
+-- own deadline (csrc/txn.c), so one for a claim that leaves T pending;
+-- nil otherwise, or when deadlines do not fence.
+function Engine:claim_deadline(T, set)
+  if leaves_pending(T, set) then return self:new_deadline() end
+end
+
+-- What a claim of T expects and what it sets (claim above, claim_many):
+-- T's state and epoch as read and, for a pending T that carries a
+-- deadline, that it passed before `now` (the server's time); it sets this
+-- owner, `set`'s fields and `deadline` (claim_deadline).
+function Engine:claim_terms(T, set, now, deadline)
+  set = set or {}
+  set.application, set.instance, set.lease = self.application, self.instance, self.policy.lease
+  set.deadline = deadline
+  local expect = { state = T.state, epoch = T.epoch or 0 }
+  if T.deadline ~= nil and T.state == "pending" then
+    expect.deadline = { ["$lt"] = core.Date(now) }
+  end
+  return expect, set
+end
+
+-- Claims many transactions in one bulk write: list[i] = { T =, set = }
+-- as for claim, `now` the server's time read before, `deadline` the one
+-- every claim that leaves its transaction pending sets.  Returns, for
+-- each, the claimed transaction (as the claim left it) or false when
+-- somebody else moved it first; nil, err when the write failed (then
+-- some claims may have been won: their leases expire, nothing else
+-- happened).  A bulk write counts only the matches of the whole batch:
+-- when they fall short, one read tells which claims were won (the epoch
+-- each moved on, with this owner's instance).
+function Engine:claim_many(list, now, deadline)
+  local items, ids = {}, {}
+  for i, c in ipairs(list) do
+    local expect, set = self:claim_terms(c.T, c.set, now,
+      leaves_pending(c.T, c.set) and deadline or nil)
+    items[i] = { tid = c.T._id, expect = expect, set = set }
+    ids[i] = c.T._id
+  end
+  local res, err = self:many("claim", self.tx, items)
+  if not res then return nil, err end
+  local by_id
+  if not (res.ok and res.matched == #items) then
+    local docs
+    docs, err = self.tx:find_all({ _id = { ["$in"] = ids } })
+    if not docs then return nil, errors.wrap(err, "claim") end
+    by_id = {}
+    for _, doc in ipairs(docs) do by_id[key(doc._id)] = doc end
+  end
+  local out = {}
+  for i, c in ipairs(list) do
+    local T, epoch = c.T, (c.T.epoch or 0) + 1
+    local doc
+    if by_id then
+      doc = by_id[key(T._id)]
+      if not (doc and doc.epoch == epoch and doc.instance == self.instance) then doc = false end
+    else
+      -- every claim matched: T as the claim left it
+      doc = {}
+      for k, v in pairs(T) do doc[k] = v end
+      for k, v in pairs(items[i].set) do doc[k] = v end
+      doc.epoch, doc.attempts = epoch, (T.attempts or 0) + 1
+    end
+    if doc then
+      self.held[key(T._id)] = epoch
+      self:event("claim", { id = T._id, result = doc })
+    end
+    out[i] = doc and live(doc)
+  end
+  return out
 end
 
 -- This manager as the ownership policy sees it.

@@ -448,14 +448,15 @@ function Manager:compensate(t)
 end
 
 -- Finds stale transactions and drives each to done or cancelled under the
--- policies (mongotx.recovery).  Returns a report: { examined, done,
--- cancelled, skipped, parked, failed, malformed, errors = { {id, error},
--- ... } }.
+-- policies (mongotx.recovery), opts.batch (default 100) at a time with
+-- one round trip per step for the batch; batch = 1 drives each alone.
+-- Returns a report: { examined, done, cancelled, skipped, parked, failed,
+-- malformed, errors = { {id, error}, ... } }.
 function Manager:recover(opts)
   local err
-  opts, err = validate.options(opts, { limit = true }, "recover", CALLER)
+  opts, err = validate.options(opts, { limit = true, batch = true }, "recover", CALLER)
   if not opts then return nil, err end
-  return recovery.recover(self.engine, opts.limit or 1000)
+  return recovery.recover(self.engine, opts.limit or 1000, opts.batch or recovery.BATCH)
 end
 
 -- Deletes finished transactions older than the retention period (or

@@ -139,7 +139,7 @@ local checks = {
   types = typed("table"),
   max_jobs = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
   stop = typed("function"),
-  -- each (mongotx.each)
+  -- each (mongotx.each), recover
   batch = typed("number", "a whole number from 1 to 100000", whole(1, 100000)),
   key = typed("function"),
   progress = typed("function"),

@@ -1,16 +1,36 @@
 -- Recovery: finds the transactions that processes left behind (crashed,
--- stalled, gone) and drives each to done or cancelled through the engine
--- (mongotx.engine), under the policies: which may be recovered
--- (may_recover), a stale initial run or expired (stale_initial), a stale
--- pending rolled forward or back (stale_pending), and after
--- policy.max_attempts failed tries parked for an operator.
+-- stalled, gone) and drives each to done or cancelled, under the
+-- policies: which may be recovered (may_recover), a stale initial run or
+-- expired (stale_initial), a stale pending rolled forward or back
+-- (stale_pending), and after policy.max_attempts failed tries parked for
+-- an operator.
+--
+-- Batched (the default, BATCH at a time): the policies are applied per
+-- transaction as read, then for the whole batch one round trip per step:
+--
+--   versions  one find per collection (initial and pending ones: the
+--             versions that fence their applies, read before the claim);
+--   claim     one bulk write, each claim fenced as a single one is (state,
+--             epoch, and for a pending one its owner's deadline passed);
+--             a lost claim is not driven (Engine:claim_many says which);
+--   forward   (initial, pending) apply as a batch does (mongotx.batch:
+--             guarded ops first), commit per epoch, then with the applied
+--             ones finish and done (batch.finish);
+--   back      (canceling, and pending rolled back) undo, fence (every one
+--             was taken over) and cancelled, one bulk write each.
+--
+-- Whatever cannot go that way (an op that cannot apply, a guard that
+-- meets holders, a commit that did not match, a late apply found by the
+-- fence) goes on one at a time through the engine, for that transaction
+-- only.  batch = 1 drives every transaction alone (recover_one).
 
+local batch = require "mongotx.batch"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local stored = require "mongotx.stored"
 
 local ipairs, tostring, pcall = ipairs, tostring, pcall
-local live = stored.live
+local live, has_marker, id_key = stored.live, stored.has_marker, validate.id_key
 
 local _M = {}
 
@@ -24,21 +44,42 @@ local function park(eng, T, reason)
   return "parked"
 end
 
--- Recovers one stale transaction; returns what happened: "done",
--- "cancelled", "skipped" or "parked", or nil, err.
-local function recover_one(eng, T, now, me)
+-- What the policies say of T before anything is claimed: "parked",
+-- "skipped" or "cancelled" (settled here), or "claim"; nil, err.
+local function triage(eng, T, now, me)
   if (T.attempts or 0) >= eng.policy.max_attempts then
     return park(eng, T, T.reason or "recovery failed too many times")
   end
   local age = T.lastModified and (now - T.lastModified:value()) / 1000 or math.huge
   if not eng.policy.may_recover(T, age, me) then return "skipped" end
-  local versions, err
   if T.state == "initial" and eng.policy.stale_initial(T) == "expire" then
-    local moved
-    moved, err = eng:step("cancelled", T._id, eng.tx, T._id, "initial", T.epoch, "expired")
+    local moved, err = eng:step("cancelled", T._id, eng.tx, T._id, "initial", T.epoch, "expired")
     if moved == nil then return nil, err end
     return moved and "cancelled" or "skipped"
   end
+  return "claim"
+end
+
+-- Why an op could not apply (Engine's op failures) and so T was cancelled.
+local CANCELLING = { cancelled = true, missing = true, guard = true, conflict = true,
+                     busy = true, removing = true, contention = true }
+
+-- A failure of driving T that ended with T cancelled (an op that could
+-- not apply): "cancelled"; nil, err otherwise.
+local function failed_or_cancelled(eng, T, err)
+  if CANCELLING[err.code] then
+    local again = eng:get(T._id)
+    if again and again.state == "cancelled" then return "cancelled" end
+  end
+  return nil, err
+end
+
+-- Recovers one stale transaction; returns what happened: "done",
+-- "cancelled", "skipped" or "parked", or nil, err.
+local function recover_one(eng, T, now, me)
+  local route, err = triage(eng, T, now, me)
+  if route ~= "claim" then return route, err end
+  local versions
   if T.state == "initial" or T.state == "pending" then
     versions, err = eng:versions(T)
     if not versions then return nil, err end
@@ -58,12 +99,266 @@ local function recover_one(eng, T, now, me)
   local final
   final, err = eng:drive(T, versions)
   if final then return "done" end
-  if err.code == "cancelled" or err.code == "missing" or err.code == "guard"
-      or err.code == "conflict" then
-    local again = eng:get(T._id)
-    if again and again.state == "cancelled" then return "cancelled" end
+  return failed_or_cancelled(eng, T, err)
+end
+
+-- Batches ------------------------------------------------------------------
+
+-- Entries of a batch: { T = <the transaction>, was = <its state as read>,
+-- outcome = "done" | "cancelled" | "skipped", err = <why it failed>,
+-- slow = <goes on one at a time> } (the fields mongotx.batch reads too).
+
+local function fail(e, err) e.err = e.err or err end
+
+-- Drives entry e on alone, from where it stands now.
+local function alone(eng, e)
+  local T, err = eng:get(e.T._id)
+  if T then T, err = eng:drive(T, nil) end
+  if T then
+    e.outcome = "done"
+  else
+    e.outcome, e.err = failed_or_cancelled(eng, e.T, err or errors.new("state",
+      "no such transaction", { id = e.T._id }))
   end
-  return nil, err
+end
+
+-- Groups items by the collection of their op: by_coll[name] = { ... },
+-- names in the order first seen.
+local function by_collection(entries, each)
+  local by_coll, order = {}, {}
+  for _, e in ipairs(entries) do
+    for i, op in ipairs(e.T.ops) do
+      local item = each(e, i, op)
+      if item then
+        local items = by_coll[op.collection]
+        if not items then
+          items = {}
+          by_coll[op.collection], order[#order + 1] = items, op.collection
+        end
+        items[#items + 1] = item
+      end
+    end
+  end
+  return by_coll, order
+end
+
+-- pending -> applied for the entries still on the batch's way, one
+-- update per epoch (claims moved them on from where each was); a group
+-- that did not all move goes on one at a time (batch.settle looks).
+local function commit(eng, entries)
+  local groups, epochs = {}, {}
+  for _, e in ipairs(entries) do
+    if not e.err and not e.slow then
+      local g = groups[e.T.epoch]
+      if not g then
+        g = {}
+        groups[e.T.epoch], epochs[#epochs + 1] = g, e.T.epoch
+      end
+      g[#g + 1] = e
+    end
+  end
+  for _, epoch in ipairs(epochs) do
+    local g, ids = groups[epoch], {}
+    for i, e in ipairs(g) do ids[i] = e.T._id end
+    local res, err = eng:many("commit", eng.tx, ids, epoch)
+    for _, e in ipairs(g) do
+      if not res then
+        fail(e, err)
+      elseif res.moved == #ids then
+        e.T.state = "applied"
+        eng:hold(e.T._id, nil) -- past the commit point: nothing to fence
+        eng:event("commit", { id = e.T._id })
+      else
+        e.slow = "commit"
+      end
+    end
+  end
+end
+
+-- The claimed initial and pending entries (versions[t] read before the
+-- claim): apply, commit; those left behind one at a time.  The committed
+-- ones are left `applied` for finish.
+local function forward(eng, entries, versions, deadline)
+  batch.apply(eng, entries, deadline, versions)
+  commit(eng, entries)
+  for t, e in ipairs(entries) do
+    if e.slow and not e.err then
+      batch.settle(eng, e, deadline, versions[t])
+      if e.err then e.outcome, e.err = failed_or_cancelled(eng, e.T, e.err) end
+    end
+  end
+end
+
+-- Which entries' ops in collection `name` (items { tid, op, entry }) still
+-- carry their marker: one read.  Returns a set of entries, or nil, err.
+local function still_marked(eng, name, items)
+  local ids = {}
+  for k, item in ipairs(items) do ids[k] = item.op.id end
+  local docs, err = eng:coll(name):find_all({ _id = { ["$in"] = ids } },
+    { projection = { [eng.marker] = 1 } })
+  if not docs then return nil, errors.wrap(err, "undo") end
+  local by_id, marked = {}, {}
+  for _, doc in ipairs(docs) do by_id[id_key(doc._id)] = doc end
+  for _, item in ipairs(items) do
+    if has_marker(by_id[id_key(item.op.id)], eng.marker, item.tid) then
+      marked[item.entry] = true
+    end
+  end
+  return marked
+end
+
+-- canceling (claimed, so taken over: epoch > 1) -> cancelled: undo every
+-- op where it applied, fence every document (an apply a former owner
+-- prepared can no longer match; Engine:undo_op), then cancelled.  An
+-- entry whose marker is still there after the fence (a late apply landed
+-- between the two) unwinds alone.
+local function back(eng, entries)
+  local function each(e, _, op)
+    if not e.err and not e.slow then return { tid = e.T._id, op = op, entry = e } end
+  end
+  for _, step in ipairs { "undo", "fence" } do
+    local by_coll, order = by_collection(entries, each)
+    for _, name in ipairs(order) do
+      local items = by_coll[name]
+      local res, err = eng:many(step, eng:coll(name), items)
+      if not res then
+        for _, item in ipairs(items) do fail(item.entry, err) end
+      elseif step == "fence" and not (res.ok and res.matched + res.upserted == #items) then
+        -- a document missing (nothing to fence) or marked again
+        local marked
+        marked, err = still_marked(eng, name, items)
+        for _, item in ipairs(items) do
+          if not marked then fail(item.entry, err)
+          elseif marked[item.entry] then item.entry.slow = "undo" end
+        end
+      end
+    end
+    for _, e in ipairs(entries) do
+      if not e.err and not e.slow then eng:event(step, { id = e.T._id }) end
+    end
+  end
+  local ids, list = {}, {}
+  for _, e in ipairs(entries) do
+    if not e.err and not e.slow then list[#list + 1], ids[#ids + 1] = e, e.T._id end
+  end
+  if #ids > 0 then
+    local res, err = eng:many("cancelled", eng.tx, ids)
+    for _, e in ipairs(list) do
+      if not res then fail(e, err)
+      elseif res.moved == #ids then
+        e.outcome = "cancelled"
+        eng:hold(e.T._id, nil)
+        eng:event("cancelled", { id = e.T._id })
+      else
+        e.slow = "cancelled" -- somebody else moved some: look at each
+      end
+    end
+  end
+  for _, e in ipairs(entries) do
+    if e.slow and not e.err then alone(eng, e) end
+  end
+end
+
+-- Claims the entries (all triaged "claim") in one bulk write, after
+-- reading the versions of the initial and pending ones, and routes the
+-- ones won by the state each is in: pending (forward, with its versions),
+-- canceling (back), applied (finish), anything else alone.  A lost claim
+-- is "skipped", as recover_one's is.
+local function claim(eng, entries, now)
+  local routes = { forward = {}, versions = {}, back = {}, applied = {}, alone = {} }
+  local read = {}
+  for _, e in ipairs(entries) do
+    if e.was == "initial" or e.was == "pending" then read[#read + 1] = e.T end
+  end
+  local versions, err = {}, nil
+  if #read > 0 then versions, err = eng:versions_many(read) end
+  local deadline, claimed
+  if versions then deadline, err = eng:new_deadline() end
+  if versions and not err then
+    local list = {}
+    for i, e in ipairs(entries) do
+      list[i] = { T = e.T, set = e.was == "initial" and { state = "pending" } or nil }
+    end
+    claimed, err = eng:claim_many(list, now, deadline)
+  end
+  if not claimed then
+    for _, e in ipairs(entries) do fail(e, err) end
+    return routes
+  end
+  local vs_of = {}
+  for t, T in ipairs(read) do vs_of[T] = versions[t] end
+  for i, e in ipairs(entries) do
+    local vs = vs_of[e.T]
+    if not claimed[i] then
+      e.outcome = "skipped"
+    else
+      e.T = claimed[i]
+      if e.was == "pending" then
+        local ok, way = pcall(eng.policy.stale_pending, e.T)
+        if not ok then
+          fail(e, errors.new("policy", tostring(way), { id = e.T._id }))
+        elseif way == "back" then
+          local T
+          T, err = eng:cancel(e.T, "rolled back by recovery")
+          if T then e.T = T else fail(e, err) end
+        end
+      end
+      local state = not e.err and e.T.state -- (a failure is reported)
+      if state == "pending" then
+        local n = #routes.forward + 1
+        routes.forward[n], routes.versions[n] = e, vs
+      elseif state == "canceling" then
+        routes.back[#routes.back + 1] = e
+      elseif state == "applied" then
+        routes.applied[#routes.applied + 1] = e
+      elseif state then
+        routes.alone[#routes.alone + 1] = e
+      end
+    end
+  end
+  return routes, deadline
+end
+
+-- Recovers one batch of stale transactions (as read, well-formed);
+-- outcomes and failures go into the entries.
+local function recover_batch(eng, entries, now, me)
+  local claims = {}
+  for _, e in ipairs(entries) do
+    local ok, route, err = pcall(triage, eng, e.T, now, me)
+    if not ok then
+      fail(e, errors.new("policy", tostring(route), { id = e.T._id }))
+    elseif route == "claim" then
+      claims[#claims + 1] = e
+    elseif route then
+      e.outcome = route
+    else
+      fail(e, err)
+    end
+  end
+  if #claims == 0 then return end
+  local routes, deadline = claim(eng, claims, now)
+  if #routes.forward > 0 then forward(eng, routes.forward, routes.versions, deadline) end
+  if #routes.back > 0 then back(eng, routes.back) end
+  for _, e in ipairs(routes.alone) do alone(eng, e) end
+  -- finish the applied ones, claimed so or committed above, together
+  local finish, list = {}, {}
+  for _, e in ipairs(routes.applied) do finish[#finish + 1] = e end
+  for _, e in ipairs(routes.forward) do
+    if not e.err and not e.outcome then
+      if e.T.state == "applied" then finish[#finish + 1] = e
+      elseif e.T.state == "done" then e.outcome = "done" end
+    end
+  end
+  for i, e in ipairs(finish) do list[i] = e.T end
+  if #list > 0 then
+    local n, err = batch.finish(eng, list)
+    for _, e in ipairs(finish) do
+      if n then e.outcome = "done" else fail(e, err) end
+    end
+  end
+  for _, e in ipairs(claims) do
+    if e.outcome then eng:hold(e.T._id, nil) end -- settled: nothing to fence
+  end
 end
 
 -- Up to `limit` well-formed active transactions that are not parked,
@@ -102,10 +397,25 @@ local function stale_list(eng, limit, report)
   return list
 end
 
+-- Counts a failure of T in the report and on T, so that a transaction
+-- that keeps failing is parked (with this reason) instead of blocking
+-- every pass.
+local function failed(eng, report, T, e)
+  report.failed = report.failed + 1
+  report.errors[#report.errors + 1] = { id = T._id, error = e }
+  eng.tx:update_one({ _id = T._id }, { ["$inc"] = { attempts = 1 },
+    ["$set"] = { reason = tostring(e) } }, eng.wopts)
+end
+
+-- How many transactions a pass recovers together by default.
+_M.BATCH = 100
+
 -- Finds up to `limit` stale transactions and drives each to done or
--- cancelled under the policies.  Returns a report: { examined, done, cancelled, skipped,
--- parked, failed, malformed, errors = { {id, error}, ... } }.
-function _M.recover(eng, limit)
+-- cancelled under the policies, `size` at a time (1: each alone).
+-- Returns a report: { examined, done, cancelled, skipped, parked, failed,
+-- malformed, errors = { {id, error}, ... } } (the shape callers and
+-- specs compare whole; client:counters() tells the round trips).
+function _M.recover(eng, limit, size)
   local now, err = eng:server_now()
   if not now then return nil, err end
   local me = eng:me()
@@ -116,21 +426,29 @@ function _M.recover(eng, limit)
   local list
   list, err = stale_list(eng, limit, report)
   if not list then return nil, err end
-  for _, T in ipairs(list) do
-    report.examined = report.examined + 1
-    local ok, outcome, failure = pcall(function()
-      return recover_one(eng, live(T), now, me)
-    end)
-    if ok and outcome then
-      report[outcome] = report[outcome] + 1
+  report.examined = #list
+  for first = 1, #list, size or 1 do
+    local entries = {}
+    for i = first, math.min(first + (size or 1) - 1, #list) do
+      entries[#entries + 1] = { T = live(list[i]), was = list[i].state }
+    end
+    local ok, raised
+    if #entries == 1 then
+      local e = entries[1]
+      ok, raised, e.err = pcall(recover_one, eng, e.T, now, me)
+      e.outcome = ok and raised or nil
     else
-      local e = ok and failure or errors.new("policy", tostring(outcome), { id = T._id })
-      report.failed = report.failed + 1
-      report.errors[#report.errors + 1] = { id = T._id, error = e }
-      -- count the failure, so that a transaction that keeps failing is
-      -- parked (with this reason) instead of blocking every pass
-      eng.tx:update_one({ _id = T._id }, { ["$inc"] = { attempts = 1 },
-        ["$set"] = { reason = tostring(e) } }, eng.wopts)
+      ok, raised = pcall(recover_batch, eng, entries, now, me)
+    end
+    for _, e in ipairs(entries) do
+      if not ok and not e.outcome then
+        fail(e, errors.new("policy", tostring(raised), { id = e.T._id }))
+      end
+      if e.outcome and not e.err then
+        report[e.outcome] = report[e.outcome] + 1
+      else
+        failed(eng, report, e.T, e.err or errors.new("state", "not settled", { id = e.T._id }))
+      end
     end
   end
   eng:event("recover", report)

@@ -23,9 +23,10 @@ local function is_number(s)
   return s:find(NUMBER) ~= nil and tonumber(s) ~= nil
 end
 
--- Is this string printed as it is (it reads back as the same string)?
+-- Is this string printed as it is (it reads back as the same string, and
+-- is not empty: "" prints as str:)?
 function _M.plain_string(s)
-  return not is_number(s) and not s:find("^oid:") and not s:find("^long:")
+  return s ~= "" and not is_number(s) and not s:find("^oid:") and not s:find("^long:")
     and not s:find("^str:") and not s:find("^[%[{]")
 end
 
@@ -51,6 +52,11 @@ local function parse(text)
   end
   if is_number(text) then
     local n = tonumber(text)
+    if not text:find("[.eE]") and not math.tointeger(n) then
+      -- past 2^63 the text would read as the nearest double: another id
+      return nil, "a number without a point or exponent must be a whole number from " ..
+        "-2^63 to 2^63-1"
+    end
     return math.tointeger(n) or n
   end
   if text:find("^[%[{]") then

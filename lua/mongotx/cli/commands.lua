@@ -11,13 +11,13 @@ local progress = require "mongotx.cli.progress"
 local json, id_text, cell = output.json, output.id_text, output.cell
 local record, add = output.record, output.add
 local format, floor = string.format, math.floor
-local stdout = io.stdout
+local stdout = output.stdout
 
 local OK, FAILED = 0, 1
 
 local _M = {}
 
-local function say(line) stdout:write(line, "\n") end
+local function say(line) stdout:write(output.visible(line), "\n") end
 
 -- Seconds since a Date by the server's clock `now` (ms), or nil.
 local function age(date, now)
@@ -142,16 +142,25 @@ function _M.show(tm, o, fail)
 end
 
 -- One line (JSON) or row (table) per failed or malformed transaction of
--- a recover report.
-local function report_errors(o, report, rows)
+-- a recover report that an earlier pass of the sweep did not list
+-- (`seen`, by core.id_key): each pass reads the malformed ones and the
+-- failed ones still active again.  Returns how many failed ones are new.
+local function report_errors(o, report, rows, seen)
+  local failed = 0
   for _, e in ipairs(report.errors) do
+    local key = core.id_key(e.id)
+    if seen[key] then goto next_error end
+    seen[key] = true
+    if e.error.code ~= "malformed" then failed = failed + 1 end
     local code, message = e.error.code, e.error.message or tostring(e.error)
     if o.json then
       say(json(record("event", "failed", "id", e.id, "code", code, "message", message)))
     else
       rows[#rows + 1] = { id_text(e.id), tostring(code), shorten(message, 80) }
     end
+    ::next_error::
   end
+  return failed
 end
 
 local COUNTS = { "examined", "done", "cancelled", "skipped", "parked", "failed", "malformed" }
@@ -164,7 +173,7 @@ local COUNTS = { "examined", "done", "cancelled", "skipped", "parked", "failed",
 local function sweep(tm, o, bar)
   local total = { passes = 0 }
   for _, k in ipairs(COUNTS) do total[k] = 0 end
-  local rows, batch, moved = {}, o.batch, 0
+  local rows, batch, moved, seen = {}, o.batch, 0, {}
   while true do
     local n = batch
     if o.limit then n = math.min(n, o.limit - total.examined) end
@@ -172,8 +181,13 @@ local function sweep(tm, o, bar)
     local report, err = tm:recover { limit = n }
     if not report then return nil, err end
     total.passes = total.passes + 1
-    for _, k in ipairs(COUNTS) do total[k] = total[k] + report[k] end
-    report_errors(o, report, rows)
+    for _, k in ipairs(COUNTS) do
+      if k ~= "failed" and k ~= "malformed" then total[k] = total[k] + report[k] end
+    end
+    -- a transaction counts once: failed ones by id, malformed ones as the
+    -- most one pass saw (every pass counts all of them)
+    total.failed = total.failed + report_errors(o, report, rows, seen)
+    total.malformed = math.max(total.malformed, report.malformed)
     if o.json then
       local rec = record("event", "pass")
       for _, k in ipairs(COUNTS) do add(rec, k, report[k]) end

@@ -12,6 +12,7 @@ local args = require "mongotx.cli.args"
 
 local type, ipairs, tostring, select = type, ipairs, tostring, select
 local getmetatable, setmetatable = getmetatable, setmetatable
+local rawlen = rawlen or function(t) return #t end -- LuaJIT: the specs load this module too
 local format, concat, sort = string.format, table.concat, table.sort
 local floor, huge = math.floor, math.huge
 
@@ -20,11 +21,80 @@ local _M = {}
 local ESCAPES = { ['"'] = '\\"', ["\\"] = "\\\\", ["\b"] = "\\b", ["\f"] = "\\f",
                   ["\n"] = "\\n", ["\r"] = "\\r", ["\t"] = "\\t" }
 
+-- The string with each byte that is not part of a valid UTF-8 sequence
+-- replaced by U+FFFD: JSON text is UTF-8, and a stored string need not be.
+local function utf8_only(s)
+  if not s:find("[\128-\255]") then return s end
+  local out, i, n = {}, 1, #s
+  while i <= n do
+    local c = s:byte(i)
+    local len, lo, hi = 0, 0x80, 0xBF -- hi, lo: bounds of the second byte
+    if c < 0x80 then len = 1
+    elseif c >= 0xC2 and c <= 0xDF then len = 2
+    elseif c >= 0xE0 and c <= 0xEF then
+      len = 3
+      if c == 0xE0 then lo = 0xA0 elseif c == 0xED then hi = 0x9F end -- overlong, surrogate
+    elseif c >= 0xF0 and c <= 0xF4 then
+      len = 4
+      if c == 0xF0 then lo = 0x90 elseif c == 0xF4 then hi = 0x8F end -- overlong, > U+10FFFF
+    end
+    local ok = len > 0
+    for k = 1, len - 1 do
+      local b = s:byte(i + k)
+      if not b or b < (k == 1 and lo or 0x80) or b > (k == 1 and hi or 0xBF) then
+        ok = false
+        break
+      end
+    end
+    if ok then
+      out[#out + 1] = s:sub(i, i + len - 1)
+      i = i + len
+    else
+      out[#out + 1] = "\239\191\189"
+      i = i + 1
+    end
+  end
+  return concat(out)
+end
+
 local function quote(s)
-  return '"' .. s:gsub('[%c"\\]', function(c)
+  return '"' .. utf8_only(s):gsub('[%c"\\]', function(c)
     return ESCAPES[c] or format("\\u%04x", c:byte())
   end) .. '"'
 end
+
+local VISIBLE = { ["\n"] = "\\n", ["\r"] = "\\r", ["\t"] = "\\t" }
+
+-- Text for a terminal: control characters written as \n, \r, \t or \xHH,
+-- so that no id or reason breaks a table's lines or sends the terminal an
+-- escape sequence; with `lines`, newlines are kept (a message of several
+-- lines).
+function _M.visible(s, lines)
+  return (s:gsub("%c", function(c)
+    if lines and c == "\n" then return c end
+    return VISIBLE[c] or format("\\x%02x", c:byte())
+  end))
+end
+
+-- Standard output through an object that remembers the first write that
+-- failed (a full disk, a closed pipe when SIGPIPE is ignored): the command
+-- then exits 1 instead of 0 (mongotx.cli).
+local Writer = {}
+Writer.__index = Writer
+
+function Writer:write(...)
+  local ok, err = self.file:write(...)
+  if not ok then self.err = self.err or err end
+  return self
+end
+
+function Writer:flush()
+  local ok, err = self.file:flush()
+  if not ok then self.err = self.err or err end
+  return self
+end
+
+_M.stdout = setmetatable({ file = io.stdout }, Writer)
 
 local function number(n)
   if n ~= n or n == huge or n == -huge then return "null" end
@@ -150,7 +220,7 @@ function _M.id_text(id)
   return tostring(id)
 end
 
--- A value in a table cell: short and on one line.
+-- A value in a table cell (made visible by table() and fields()).
 function _M.cell(v)
   if v == nil or v == core.null then return "-" end
   if type(v) == "number" then return number(v) end
@@ -159,12 +229,15 @@ function _M.cell(v)
     if core.type(v) == "date" then s = _M.iso_time(v:value()) end
     return s
   end
-  return (tostring(v):gsub("%c", " "))
+  return tostring(v)
 end
 
 -- Prints rows (lists of strings) under headers, each column as wide as
--- its widest cell.
+-- its widest cell, control characters made visible.
 function _M.table(out, headers, rows)
+  for _, row in ipairs(rows) do
+    for i, c in ipairs(row) do row[i] = _M.visible(c) end
+  end
   local widths = {}
   for i, h in ipairs(headers) do widths[i] = #h end
   for _, row in ipairs(rows) do
@@ -183,8 +256,10 @@ function _M.table(out, headers, rows)
   for _, row in ipairs(rows) do line(row) end
 end
 
--- Prints name: value lines, names aligned.
+-- Prints name: value lines, names aligned, control characters made
+-- visible.
 function _M.fields(out, list)
+  for i, c in ipairs(list) do list[i] = _M.visible(c) end
   local width = 0
   for i = 1, #list, 2 do
     if #list[i] > width then width = #list[i] end

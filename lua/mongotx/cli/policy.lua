@@ -13,6 +13,17 @@ local _M = {}
 local names = {}
 for k in pairs(default_policy) do names[k] = true end
 
+-- pcall(fn, ...) with os.exit raising instead of exiting: a policy file,
+-- or a policy it gave, that calls os.exit would end the command with an
+-- exit code of its choosing (0 for a rollback that did not happen).
+function _M.pcall_no_exit(fn, ...)
+  local exit = os.exit
+  os.exit = function() error("called os.exit", 2) end -- luacheck: ignore 122
+  local res = table.pack(pcall(fn, ...))
+  os.exit = exit -- luacheck: ignore 122
+  return table.unpack(res, 1, res.n)
+end
+
 -- The overrides in `path` (a plain copy of the table's raw contents), or
 -- nil and one message naming the file and what is wrong with it: it
 -- cannot be read, does not compile, raises, does not return a table, or
@@ -22,7 +33,7 @@ function _M.load(path)
   if not chunk then
     return nil, string.format("policy file %s: %s", path, err)
   end
-  local ok, t = pcall(chunk)
+  local ok, t = _M.pcall_no_exit(chunk)
   if not ok then
     return nil, string.format("policy file %s raised an error: %s", path, tostring(t))
   end
