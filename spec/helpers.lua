@@ -134,6 +134,20 @@ function helpers.assert_dump_unchanged(before, client, name, opts)
     i, tostring(a[i]), tostring(b[i])), 2)
 end
 
+-- Asserts that fn() returns nil and an `invalid` error of call `step`
+-- whose message holds msg, and that database `db` (a mongotx database
+-- handle) is unchanged.
+function helpers.assert_invalid(db, step, fn, msg)
+  local before = helpers.db_dump(db.client, db.name)
+  local res, err = fn()
+  luassert.is_nil(res)
+  luassert.is_table(err, "expected an error, got " .. tostring(err))
+  luassert.are.equal("invalid", err.code, tostring(err))
+  luassert.truthy(err.message:find(msg, 1, true), err.message)
+  luassert.are.equal(step, err.step)
+  helpers.assert_dump_unchanged(before, db.client, db.name)
+end
+
 -- The Lua interpreter running the specs, for worker processes.
 function helpers.lua()
   return os.getenv("MONGOTX_LUA") or (type(jit) == "table" and "luajit" or "lua5.4")

@@ -3,7 +3,8 @@
 -- same for both).  Every code is a string. Codes:
 --   invalid      bad input, rejected before anything was written
 --   missing      an op's document does not exist
---   guard        an op's `where` condition is false
+--   guard        an op's `where` condition is false (mongotx.ledger: a change
+--                would take an account below `min`)
 --   conflict     an insert's _id is taken by another document
 --   cancelled    the transaction ended cancelled (reason in .reason)
 --   owned        another application holds the transaction and its lease
