@@ -29,10 +29,11 @@ local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local clock = require "mongotx.clock"
+local points = require "mongotx.points"
 
 local type, tostring, setmetatable, pcall, next = type, tostring, setmetatable, pcall, next
 local rawget, rawlen = rawget, rawlen or function(t) return #t end
-local format, floor, Date, crash_point = string.format, math.floor, core.Date, core.crash_point
+local format, floor, Date = string.format, math.floor, core.Date
 
 local _M = {}
 
@@ -116,14 +117,10 @@ function Queue:at(seconds)
   return Date(floor(now + seconds * 1000))
 end
 
--- Runs one write between its crash points (queue.<step>, before and
--- after), with the step named in its error.
+-- Runs one write on the jobs between its crash points (queue.<step>,
+-- before and after), with the step named in its error.
 function Queue:write(step, fn, ...)
-  crash_point("queue." .. step, "before")
-  local res, err = fn(self.jobs, ...)
-  if res == nil then return nil, errors.wrap(err, step) end
-  crash_point("queue." .. step, "after")
-  return res
+  return points.write("queue", step, fn, self.jobs, ...)
 end
 
 -- The largest epoch a job can reach: claims raise it by one, and a job
