@@ -88,11 +88,6 @@ function _M.new(db, opts)
   local why
   opts, why = options.check(opts, ledger_options, "ledger", HELPER_CALLER)
   if not opts then return nil, why end
-  -- a taken seqId is only seen as the server's duplicate-key reply
-  if opts.write_concern and opts.write_concern.w == 0 then
-    return invalid("a ledger needs acknowledged writes (w = 0 would not see a " ..
-      "seqId taken by another writer)", "ledger")
-  end
   local name = opts.collection or "ledger"
   local heads = opts.accounts or name .. "_accounts"
   if heads == name then

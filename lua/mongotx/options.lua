@@ -184,6 +184,20 @@ end
 -- is what the caller must use (a metatable's __index or __pairs cannot
 -- show the checks one value and the caller another), or nil and an
 -- `invalid` error for the first bad value.
+local connect_options = { database = true, appname = true, write_concern = true,
+                          read_preference = true, tls = true }
+
+-- Every writer of mongotx reads the server's replies to its writes (the
+-- matched count that fences a step, the document a claim returns, the
+-- duplicate key that tells a ledger's seqId is taken): under w = 0 none
+-- comes back and every write would look lost.  Only a connection's
+-- default may be unacknowledged, for the C core's own calls; the engine
+-- and the modules always name their write concern.
+local function unacknowledged(opts, names)
+  local wc = opts.write_concern
+  return names ~= connect_options and type(wc) == "table" and rawget(wc, "w") == 0
+end
+
 function _M.check(opts, names, what, level)
   if opts == nil then return {} end
   if type(opts) ~= "table" then
@@ -210,15 +224,16 @@ function _M.check(opts, names, what, level)
       end
     end
   end
+  if not bad and unacknowledged(opts, names) then
+    bad = format("option write_concern.w of %s must be acknowledged (not 0): " ..
+                 "mongotx reads the server's replies to its writes", what)
+  end
   if not bad and (names.marker or names.version_field) then bad = clash(opts) end
   if bad then
     return nil, errors.new("invalid", bad, { step = what:match("^[%w_]+") })
   end
   return opts
 end
-
-local connect_options = { database = true, appname = true, write_concern = true,
-                          read_preference = true, tls = true }
 
 -- What connect(uri, opts) needs of its arguments, for mongotx.connect and
 -- mongotx.pool alike: the database's name (opts.database, else the URI's

@@ -1,5 +1,5 @@
--- A write of a module whose writes are issued from Lua (mongotx.sync,
--- mongotx.versioned), between its crash points: core.crash_point
+-- A write of a module whose writes are issued from Lua (mongotx.queue,
+-- mongotx.sync, mongotx.versioned), between its crash points: core.crash_point
 -- "<module>.<step>" before and after (csrc/fault.c; the torture suite
 -- crashes there), and its error named for the step.
 

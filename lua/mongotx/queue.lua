@@ -29,10 +29,11 @@ local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local clock = require "mongotx.clock"
+local points = require "mongotx.points"
 
 local type, tostring, setmetatable, pcall, next = type, tostring, setmetatable, pcall, next
 local rawget, rawlen = rawget, rawlen or function(t) return #t end
-local format, floor, Date, crash_point = string.format, math.floor, core.Date, core.crash_point
+local format, floor, Date = string.format, math.floor, core.Date
 
 local _M = {}
 
@@ -90,12 +91,6 @@ function _M.new(db, opts)
   if opts.lease == 0 then
     return invalid("queue", "option lease of queue must be a number of seconds above 0, not 0")
   end
-  -- unacknowledged writes return no job from a claim and no match count,
-  -- which is how heartbeat, done and fail tell a held job from a taken one
-  if opts.write_concern and rawget(opts.write_concern, "w") == 0 then
-    return invalid("queue", "option write_concern.w of queue must be acknowledged (not 0): " ..
-      "claims and fencing read the server's replies")
-  end
   local policy = {}
   for k, v in next, _M.policy do
     if opts[k] ~= nil then policy[k] = opts[k] else policy[k] = v end
@@ -122,14 +117,10 @@ function Queue:at(seconds)
   return Date(floor(now + seconds * 1000))
 end
 
--- Runs one write between its crash points (queue.<step>, before and
--- after), with the step named in its error.
+-- Runs one write on the jobs between its crash points (queue.<step>,
+-- before and after), with the step named in its error.
 function Queue:write(step, fn, ...)
-  crash_point("queue." .. step, "before")
-  local res, err = fn(self.jobs, ...)
-  if res == nil then return nil, errors.wrap(err, step) end
-  crash_point("queue." .. step, "after")
-  return res
+  return points.write("queue", step, fn, self.jobs, ...)
 end
 
 -- The largest epoch a job can reach: claims raise it by one, and a job

@@ -1,5 +1,5 @@
 -- Child processes for the sync and versioned workloads
--- (spec/support/patterns.lua), started by spec/60, spec/63 and
+-- (spec/support/patterns.lua), started by spec/63, spec/64 and
 -- torture/patterns.lua.  <fault> is a crash point spec
 -- ("sync.clear:after:1", see csrc/fault.c) or "-" for none; MONGOTX_FAULT
 -- in the environment works too.

@@ -1,5 +1,5 @@
 -- The workloads of mongotx.sync and mongotx.versioned that the specs
--- (spec/60, spec/63) and the torture suite (torture/patterns.lua) run in
+-- (spec/63, spec/64) and the torture suite (torture/patterns.lua) run in
 -- child processes (spec/support/pattern_worker.lua), with the invariant
 -- each must keep.  One place, so that a crash point the specs cover and
 -- one the torture suite covers are checked by the same rules.
