@@ -529,8 +529,8 @@ function Manager:_prune_placeholders(filter)
 end
 
 -- Clears `parked` on a transaction recovery gave up on, and its
--- `attempts`, so that recovery takes it up again (for max_attempts more
--- tries); its `reason` stays for the record.  Returns true, or nil, err:
+-- `attempts` and `triedAt`, so that recovery takes it up again at once
+-- (for max_attempts more tries); its `reason` stays for the record.  Returns true, or nil, err:
 -- `state` when there is no such transaction or it is not parked (a
 -- finished one is not, whatever flag it carries).
 function Manager:unpark(id)
@@ -541,7 +541,7 @@ function Manager:unpark(id)
   end
   local res
   res, err = self.tx:update_one({ _id = T._id, parked = true, state = ACTIVE },
-    { ["$unset"] = { parked = "" }, ["$set"] = { attempts = 0 } }, self.engine.wopts)
+    { ["$unset"] = { parked = "", triedAt = "" }, ["$set"] = { attempts = 0 } }, self.engine.wopts)
   if not res then return nil, errors.wrap(err, "unpark", T._id) end
   if res.matched == 0 then
     return nil, errors.new("state", "the transaction is not parked", { step = "unpark", id = T._id })

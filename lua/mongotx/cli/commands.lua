@@ -104,7 +104,7 @@ function _M.list(tm, o, fail)
 end
 
 local TX_FIELDS = { "state", "application", "instance", "epoch", "attempts", "lease",
-                    "deadline", "lastModified", "parked", "reason", "compensates",
+                    "deadline", "lastModified", "triedAt", "parked", "reason", "compensates",
                     "source", "destination", "value", "meta" }
 
 function _M.show(tm, o, fail)
