@@ -207,6 +207,25 @@ describe("#server batched recovery", function()
     assert.are.same({ holder._id }, held.pendingTransactions)
   end)
 
+  it("claims a transaction listed twice in one batch once (a cursor may return a " ..
+     "document that moved twice)", function()
+    open_accounts(accounts, 2)
+    local t = leave(tm, "pending", "a1", "b1", 10)
+    local u = leave(tm, "canceling", "a2", "b2", 10)
+    age()
+    local eng = recoverer().engine
+    local T, U = assert(tm:get(t._id)), assert(tm:get(u._id))
+    local out = assert(eng:claim_many({ { T = T }, { T = U }, { T = T } },
+      assert(eng:server_now()), assert(eng:new_deadline())))
+    assert.are.equal(T.epoch + 1, out[1].epoch)
+    assert.are.equal(U.epoch + 1, out[2].epoch)
+    assert.is_false(out[3]) -- its claim matched nothing: the first moved it
+    local after = assert(tm:get(t._id))
+    assert.are.equal(T.epoch + 1, after.epoch)
+    assert.are.equal(T.attempts + 1, after.attempts)
+    assert.are.equal("recoverer", after.application)
+  end)
+
   it("rolls back a batch where a document is missing (the fence matches fewer)", function()
     open_accounts(accounts, 3)
     local a = leave(tm, "canceling", "a1", "b1", 10)
