@@ -43,6 +43,27 @@ describe("#server options", function()
     helpers.assert_dump_unchanged(before, db.client, db.name)
   end
 
+  -- Every writer reads the server's replies to fence and to tell what
+  -- happened, so none takes an unacknowledged write concern; a
+  -- connection's default may be w = 0 (the C core's own calls).
+  it("every writer refuses w = 0, and writes nothing", function()
+    local wc = { write_concern = { w = 0 } }
+    local function with(extra)
+      local o = { write_concern = { w = 0 } }
+      for k, v in pairs(extra or {}) do o[k] = v end
+      return o
+    end
+    local msg = "option write_concern.w of %s must be acknowledged (not 0)"
+    invalid(function() return db:manager(wc) end, msg:format("manager"))
+    invalid(function() return db:queue(wc) end, msg:format("queue"))
+    invalid(function() return db:ledger(wc) end, msg:format("ledger"))
+    invalid(function() return db:versioned(wc) end, msg:format("versioned"))
+    invalid(function() return db:sync(with { propagate = function() return true end }) end,
+      msg:format("sync"))
+    local raw = assert(mongotx.connect(helpers.uri(), { database = db.name, write_concern = { w = 0 } }))
+    raw:close()
+  end)
+
   describe("db:manager", function()
     local function manager(opts) return function() return db:manager(opts) end end
 
@@ -91,6 +112,9 @@ describe("#server options", function()
       invalid(manager { write_concern = { w = "" } }, "option write_concern.w of manager must be")
       invalid(manager { write_concern = { wtimeout = nan } }, "option write_concern.wtimeout of manager")
       invalid(manager { write_concern = { w = 0, j = true } }, "option write_concern.j of manager")
+      -- fencing reads the replies: unacknowledged writes would all look lost
+      invalid(manager { write_concern = { w = 0 } },
+        "option write_concern.w of manager must be acknowledged (not 0)")
     end)
 
     it("raises for wrong types and unknown names, naming the option", function()
@@ -122,7 +146,6 @@ describe("#server options", function()
         { marker = "locks", version_field = "v" },
         { marker = "txVersion", version_field = "v" },
         { finish = "deferred", fencing = "version" },
-        { write_concern = { w = 0 } },
         { write_concern = { w = "majority", j = true, wtimeout = 1000 } },
       }
       for _, opts in ipairs(ok) do

@@ -155,6 +155,26 @@ describe("#server mongotx.ledger", function()
     reconciled { "A", "B0", "B1", "B2", "C" }
   end)
 
+  -- (review) An audit on a live ledger: an entry landing, or a committer
+  -- moving the head, between reconcile's reads is no problem of the books.
+  it_ledger("reconcile of a live account reports no problem for writers meanwhile", function()
+    assert(L:post({ { account = "A", value = 100 } }))
+    assert(L:transfer("A", "B", 40))
+    local other = assert(db:ledger {})
+    local real = L.balance
+    L.balance = function(self, account) -- another process writes and commits now
+      assert(other:transfer("A", "B", 5))
+      assert(other:commit())
+      return real(self, account)
+    end
+    local r = assert(L:reconcile("A"))
+    L.balance = nil
+    assert.are.same({}, r.problems)
+    assert.is_true(r.ok)
+    assert.are.same({ 55, 3 }, { r.balance, r.seq })
+    assert.are.same({ { _id = "A", seq = 3, balance = 55 } }, heads:find_all({ _id = "A" }))
+  end)
+
   it_ledger("reconcile finds a cache that disagrees with the entries", function()
     assert(L:post({ { account = "A", value = 100 } }))
     assert(L:transfer("A", "B", 40))
@@ -278,6 +298,74 @@ describe("#server mongotx.ledger", function()
     assert.are.same({ A = 0, B = 0, C = 10 }, b)
   end)
 
+  -- (review) A call repeated with its id must find its entry whatever the
+  -- balance now says: the first call may have landed with its reply lost,
+  -- and a `guard` on the retry would tell the caller it did not happen.
+  it_ledger("a repeated call with an id returns its entry even where the guard now fails", function()
+    assert(L:post({ { account = "A", value = 100 } }))
+    local t = assert(L:transfer("A", "B", 100, { id = "pay-1", min = 0 }))
+    local before = helpers.db_dump(db.client, db.name)
+    -- this ledger (its memory says A is at 0) and a fresh one (a restarted process)
+    for _, ledger in ipairs { L, assert(db:ledger {}) } do
+      local again, err = ledger:transfer("A", "B", 100, { id = "pay-1", min = 0 })
+      assert.is_nil(err)
+      assert.are.equal("pay-1", again._id)
+      assert.are.same(seqs(t), seqs(again))
+      -- other changes under the id are still refused as such
+      local ok, why = ledger:transfer("A", "B", 500, { id = "pay-1", min = 0 })
+      assert.is_nil(ok)
+      assert.are.equal("idempotency", why.code)
+    end
+    helpers.assert_dump_unchanged(before, db.client, db.name)
+    -- a guarded reversal, repeated once its debit no longer fits
+    local r = assert(L:reverse(t._id, { min = 0 }))
+    local again, err = L:reverse(t._id, { min = 0 })
+    assert.is_nil(err)
+    assert.are.same(r._id, again._id)
+    assert.are.equal(3, entries:count({}))
+    assert.are.same({ 100, 3 }, { L:balance("A") })
+    assert.are.same({ 0, 2 }, { L:balance("B") })
+  end)
+
+  -- (review) The same changes are the same whatever their order (a list
+  -- built from pairs() differs between processes) or the spelling of a
+  -- number (1 and 1.0 are one account and one amount to the server).
+  it_ledger("a repeated post with an id matches its changes as the server compares them", function()
+    local first = assert(L:post({ { account = 1, value = 100 }, { account = "B", value = 5 } },
+                                { id = "dep" }))
+    local before = helpers.db_dump(db.client, db.name)
+    local again, err = L:post({ { account = "B", value = 5.0 }, { account = 1.0, value = 100.0 } },
+                              { id = "dep" })
+    assert.is_nil(err)
+    assert.are.equal("dep", again._id)
+    assert.are.same(seqs(first), seqs(again))
+    helpers.assert_dump_unchanged(before, db.client, db.name)
+    -- a missing or an extra change is other changes
+    for _, changes in ipairs {
+      { { account = 1, value = 100 } },
+      { { account = 1, value = 100 }, { account = "B", value = 5 }, { account = "C", value = 1 } },
+      { { account = 1, value = 100 }, { account = "C", value = 5 } },
+    } do
+      local ok, why = L:post(changes, { id = "dep" })
+      assert.is_nil(ok)
+      assert.are.equal("idempotency", why.code)
+    end
+    helpers.assert_dump_unchanged(before, db.client, db.name)
+  end)
+
+  -- (review) A transfer refused on a stale memory and then inserted after
+  -- the read carries no error: "the i-th entry, or false and its error".
+  it_ledger("transfer_many reports no error for an item that passed after a read", function()
+    assert(L:post({ { account = "A", value = 10 } }))
+    assert.are.same({ 10, 1 }, { L:balance("A") })
+    local other = assert(db:ledger {})
+    assert(other:post({ { account = "A", value = 10 } })) -- L still remembers 10
+    local res, errs = assert(L:transfer_many({ { from = "A", to = "B", amount = 15 } }, { min = 0 }))
+    assert.are.same({ { "A", -15, 3 }, { "B", 15, 1 } }, seqs(res[1]))
+    assert.is_nil(errs[1])
+    assert.are.equal(3, entries:count({}))
+  end)
+
   describe("bad input gets invalid and writes nothing", function()
     local bad = {
       { "transfer to itself", function() return L:transfer("A", "A", 1) end },
@@ -290,6 +378,10 @@ describe("#server mongotx.ledger", function()
       { "operator account", function() return L:transfer({ ["$gt"] = "" }, "B", 1) end },
       { "regex account", function() return L:transfer(mongotx.Regex(".*", ""), "B", 1) end },
       { "nil account", function() return L:transfer(nil, "B", 1) end },
+      -- (review) {} in a filter is no condition to mongo-java-server: an
+      -- $elemMatch on it matched every entry, and reconcile raised on them
+      { "empty table account", function() return L:post({ { account = {}, value = 1 } }) end },
+      { "empty table balance", function() return L:balance({}) end },
       { "NaN min", function() return L:transfer("A", "B", 1, { min = 0 / 0 }) end },
       { "operator id", function() return L:transfer("A", "B", 1, { id = { ["$ne"] = 1 } }) end },
       { "empty changes", function() return L:post({}) end },
@@ -306,9 +398,19 @@ describe("#server mongotx.ledger", function()
       { "operator commit account", function() return L:commit { account = { ["$gt"] = 0 } } end },
       { "operator reverse id", function() return L:reverse({ ["$gt"] = 0 }) end },
       { "bad limit", function() return L:commit { limit = 0 } end },
+      -- (review) one or the other: a limit beside an account would be ignored
+      { "commit with account and limit", function() return L:commit { account = "A", limit = 5 } end },
       { "bad write concern", function() return db:ledger { write_concern = { w = -1 } } end },
       { "bad retries", function() return db:ledger { retries = -1 } end },
+      -- (review) unacknowledged: a taken seqId (a duplicate key) would pass
+      -- as a posted transfer (a post returned its entry with nothing written)
+      { "write concern w = 0", function() return db:ledger { write_concern = { w = 0 } } end },
       { "system collection", function() return db:ledger { collection = "system.x" } end },
+      -- (review) heads in the entries' collection would meet the unique
+      -- index (no changes: one null key) and be lost; reverse would read one
+      { "heads in the entries' collection", function() return db:ledger { accounts = "ledger" } end },
+      { "heads in the entries' collection, named", function()
+        return db:ledger { collection = "books", accounts = "books" } end },
     }
     for _, case in ipairs(bad) do
       it(case[1], function()
@@ -349,6 +451,21 @@ describe("#server mongotx.ledger", function()
         assert.is_false(ok)
         assert.matches("60%-ledger_spec%.lua:%d+:", msg)
       end
+      helpers.assert_dump_unchanged(before, db.client, db.name)
+    end)
+
+    -- (review) a batch item is checked like a change: an `id` on an item
+    -- (a caller hoping for a per-transfer key) must not be dropped silently
+    it("transfer_many refuses unknown item fields and a list with other keys", function()
+      local before = helpers.db_dump(db.client, db.name)
+      assert.has_error(function() L:transfer_many({ { from = "A", to = "B", amount = 1, id = "x" } }) end,
+        "transfer 1 has an unknown field id")
+      local ok, msg = pcall(function() L:transfer_many({ { from = "A", to = "B", amount = 1, min = 0 } }) end)
+      assert.is_false(ok)
+      assert.matches("60%-ledger_spec%.lua:%d+: transfer 1 has an unknown field min", msg)
+      local res, err = L:transfer_many({ { from = "A", to = "B", amount = 1 }, n = 1 })
+      assert.is_nil(res)
+      assert.are.equal("invalid", err.code)
       helpers.assert_dump_unchanged(before, db.client, db.name)
     end)
 

@@ -270,16 +270,7 @@ describe("#server queue", function()
   describe("bad input", function()
     -- fn() must return nil and an `invalid` error whose message finds msg,
     -- and write nothing.
-    local function invalid(step, fn, msg)
-      local before = helpers.db_dump(db.client, db.name)
-      local res, err = fn()
-      assert.is_nil(res)
-      assert.is_table(err, "expected an error, got " .. tostring(err))
-      assert.are.equal("invalid", err.code, tostring(err))
-      assert.truthy(err.message:find(msg, 1, true), err.message)
-      assert.are.equal(step, err.step)
-      helpers.assert_dump_unchanged(before, db.client, db.name)
-    end
+    local function invalid(step, fn, msg) helpers.assert_invalid(db, step, fn, msg) end
     local function raises(fn, msg)
       local before = helpers.db_dump(db.client, db.name)
       local ok, raised = pcall(fn)

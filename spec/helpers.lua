@@ -134,22 +134,41 @@ function helpers.assert_dump_unchanged(before, client, name, opts)
     i, tostring(a[i]), tostring(b[i])), 2)
 end
 
+-- Asserts that fn() returns nil and an `invalid` error of call `step`
+-- whose message holds msg, and that database `db` (a mongotx database
+-- handle) is unchanged.
+function helpers.assert_invalid(db, step, fn, msg)
+  local before = helpers.db_dump(db.client, db.name)
+  local res, err = fn()
+  luassert.is_nil(res)
+  luassert.is_table(err, "expected an error, got " .. tostring(err))
+  luassert.are.equal("invalid", err.code, tostring(err))
+  luassert.truthy(err.message:find(msg, 1, true), err.message)
+  luassert.are.equal(step, err.step)
+  helpers.assert_dump_unchanged(before, db.client, db.name)
+end
+
 -- The Lua interpreter running the specs, for worker processes.
 function helpers.lua()
   return os.getenv("MONGOTX_LUA") or (type(jit) == "table" and "luajit" or "lua5.4")
 end
 
--- Starts spec/support/worker.lua with args in the background; returns its
--- pid and the file collecting its output.
-function helpers.spawn_worker(...)
+-- Starts the Lua program at `path` with args in the background; returns
+-- its pid and the file collecting its output.
+function helpers.spawn_file(path, ...)
   local out = os.tmpname()
   local args = {}
   for i, a in ipairs { ... } do args[i] = "'" .. tostring(a):gsub("'", "'\\''") .. "'" end
-  local p = assert(io.popen(string.format("%s spec/support/worker.lua %s > %s 2>&1 & echo $!",
-    helpers.lua(), table.concat(args, " "), out)))
+  local p = assert(io.popen(string.format("%s %s %s > %s 2>&1 & echo $!",
+    helpers.lua(), path, table.concat(args, " "), out)))
   local pid = tonumber(p:read("*l"))
   p:close()
   return pid, out
+end
+
+-- Starts spec/support/worker.lua with args, like spawn_file.
+function helpers.spawn_worker(...)
+  return helpers.spawn_file("spec/support/worker.lua", ...)
 end
 
 -- Starts the Lua program `source` (a string, written to a temporary file)
@@ -161,13 +180,7 @@ function helpers.spawn_script(source, ...)
   local f = assert(io.open(script, "w"))
   f:write(source)
   f:close()
-  local out = os.tmpname()
-  local args = {}
-  for i, a in ipairs { ... } do args[i] = "'" .. tostring(a):gsub("'", "'\\''") .. "'" end
-  local p = assert(io.popen(string.format("%s %s %s > %s 2>&1 & echo $!",
-    helpers.lua(), script, table.concat(args, " "), out)))
-  local pid = tonumber(p:read("*l"))
-  p:close()
+  local pid, out = helpers.spawn_file(script, ...)
   return pid, out, script
 end
 

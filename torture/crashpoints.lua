@@ -31,7 +31,7 @@ local function trace_points(path)
   f:close()
   return list
 end
-M.trace_points = trace_points -- also torture/batchjob.lua's, queue.lua's and ledger.lua's
+M.trace_points = trace_points -- also torture/batchjob.lua's, queue.lua's, ledger.lua's and patterns.lua's
 
 -- Runs one phase in a child; returns its status class and output.
 local function phase(env, uri, dbname, s, kind, which)

@@ -8,7 +8,8 @@
 -- 2. Random kill -9: workers transfer at random between accounts with
 --    min = 0 (single and batched, committing now and then) while the
 --    driver kill -9s one at random and starts another; meanwhile it polls
---    every account's reconciled balance (never below 0).  At the end the
+--    every account's reconciled balance (never below 0) and audits one
+--    account at a time with reconcile (no problem).  At the end the
 --    committer runs in a fresh process.
 --
 -- Invariants: the sum of all balances is what was deposited, no balance is
@@ -99,7 +100,7 @@ local function kills(ctx, r, seconds)
   end
   assert(L:post(deposits))
   local total = M.START * M.ACCOUNTS
-  local workers, seed, killed, below = {}, 0, 0, 0
+  local workers, seed, killed, running_bad = {}, 0, 0, 0
   local function spawn()
     seed = seed + 1
     return proc.spawn({ "work", ctx.uri, name, M.ACCOUNTS, seed }, nil, SCRIPT)
@@ -111,9 +112,17 @@ local function kills(ctx, r, seconds)
     for _, a in ipairs(accounts) do -- the floor, watched while they run
       local b = L:balance(a)
       if b and b < 0 then
-        below = below + 1
+        running_bad = running_bad + 1
         r.failures[#r.failures + 1] = ("%s seen at %d while running"):format(a, b)
       end
+    end
+    -- an audit while they run: a replay of one account finds no problem
+    local a = accounts[math.random(#accounts)]
+    local audit = L:reconcile(a)
+    if audit and not audit.ok then
+      running_bad = running_bad + 1
+      r.failures[#r.failures + 1] = ("%s audited while running: %s"):format(a,
+        table.concat(audit.problems, "; "))
     end
     if core.monotonic_ms() >= next_kill then
       local i = math.random(#workers)
@@ -139,7 +148,7 @@ local function kills(ctx, r, seconds)
   local bad = kind == "ok" and violations(L, db, accounts, total)
     or { "the committer ended " .. kind .. ": " .. out }
   for _, v in ipairs(bad) do r.failures[#r.failures + 1] = "kills: " .. v end
-  r.violations = r.violations + #bad + below
+  r.violations = r.violations + #bad + running_bad
   r.cases = r.cases + 1
   local entries = db:collection("ledger"):count({})
   db:close()

@@ -92,10 +92,15 @@ function M.check(jobs, targets, final)
   -- target read after shows it (the other order races with workers)
   local list = assert(jobs:find_all({}))
   -- while workers run, a counter that disagrees with the ids is read
-  -- again: one run in about ten saw it once, and never after, which looks
-  -- like mongo-java-server returning the target halfway through an update.
-  -- An effect applied twice stays so: the final check (nothing running)
-  -- and the later checks see it
+  -- again: one run in about ten saw it once, and never after.  That is
+  -- mongo-java-server (1.47) reading a document halfway through an
+  -- update: it applies an update to the stored document in place, key by
+  -- key (AbstractMongoCollection.updateDocument removes the old keys and
+  -- puts each new one; MemoryCollection.handleUpdate does nothing), and a
+  -- find does not wait for it, so `jobs` can be read new and `n` old.
+  -- It hides no double effect: nothing lowers n or removes an id, so an
+  -- effect applied twice stays a mismatch, which the final check (one
+  -- read, nothing running) and the later checks see
   local target
   for _ = 1, final and 1 or 5 do
     target = targets:find_one({ _id = M.TARGET })

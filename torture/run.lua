@@ -20,6 +20,8 @@
 --                workers moving money with min = 0  torture/ledger.lua
 --   server       server kill -9, durability, connection drop
 --                                                torture/server_faults.lua
+--   sync, versioned  mongotx.sync / mongotx.versioned: their crash
+--                matrix and random kills      torture/patterns.lua
 --   batchjob     examples/06 killed and re-run   torture/batchjob.lua
 --   hostile      busted spec/30-hostile_spec.lua (a teammate's)
 --   fuzz         make fuzz-ci (a teammate's)
@@ -101,6 +103,10 @@ local sections = {
       return with_server("memory", require("torture.ledger").run) end },
   { name = "server", run = function()
       return with_server(nil, require("torture.server_faults").run) end },
+  { name = "sync", run = function()
+      return with_server("memory", require("torture.patterns").sync) end },
+  { name = "versioned", run = function()
+      return with_server("memory", require("torture.patterns").versioned) end },
   { name = "batchjob", run = function()
       return with_server("memory", require("torture.batchjob").run) end },
   { name = "hostile", run = function()

@@ -41,6 +41,15 @@ function Clock:read()
   return reply.localTime:value()
 end
 
+-- The server's time `seconds` ago in ms, asked now: what a sweep for
+-- things older than `seconds` compares with (sync:repair, versioned:gc);
+-- nil, err.
+function Clock:ago(seconds)
+  local now, err = self:read()
+  if not now then return nil, err end
+  return now - seconds * 1000
+end
+
 -- The server's clock in ms, estimated; nil, err.
 function Clock:now()
   local before = core.monotonic_ms()

@@ -3,7 +3,8 @@
 -- same for both).  Every code is a string. Codes:
 --   invalid      bad input, rejected before anything was written
 --   missing      an op's document does not exist
---   guard        an op's `where` condition is false
+--   guard        an op's `where` condition is false (mongotx.ledger: a change
+--                would take an account below `min`)
 --   conflict     an insert's _id is taken by another document
 --   cancelled    the transaction ended cancelled (reason in .reason)
 --   owned        another application holds the transaction and its lease
@@ -17,6 +18,8 @@
 --   mismatch     mongotx.ledger's committer found a cached balance its entries contradict
 --   policy       a policy function raised (in a recover report) or returned
 --                what it may not (queue:fail's backoff)
+--   propagation  mongotx.sync: the caller's propagate failed (the change
+--                is made and stays flagged for repair)
 --   plus the C core's codes, libmongoc's domain names (server, stream,
 --   write_concern, ...), for database failures, with the server's number
 --   in server_code (csrc/error.c)

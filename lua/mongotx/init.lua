@@ -13,6 +13,8 @@ local core = require "mongotx.core"
 local manager = require "mongotx.manager"
 local ledger = require "mongotx.ledger"
 local options = require "mongotx.options"
+local sync = require "mongotx.sync"
+local versioned = require "mongotx.versioned"
 local queue = require "mongotx.queue"
 
 local _M = { _VERSION = core._VERSION, core = core }
@@ -47,6 +49,20 @@ end
 function Database:manager(opts)
   local tm, err = manager.new(self, opts) -- not a tail call: its errors name our caller
   return tm, err
+end
+
+-- db:sync{ collection, propagate, flag, write_concern, max_attempts }:
+-- sync flags (mongotx.sync).
+function Database:sync(opts)
+  local s, err = sync.new(self, opts) -- not a tail call: its errors name our caller
+  return s, err
+end
+
+-- db:versioned{ roots, items, write_concern }: versioned structures
+-- (mongotx.versioned).
+function Database:versioned(opts)
+  local v, err = versioned.new(self, opts) -- not a tail call: its errors name our caller
+  return v, err
 end
 
 -- db:ledger{ collection, accounts, write_concern, retries }: transfers as

@@ -43,7 +43,7 @@ local validate = require "mongotx.validate"
 local options = require "mongotx.options"
 local clock = require "mongotx.clock"
 
-local canon, check_id, id_key = validate.canon, validate.check_id, validate.id_key
+local check_id, id_key = validate.check_id, validate.id_key
 local crash_point, null = core.crash_point, core.null
 local rawlen = validate.rawlen
 local ipairs, type, next, rawget, setmetatable, sort, tostring =
@@ -89,10 +89,15 @@ function _M.new(db, opts)
   opts, why = options.check(opts, ledger_options, "ledger", HELPER_CALLER)
   if not opts then return nil, why end
   local name = opts.collection or "ledger"
+  local heads = opts.accounts or name .. "_accounts"
+  if heads == name then
+    return invalid(format("the heads (option accounts) need a collection of their own, " ..
+      "not the entries' %q", name), "ledger")
+  end
   local self = setmetatable({
     db = db,
     entries = db.client:collection(db.name, name),
-    accounts = db.client:collection(db.name, opts.accounts or name .. "_accounts"),
+    accounts = db.client:collection(db.name, heads),
     wopts = { write_concern = opts.write_concern or { w = "majority", j = true } },
     retries = opts.retries or DEFAULT_RETRIES,
     timer = clock.new(db),
@@ -120,11 +125,31 @@ end
 
 local function check_account(a, step, i)
   local sent, key = check_id(a)
+  -- an empty document (or array: Lua cannot tell) is no condition to
+  -- some servers inside $elemMatch, where every read of an account goes
+  if sent ~= nil and type(sent) == "table" and next(sent) == nil then
+    sent, key = invalid("an account may not be an empty table", step)
+  end
   if sent == nil then
     key.step, key.message = step, format("account%s: %s", i and " " .. i or "", key.message)
     return nil, key
   end
   return sent, key
+end
+
+-- The length of `list`, a table whose keys are 1..n with 1 <= n <= max
+-- (raw reads), or nil, err.
+local function list_length(list, what, max, step)
+  local n = rawlen(list)
+  if n == 0 or n > max then
+    return invalid(format("%s must hold 1 to %d items, not %d", what, max, n), step)
+  end
+  for k in next, list do
+    if type(k) ~= "number" or k < 1 or k > n or floor(k) ~= k then
+      return invalid(what .. " must be a list", step)
+    end
+  end
+  return n
 end
 
 local post_options, guard_options = { id = true, min = true }, { min = true }
@@ -134,15 +159,8 @@ local post_options, guard_options = { id = true, min = true }, { min = true }
 -- nil, err.
 local function check_changes(changes, step)
   if type(changes) ~= "table" then error("changes must be a table", HELPER_CALLER) end
-  local n = rawlen(changes)
-  if n == 0 or n > MAX_CHANGES then
-    return invalid(format("an entry needs 1 to %d changes, not %d", MAX_CHANGES, n), step)
-  end
-  for k in next, changes do
-    if type(k) ~= "number" or k < 1 or k > n or floor(k) ~= k then
-      return invalid("changes must be a list", step)
-    end
-  end
+  local n, err = list_length(changes, "changes", MAX_CHANGES, step)
+  if not n then return nil, err end
   local out, seen = {}, {}
   for i = 1, n do
     local c = rawget(changes, i)
@@ -156,7 +174,8 @@ local function check_changes(changes, step)
     if sent == nil then return nil, key end
     if seen[key] then return invalid(format("account of change %d appears twice", i), step) end
     seen[key] = true
-    local ok, err = check_value(rawget(c, "value"), format("value of change %d", i), step)
+    local ok
+    ok, err = check_value(rawget(c, "value"), format("value of change %d", i), step)
     if not ok then return nil, err end
     out[i] = { account = sent, key = key, value = rawget(c, "value") }
   end
@@ -273,13 +292,13 @@ function Ledger:_read(views)
       if t.entry.state == "VALID" then v.balance = v.balance + t.change.value end
     end
   end
-  self:remember(views)
+  self:_remember(views)
   return true
 end
 
 -- Notes the (seq, balance) of these views as the last known of their
 -- accounts.
-function Ledger:remember(views)
+function Ledger:_remember(views)
   local known = self.known
   for _, v in ipairs(views) do
     if not known[v.key] then
@@ -350,11 +369,20 @@ local function build_entry(changes, views, opts, now, step)
            proc = "UNCOMMITTED", state = "VALID", changes = out, reverses = opts.reverses }
 end
 
+-- Do the checked changes `a` move what the stored changes `b` move?  By
+-- account as the server compares ids and by value as numbers compare, in
+-- any order (accounts are unique in an entry): a list built from pairs()
+-- comes in another order in another process, and 100 and 100.0 are one
+-- amount.
 local function same_changes(a, b)
-  local x, y = {}, {}
-  for i, c in ipairs(a) do x[i] = { c.account, c.value } end
-  for i, c in ipairs(b or {}) do y[i] = { c.account, c.value } end
-  return canon(x) == canon(y)
+  if type(b) ~= "table" or #a ~= #b then return false end
+  local want = {}
+  for _, c in ipairs(a) do want[c.key] = c.value end
+  for _, c in ipairs(b) do
+    local key = id_key(c.account)
+    if key == nil or want[key] ~= c.value then return false end
+  end
+  return true
 end
 
 -- After a duplicate key on an entry with a caller's id: the existing
@@ -389,7 +417,7 @@ function Ledger:_post(changes, opts, step)
       res, err = self.entries:insert_one(entry, self.wopts)
       crash_point("ledger.insert", "after")
       if res then
-        self:remember(views)
+        self:_remember(views)
         return entry
       end
       if err.server_code ~= 11000 then return nil, errors.wrap(err, step, entry._id) end
@@ -403,7 +431,14 @@ function Ledger:_post(changes, opts, step)
           "writers %d times in a row", taken), { step = step })
       end
     elseif read then
-      return nil, err -- a guard, on what the database holds
+      -- a guard, on what the database holds; but a call repeated with its
+      -- id (its first reply lost) finds its own entry, whatever the
+      -- balance says now
+      if opts.id ~= nil then
+        local existing, why = self:_existing(opts.id, changes, step)
+        if existing or why then return existing, why end
+      end
+      return nil, err
     end
     read = true -- a number taken, or a guard on a guess: read the accounts
   end
@@ -466,17 +501,19 @@ end
 -- meanwhile is retried with those after it.
 function Ledger:transfer_many(list, opts)
   if type(list) ~= "table" then error("transfer_many needs a list", CALLER) end
-  local n = rawlen(list)
-  if n == 0 or n > MAX_BATCH then
-    return invalid(format("a batch holds 1 to %d transfers, not %d", MAX_BATCH, n), "transfer_many")
-  end
-  local err
+  local n, err = list_length(list, "a batch", MAX_BATCH, "transfer_many")
+  if not n then return nil, err end
   opts, err = check_post_options(opts, guard_options, "transfer_many", CALLER)
   if not opts then return nil, err end
   local items = {}
   for i = 1, n do
     local t = rawget(list, i)
     if type(t) ~= "table" then error(format("transfer %d must be a table", i), CALLER) end
+    for k in next, t do
+      if k ~= "from" and k ~= "to" and k ~= "amount" then
+        error(format("transfer %d has an unknown field %s", i, tostring(k)), CALLER)
+      end
+    end
     local amount = rawget(t, "amount")
     local ok
     ok, err = check_value(amount, format("amount of transfer %d", i), "transfer_many", true)
@@ -522,7 +559,7 @@ function Ledger:_post_many(items, opts)
       local entry, why = build_entry(items[i], mine, opts, now, "transfer_many")
       if entry then
         batch[#batch + 1], where[#batch + 1] = { op = "insert", doc = entry }, i
-        results[i] = entry
+        results[i], errs[i] = entry, nil -- (a refusal on a guess is judged again)
       else
         results[i], errs[i], refused = false, why, true
       end
@@ -549,7 +586,7 @@ function Ledger:_post_many(items, opts)
           break
         end
       end
-      if from > #items then self:remember(views) end
+      if from > #items then self:_remember(views) end
       if from <= #items then
         read, taken = true, taken + 1
         if taken > self.retries then
@@ -629,6 +666,9 @@ function Ledger:commit(opts)
   local err
   opts, err = options.check(opts, { account = true, limit = true }, "commit", CALLER)
   if not opts then return nil, err end
+  if opts.account ~= nil and opts.limit ~= nil then
+    return invalid("commit takes an account or a limit, not both", "commit")
+  end
   local accounts, seen = {}, nil
   if opts.account ~= nil then
     local sent, key = check_account(opts.account, "commit")
@@ -671,16 +711,26 @@ end
 -- reconcile(account): replays the account from its first entry.  Returns
 -- { balance, seq, ok, problems = { ... } }: ok when the seqIds run 1..seq
 -- without a gap, every cached balance (cacheBal, the head) equals the sum
--- of the entries up to it, and balance() agrees; nil, err.
+-- of the entries up to it, and balance() agrees with the replay at the
+-- seqId it gives (safe on a live ledger: see below); nil, err.
 function Ledger:reconcile(account)
   local sent, key = check_account(account, "reconcile")
   if sent == nil then return nil, key end
-  local all, err = self.entries:find_all({ changes = { ["$elemMatch"] = { account = sent } } })
+  -- The head, then balance(), then the entries: each read sees at least
+  -- what the one before saw (entries never change, and a head only moves
+  -- over entries that exist), so what writers and committers add meanwhile
+  -- lies after the seqIds compared and is no problem of the books.
+  local head, err = self.accounts:find_one({ _id = sent })
+  if err then return nil, errors.wrap(err, "reconcile") end
+  local now, now_seq = self:balance(sent)
+  if not now then return nil, now_seq end
+  local all
+  all, err = self.entries:find_all({ changes = { ["$elemMatch"] = { account = sent } } })
   if not all then return nil, errors.wrap(err, "reconcile") end
   local list = {}
   for _, e in ipairs(all) do list[#list + 1] = { entry = e, change = change_of(e, key) } end
   sort(list, function(a, b) return a.change.seqId < b.change.seqId end)
-  local problems, balance, at = {}, 0, {}
+  local problems, balance, at = {}, 0, { [0] = 0 }
   for i, t in ipairs(list) do
     local c = t.change
     if c.seqId ~= i then
@@ -693,19 +743,13 @@ function Ledger:reconcile(account)
         tostring(c.cacheBal), c.seqId, tostring(balance))
     end
   end
-  local head
-  head, err = self.accounts:find_one({ _id = sent })
-  if err then return nil, errors.wrap(err, "reconcile") end
   if head and at[head.seq] ~= head.balance then
-    problems[#problems + 1] = format("the head caches %s at seqId %d, the replay gives %s",
-      tostring(head.balance), head.seq, tostring(at[head.seq]))
+    problems[#problems + 1] = format("the head caches %s at seqId %s, the replay gives %s",
+      tostring(head.balance), tostring(head.seq), tostring(at[head.seq]))
   end
-  local now
-  now, err = self:balance(sent)
-  if not now then return nil, err end
-  if now ~= balance then
+  if at[now_seq] ~= now then
     problems[#problems + 1] = format("balance() gives %s, the replay %s", tostring(now),
-      tostring(balance))
+      tostring(at[now_seq]))
   end
   return { balance = balance, seq = #list, ok = #problems == 0, problems = problems }
 end

@@ -1,6 +1,7 @@
 -- The options of every public call (connect, db:manager, begin, run,
--- transfer, the batches, recover, prune, db:queue and its calls),
--- checked in one place before anything is written.
+-- transfer, the batches, recover, prune, db:queue and its calls, db:sync,
+-- db:versioned and theirs), checked in one place before anything is
+-- written.
 --
 -- A wrong type or an unknown name is a programming error and raises
 -- ("option lease of manager must be a number, not string").  A value of
@@ -129,7 +130,9 @@ local checks = {
   meta = typed("table"),
   field = typed("string"),
   min = typed("number"),
-  -- recover, prune
+  -- db:sync and db:versioned (mongotx.sync, mongotx.versioned)
+  propagate = typed("function"),
+  -- recover, prune, and the repairs of the modules beside transactions
   limit = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
   older_than = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
   dry_run = typed("boolean"),
@@ -145,7 +148,8 @@ local checks = {
   progress = typed("function"),
   wait = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
 }
-checks.version_field = checks.marker
+checks.version_field, checks.flag = checks.marker, checks.marker
+checks.roots, checks.items = checks.collection, checks.collection
 checks.accounts = checks.collection -- db:ledger's heads (mongotx.ledger)
 checks.lease, checks.retention = checks.stale_after, checks.stale_after
 checks.at, checks.idle, checks.poll = checks.older_than, checks.older_than, checks.older_than
@@ -180,6 +184,20 @@ end
 -- is what the caller must use (a metatable's __index or __pairs cannot
 -- show the checks one value and the caller another), or nil and an
 -- `invalid` error for the first bad value.
+local connect_options = { database = true, appname = true, write_concern = true,
+                          read_preference = true, tls = true }
+
+-- Every writer of mongotx reads the server's replies to its writes (the
+-- matched count that fences a step, the document a claim returns, the
+-- duplicate key that tells a ledger's seqId is taken): under w = 0 none
+-- comes back and every write would look lost.  Only a connection's
+-- default may be unacknowledged, for the C core's own calls; the engine
+-- and the modules always name their write concern.
+local function unacknowledged(opts, names)
+  local wc = opts.write_concern
+  return names ~= connect_options and type(wc) == "table" and rawget(wc, "w") == 0
+end
+
 function _M.check(opts, names, what, level)
   if opts == nil then return {} end
   if type(opts) ~= "table" then
@@ -206,15 +224,16 @@ function _M.check(opts, names, what, level)
       end
     end
   end
+  if not bad and unacknowledged(opts, names) then
+    bad = format("option write_concern.w of %s must be acknowledged (not 0): " ..
+                 "mongotx reads the server's replies to its writes", what)
+  end
   if not bad and (names.marker or names.version_field) then bad = clash(opts) end
   if bad then
     return nil, errors.new("invalid", bad, { step = what:match("^[%w_]+") })
   end
   return opts
 end
-
-local connect_options = { database = true, appname = true, write_concern = true,
-                          read_preference = true, tls = true }
 
 -- What connect(uri, opts) needs of its arguments, for mongotx.connect and
 -- mongotx.pool alike: the database's name (opts.database, else the URI's

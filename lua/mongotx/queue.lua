@@ -29,10 +29,11 @@ local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local clock = require "mongotx.clock"
+local points = require "mongotx.points"
 
 local type, tostring, setmetatable, pcall, next = type, tostring, setmetatable, pcall, next
 local rawget, rawlen = rawget, rawlen or function(t) return #t end
-local format, floor, Date, crash_point = string.format, math.floor, core.Date, core.crash_point
+local format, floor, Date = string.format, math.floor, core.Date
 
 local _M = {}
 
@@ -85,6 +86,11 @@ function _M.new(db, opts)
   local why
   opts, why = validate.options(opts, queue_options, "queue", HELPER_CALLER)
   if not opts then return nil, why end
+  -- a lease of 0 ends at the claim: every running job would be requeued
+  -- (and run again) by the next requeue_stale, however alive its worker
+  if opts.lease == 0 then
+    return invalid("queue", "option lease of queue must be a number of seconds above 0, not 0")
+  end
   local policy = {}
   for k, v in next, _M.policy do
     if opts[k] ~= nil then policy[k] = opts[k] else policy[k] = v end
@@ -111,32 +117,39 @@ function Queue:at(seconds)
   return Date(floor(now + seconds * 1000))
 end
 
--- Runs one write between its crash points (queue.<step>, before and
--- after), with the step named in its error.
+-- Runs one write on the jobs between its crash points (queue.<step>,
+-- before and after), with the step named in its error.
 function Queue:write(step, fn, ...)
-  crash_point("queue." .. step, "before")
-  local res, err = fn(self.jobs, ...)
-  if res == nil then return nil, errors.wrap(err, step) end
-  crash_point("queue." .. step, "after")
-  return res
+  return points.write("queue", step, fn, self.jobs, ...)
 end
 
+-- The largest epoch a job can reach: claims raise it by one, and a job
+-- has at most max_attempts (options.lua: a million) of them.
+local MAX_EPOCH = 2147483647
+
 -- A job table passed back by a caller: its id as it goes into a filter and
--- its epoch.  Not a job (no _id, no numeric epoch) raises.
+-- its epoch.  Not a job (no _id, no numeric epoch) raises; an epoch no
+-- claim gives (fractional, NaN, negative, huge) is `invalid`.
 local function job_ref(job, step)
   if type(job) ~= "table" or rawget(job, "_id") == nil or type(rawget(job, "epoch")) ~= "number" then
     error(step .. " expects a job returned by claim (a table with _id and epoch)", HELPER_CALLER)
   end
   local id, why = validate.check_id(rawget(job, "_id"))
   if id == nil then return refused(why, step) end
-  return id, rawget(job, "epoch")
+  local epoch = rawget(job, "epoch")
+  if not (epoch >= 0 and epoch <= MAX_EPOCH and floor(epoch) == epoch) then
+    return invalid(step, format("%s: the job's epoch must be a whole number from 0 to %d " ..
+      "(as claim returned it), not %s", step, MAX_EPOCH, tostring(epoch)))
+  end
+  return id, epoch
 end
 
--- The write of heartbeat, done or fail on the job held at `epoch`: true,
--- or false when the job is no longer held (fenced), or nil, err.
-function Queue:held_write(step, id, epoch, update)
+-- The write of heartbeat, done or fail on the job held at `epoch` (and,
+-- for fail, with `attempts` claims): true, or false when no job matched
+-- (fenced, or a caller's edited attempts), or nil, err.
+function Queue:held_write(step, id, epoch, update, attempts)
   local res, err = self:write(step, self.jobs.update_one,
-    { _id = id, epoch = epoch, state = "running" }, update, self.wopts)
+    { _id = id, epoch = epoch, state = "running", attempts = attempts }, update, self.wopts)
   if not res then return nil, err end
   return res.matched == 1
 end
@@ -280,18 +293,23 @@ end
 -- A failure as stored on the job: a string of at most 4 KiB.
 local MAX_ERROR = 4096
 
+-- The handler's error as text: its message when it is a table that has
+-- one, else tostring of it; a value whose __tostring raises or gives no
+-- string is named by its type (fail must record every failure).
 local function describe(err)
   local s = type(err) == "table" and rawget(err, "message") or err
-  s = tostring(s)
-  if #s > MAX_ERROR then s = s:sub(1, MAX_ERROR) end
-  return s
+  local ok, text = pcall(tostring, s)
+  if not ok or type(text) ~= "string" then text = "a " .. type(s) .. " with no text" end
+  if #text > MAX_ERROR then text = text:sub(1, MAX_ERROR) end
+  return text
 end
 
 -- fail(job, err): the handler of a job this worker holds failed with err
 -- (kept on the job as a string).  With attempts left the job is ready
 -- again after backoff(attempts, err) seconds, else dead.  Returns the new
--- state ("ready" or "dead"), or nil and `fenced` (job requeued or taken)
--- or `policy` (backoff raised or returned no duration: nothing written).
+-- state ("ready" or "dead"), or nil and `fenced` (job requeued or taken),
+-- `invalid` (the job table's attempts are not its claim's) or `policy`
+-- (backoff raised or returned no duration): nothing written.
 function Queue:fail(job, err)
   local id, epoch = job_ref(job, "fail")
   if id == nil then return nil, epoch end
@@ -311,11 +329,20 @@ function Queue:fail(job, err)
     end
     set.state, set.ts = "ready", Date(floor(now + wait * 1000))
   end
+  -- the write is conditioned on the claims the job had, so that a job
+  -- table whose attempts were edited cannot keep a job from dying (or
+  -- kill it early): the decision above holds only for that count
   local held
-  held, why = self:held_write("fail", id, epoch, { ["$set"] = set, ["$unset"] = { lease_until = "" } })
+  held, why = self:held_write("fail", id, epoch, { ["$set"] = set, ["$unset"] = { lease_until = "" } },
+    attempts)
   if held == nil then return nil, why end
-  if not held then return self:fenced("fail", id, epoch) end
-  return set.state
+  if held then return set.state end
+  local doc = self.jobs:find_one({ _id = id, epoch = epoch, state = "running" })
+  if doc then
+    return invalid("fail", format("fail: the job's attempts (%s) are not those of its claim " ..
+      "(%s): pass the job as claim returned it", tostring(attempts), tostring(doc.attempts)))
+  end
+  return self:fenced("fail", id, epoch)
 end
 
 -- requeue_stale(): the running jobs whose lease expired (by the server's
@@ -364,17 +391,21 @@ end
 
 -- Runs handler on a claimed job and records the outcome: "done",
 -- "failed" (ready again) or "dead"; nil, err (`fenced` when the job was
--- taken meanwhile).  A result that cannot be stored fails the job.
+-- taken meanwhile).  A result that cannot be stored fails the job, and so
+-- does nil or false with an error beside it.  The outcome is recorded
+-- with the claim's own reference to the job, so that a handler that edits
+-- its job table cannot finish another job (or break the loop).
 function Queue:run_one(handler, job)
+  local claimed = { _id = job._id, epoch = job.epoch, attempts = job.attempts }
   local ok, res, herr = pcall(handler, job, self)
   local state, err
-  if ok and (res ~= nil or herr == nil) then
-    state, err = self:done(job, res)
+  if ok and (res or herr == nil) then
+    state, err = self:done(claimed, res)
     if state then return "done" end
     if err.code ~= "invalid" then return nil, err end
     herr = err
   end
-  state, err = self:fail(job, ok and herr or res)
+  state, err = self:fail(claimed, ok and herr or res)
   if state == "ready" then return "failed" end
   return state, err
 end
@@ -384,15 +415,16 @@ local work_options = { worker = true, types = true, idle = true, poll = true,
 
 -- work(handlers [, { worker, types, idle, poll, max_jobs, stop }]): a
 -- worker loop.  handlers maps job types to function(job, queue) that
--- return a result (anything storable; nil counts as success) or nil, err,
--- or raise; the job is then done or failed.  The loop claims only the
+-- return a result (anything storable; nil counts as success) or nil (or
+-- false), err, or raise; the job is then done or failed.  The loop claims only the
 -- types of `types` (default: every type handlers has), runs
 -- requeue_stale() whenever it finds nothing to claim, and stops when the
 -- queue had nothing for `idle` seconds (default 0: at the first empty
 -- claim; it polls every `poll` seconds, default 0.5), after `max_jobs`
 -- jobs, or when stop() returns true (asked before each claim).  Returns
 -- { done, failed, dead, fenced } counts, or those counts and err for a
--- database failure, which ends the loop.
+-- database failure or a backoff policy that failed, which ends the loop
+-- (that job stays running until its lease ends).
 function Queue:work(handlers, opts)
   if type(handlers) ~= "table" then error("work: handlers must be a table", CALLER) end
   local why

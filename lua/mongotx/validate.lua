@@ -622,6 +622,28 @@ function _M.ops(ops, ctx, built)
   return out, stored_ops
 end
 
+-- For the modules beside the transactions (mongotx.sync,
+-- mongotx.versioned): a caller's update checked as an op's would be and
+-- snapshotted (what is sent), or a caller's id checked by check_id; nil
+-- and an `invalid` error of that module's call `step` when bad.
+-- `owned`: the fields the module keeps, which an update may not touch.
+local function as_step(step, v, err)
+  if v == nil then err.step = step end
+  return v, err
+end
+
+function _M.update(u, owned, step)
+  local sent, why = snapshot(u)
+  if sent == nil then return as_step(step, invalid("update cannot be stored: " .. why)) end
+  local ok, err = check_update(sent, owned, "update")
+  if not ok then return as_step(step, nil, err) end
+  return sent
+end
+
+function _M.module_id(id, step)
+  return as_step(step, check_id(id))
+end
+
 -- The options of the public calls live in mongotx.options; this name
 -- stays for the callers that use it: opts, or nil and an `invalid` error.
 _M.options = require("mongotx.options").check

@@ -1,0 +1,381 @@
+-- Versioned structures (seed 002, the fifth pattern): isolation for a
+-- structure of many documents, such as a tree, without a transaction.
+-- A writer never updates an item: it inserts new versions of the items it
+-- changes (a tombstone for one it deletes), numbered with a version no
+-- other writer uses, and then publishes them all by raising the root's
+-- version in one atomic write, conditioned on the version it started
+-- from.  Readers see, for each item, its highest version up to the
+-- root's published one, so a half-written change is invisible and of two
+-- writers that started from the same version exactly one publishes.
+--
+--   local trees = assert(db:versioned{ roots = "trees", items = "nodes" })
+--   local w = assert(trees:begin("docs"))
+--   assert(w:put("readme", { parent = "docs", name = "README" }))
+--   assert(w:delete("old"))
+--   assert(w:publish())          -- or nil, conflict: begin again
+--   local tree = trees:read("docs")
+--
+-- The root document: { _id, version = the published version, next = the
+-- last version number handed out, open = { v, ... } the writers'
+-- versions that may still publish, with started<v> = when the writer of
+-- v began ($currentDate: the server's clock), dead = { v, ... } versions
+-- that never will }.  (Plain numbers in `open` and a top-level field per
+-- start: FerretDB v1 neither $pulls array elements that are documents by
+-- a condition nor takes $currentDate of a dotted path.)  An item
+-- version: { _id, root, itemId, version, doc } or { ..., deleted = true }.
+--
+-- Why `open` and `dead`: version numbers come from `next`, so two writers
+-- never share one, but they are not published in order: a writer that
+-- lost (or crashed) holds a number below a later published version, and
+-- "highest version up to the published one" would show its items.  So
+-- a version is visible only when it is neither open nor dead, and a
+-- version leaves `open` in one of two atomic writes only: its publish
+-- (which needs it in `open`) or its abort (which moves it to `dead`).
+-- gc deletes the items of dead versions only.  That answers the race
+-- between gc and a writer about to publish: gc aborts a writer's version
+-- only when it is below the published one (such a writer's base is gone,
+-- it can never publish) or older than gc's older_than; the abort and the
+-- publish are each conditioned on the version being in `open`, so exactly
+-- one of them happens, and a writer that was aborted gets `conflict` from
+-- publish instead of publishing items gc may be deleting.  A stalled
+-- writer may still insert items of its dead version after gc ran: they
+-- are invisible (dead) and the next gc deletes them, which is why dead
+-- version numbers stay listed in the root (a few bytes each).
+
+local core = require "mongotx.core"
+local errors = require "mongotx.errors"
+local validate = require "mongotx.validate"
+local clock = require "mongotx.clock"
+local points = require "mongotx.points"
+
+local type, ipairs, tostring, setmetatable = type, ipairs, tostring, setmetatable
+local id_key = validate.id_key
+
+local _M = {}
+
+local Versioned = {}
+Versioned.__index = Versioned
+
+local Writer = {}
+Writer.__index = Writer
+
+-- Levels for error(): the caller of the public method (see manager.lua).
+local CALLER, HELPER_CALLER = 2, 3
+
+-- The prefix of a root's field holding when the writer of a version began.
+local STARTED = "started"
+
+-- Contended begins (another writer took the same number between the read
+-- and the write) are retried this many times.
+local MAX_CONTENTION = 50
+
+local versioned_options = { roots = true, items = true, write_concern = true }
+
+-- db:versioned{ roots = "roots", items = "items", write_concern }: creates
+-- the items' indexes: unique { root, itemId, version } (two versions of
+-- an item never share a number, and a writer's insert that would is
+-- refused) and { root, version } for reads and gc.
+function _M.new(db, opts)
+  local why
+  opts, why = validate.options(opts, versioned_options, "versioned", HELPER_CALLER)
+  if not opts then return nil, why end
+  local roots, items = opts.roots or "roots", opts.items or "items"
+  if roots == items then
+    return nil, errors.new("invalid", "options roots and items of versioned must be " ..
+      "different collections", { step = "versioned" })
+  end
+  local self = setmetatable({
+    db = db,
+    clock = clock.new(db),
+    roots = db.client:collection(db.name, roots),
+    items = db.client:collection(db.name, items),
+    wopts = { write_concern = opts.write_concern or { w = "majority", j = true } },
+  }, Versioned)
+  local ok, err = self.items:create_index(core.doc("root", 1, "itemId", 1, "version", 1),
+    { unique = true })
+  if ok then ok, err = self.items:create_index(core.doc("root", 1, "version", 1)) end
+  if not ok then return nil, errors.wrap(err, "versioned") end
+  return self
+end
+
+-- One write of this module, between its crash points versioned.<step>.
+local function write(step, fn, ...)
+  return points.write("versioned", step, fn, ...)
+end
+
+local function is_duplicate(err)
+  return err.server_code == 11000 or err.server_code == 11001
+      or tostring(err.message):find("duplicate key", 1, true) ~= nil
+end
+
+-- A root id from a caller: raises for a type no id can have, nil, invalid
+-- for a value that cannot be one.
+local function root_id(id, step)
+  local kind = type(id)
+  if id == nil or kind == "function" or kind == "thread" then
+    error(step .. " needs a root id, not a " .. kind, HELPER_CALLER)
+  end
+  return validate.module_id(id, step)
+end
+
+-- Takes the next version number of the root and registers it as open,
+-- in one write (after one more creating the root at version 0 when it
+-- does not exist).  Returns a writer that started from the root's published
+-- version, or nil, err.
+function Versioned:begin(root)
+  local sent, err = root_id(root, "begin")
+  if sent == nil then return nil, err end
+  for _ = 1, MAX_CONTENTION do
+    local doc
+    doc, err = self.roots:find_one({ _id = sent })
+    if err then return nil, errors.wrap(err, "begin") end
+    local res, base, v
+    if not doc then
+      -- the root at version 0, then (next round) this writer's number
+      local created
+      created, err = write("create", self.roots.insert_one, self.roots,
+        { _id = sent, version = 0, next = 0, open = core.array(),
+          dead = core.array() }, self.wopts)
+      if not created and not is_duplicate(err) then return nil, err end
+    elseif type(doc.version) == "number" and type(doc.next) == "number" then
+      base, v = doc.version, doc.next + 1
+      res, err = write("begin", self.roots.update_one, self.roots,
+        { _id = sent, version = base, next = doc.next },
+        { ["$set"] = { next = v }, ["$push"] = { open = v },
+          ["$currentDate"] = { [STARTED .. v] = true } }, self.wopts)
+      if err then return nil, err end
+      if res.matched == 0 then res = nil end
+    else
+      return nil, errors.new("malformed", "the root has no numeric version and next",
+        { step = "begin", id = root })
+    end
+    if res then
+      return setmetatable({ v = self, root = sent, base = base, version = v,
+                            written = {}, state = "open" }, Writer)
+    end
+  end
+  return nil, errors.new("contention", "other writers kept taking the version numbers",
+    { step = "begin", id = root })
+end
+
+local function usable(w, step)
+  if w.state ~= "open" then
+    return nil, errors.new("state", "this writer has " .. w.state, { step = step, id = w.root })
+  end
+  return true
+end
+
+-- Inserts a version of the item (its content `doc`, or a tombstone).
+function Writer:_insert(step, item, doc)
+  local ok, err = usable(self, step)
+  if not ok then return nil, err end
+  local kind = type(item)
+  if item == nil or kind == "function" or kind == "thread" then
+    error(step .. " needs an item id, not a " .. kind, HELPER_CALLER)
+  end
+  local sent, key = validate.module_id(item, step)
+  if sent == nil then return nil, key end
+  if self.written[key] then
+    return nil, errors.new("invalid", "this writer already wrote this item",
+      { step = step, id = item })
+  end
+  local version = core.doc("root", self.root, "itemId", sent, "version", self.version)
+  if doc then
+    -- stored whole under `doc`: the content may use any field name
+    local why
+    doc, why = validate.value(doc)
+    if not doc then
+      return nil, errors.new("invalid", "the document: " .. why, { step = step, id = item })
+    end
+    version.doc = doc
+  else
+    version.deleted = true
+  end
+  local res
+  res, err = write("put", self.v.items.insert_one, self.v.items, version, self.v.wopts)
+  if not res then
+    if is_duplicate(err) then
+      return nil, errors.new("conflict", "this version of the item exists already",
+        { step = step, id = item })
+    end
+    return nil, err
+  end
+  self.written[key] = true
+  return true
+end
+
+-- w:put(item, doc): the item's new content (a table, read raw; keys may
+-- not be operators or hold dots).  true, or nil, err.
+function Writer:put(item, doc)
+  if type(doc) ~= "table" then error("put needs a document table", CALLER) end
+  local ok, err = self:_insert("put", item, doc)
+  return ok, err
+end
+
+-- w:delete(item): the item is absent from this version on (a tombstone).
+function Writer:delete(item)
+  local ok, err = self:_insert("delete", item, nil)
+  return ok, err
+end
+
+-- Moves this writer's version from open to dead and deletes its items:
+-- they can never be published.  true, or nil, err.
+function Writer:abandon()
+  local ok, err = usable(self, "abandon")
+  if not ok then return nil, err end
+  self.state = "abandoned"
+  return self.v:_abort(self.root, self.version)
+end
+
+-- Publishes: the root's version becomes this writer's, on condition
+-- that it is still the one the writer started from and the writer's
+-- version is still open.  Returns the published version, or nil,
+-- `conflict` (another writer published first, or gc aborted this one;
+-- this writer's items are discarded: begin again) or the database's
+-- error (then the outcome is unknown: read the root, or leave the
+-- version to gc).
+function Writer:publish()
+  local ok, err = usable(self, "publish")
+  if not ok then return nil, err end
+  local res
+  res, err = write("publish", self.v.roots.update_one, self.v.roots,
+    { _id = self.root, version = self.base, open = self.version },
+    { ["$set"] = { version = self.version }, ["$pull"] = { open = self.version },
+      ["$unset"] = { [STARTED .. self.version] = "" } },
+    self.v.wopts)
+  if not res then return nil, err end
+  if res.matched == 1 then
+    self.state = "published"
+    return self.version
+  end
+  self.state = "lost"
+  ok, err = self.v:_abort(self.root, self.version)
+  if not ok then return nil, err end
+  return nil, errors.new("conflict", "the root moved on from version " .. self.base ..
+    " (another writer published, or gc aborted this one)",
+    { step = "publish", id = self.root, version = self.version })
+end
+
+-- Makes version v of root unpublishable: open -> dead, in one write
+-- that matches only while v is open, so that of this and v's publish
+-- exactly one happens.  The number of roots changed (0 or 1), or nil, err.
+function Versioned:_kill(root, v)
+  local res, err = write("abort", self.roots.update_one, self.roots,
+    { _id = root, open = v },
+    { ["$pull"] = { open = v }, ["$unset"] = { [STARTED .. v] = "" },
+      ["$addToSet"] = { dead = v } }, self.wopts)
+  if not res then return nil, err end
+  return res.matched
+end
+
+-- _kill, then deletes v's items.  true, or nil, err.
+function Versioned:_abort(root, v)
+  local ok, err = self:_kill(root, v)
+  if ok then ok, err = self:_discard(root, { v }) end
+  if not ok then return nil, err end
+  return true
+end
+
+-- Deletes the items of the dead versions `vs` of root.
+function Versioned:_discard(root, vs)
+  local res, err = write("discard", self.items.delete_many, self.items,
+    { root = root, version = { ["$in"] = vs } }, self.wopts)
+  if not res then return nil, err end
+  return res.deleted or 0
+end
+
+-- The versions of a root document that readers must skip.
+local function hidden(doc)
+  local out = {}
+  for _, list in ipairs { doc.open, doc.dead } do
+    for _, v in ipairs(type(list) == "table" and list or {}) do out[v] = true end
+  end
+  return out
+end
+
+-- The structure as of the root's published version: { version, items =
+-- { { id, version, doc }, ... } in item order }, each item at its highest
+-- visible version, deleted items left out.  A root nobody published is
+-- version 0 with no items.  nil, err.
+function Versioned:read(root)
+  local sent, err = root_id(root, "read")
+  if sent == nil then return nil, err end
+  local doc
+  doc, err = self.roots:find_one({ _id = sent })
+  if err then return nil, errors.wrap(err, "read") end
+  local out = { version = doc and doc.version or 0, items = {} }
+  if out.version == 0 then return out end
+  local skip = hidden(doc)
+  local versions
+  versions, err = self.items:find_all({ root = sent, version = { ["$lte"] = out.version } },
+    { sort = core.doc("itemId", 1, "version", -1) })
+  if not versions then return nil, errors.wrap(err, "read") end
+  local seen = {}
+  for _, iv in ipairs(versions) do
+    local key = id_key(iv.itemId)
+    if not skip[iv.version] and key and not seen[key] then
+      seen[key] = true
+      if not iv.deleted then
+        out.items[#out.items + 1] = { id = iv.itemId, version = iv.version, doc = iv.doc }
+      end
+    end
+  end
+  return out
+end
+
+-- gc's work on one root document: aborts its open versions that can no
+-- longer publish or began before `cutoff` (ms, server's clock), then
+-- deletes the items of all its dead versions; counts into report.
+function Versioned:_gc_root(doc, cutoff, report)
+  local dead = {}
+  for _, v in ipairs(type(doc.dead) == "table" and doc.dead or {}) do dead[#dead + 1] = v end
+  for _, v in ipairs(type(doc.open) == "table" and doc.open or {}) do
+    local at = doc[STARTED .. tostring(v)]
+    local stale = core.type(at) ~= "date" or at:value() <= cutoff
+    if type(v) == "number" and (v < doc.version or stale) then
+      local n, err = self:_kill(doc._id, v)
+      if not n then return nil, err end
+      if n == 1 then report.aborted, dead[#dead + 1] = report.aborted + 1, v end
+    end
+  end
+  if #dead > 0 then
+    local n, err = self:_discard(doc._id, dead)
+    if not n then return nil, err end
+    report.removed = report.removed + n
+  end
+  return true
+end
+
+local gc_options = { older_than = true }
+
+-- Aborts the open versions that can no longer publish (below their
+-- root's published version) or whose writer began more than older_than
+-- seconds ago (server's clock; default 3600), and deletes the items of
+-- every dead version, for every root that has open or dead versions
+-- (dead numbers stay listed, so every pass visits those roots: a
+-- stalled writer may have inserted since).  Returns { aborted = n,
+-- removed = n item versions }, or nil, err.
+function Versioned:gc(opts)
+  local err
+  opts, err = validate.options(opts, gc_options, "gc", CALLER)
+  if not opts then return nil, err end
+  local cutoff
+  cutoff, err = self.clock:ago(opts.older_than or 3600)
+  if not cutoff then return nil, err end
+  local cursor = self.roots:find({ ["$or"] = { { ["open.0"] = { ["$exists"] = true } },
+                                               { ["dead.0"] = { ["$exists"] = true } } } },
+                                 { sort = { _id = 1 } })
+  local report = { aborted = 0, removed = 0 }
+  while true do
+    local doc, ok
+    doc, err = cursor:next()
+    if doc then ok, err = self:_gc_root(doc, cutoff, report) end
+    if not ok then
+      cursor:close()
+      if err then return nil, errors.wrap(err, "gc") end
+      return report
+    end
+  end
+end
+
+return _M
