@@ -227,6 +227,31 @@ describe("#server batched recovery", function()
     assert.are.equal("recoverer", after.application)
   end)
 
+  it("fails only the transaction whose on_op_failure raises, not its batch", function()
+    open_accounts(accounts, 4)
+    local ok1 = leave(tm, "pending", "a1", "b1", 10)
+    local ok2 = leave(tm, "initial", "a2", "b2", 10)
+    local bad = leave(tm, "pending", "a3", "b3", 10)
+    local ok3 = leave(tm, "canceling", "a4", "b4", 10)
+    assert(accounts:delete_one({ _id = "b3" })) -- its credit cannot apply
+    age()
+    local r = assert(recoverer{ on_op_failure = function() error("policy bug") end }:recover())
+    assert.are.equal(4, r.examined)
+    assert.are.equal(2, r.done)
+    assert.are.equal(1, r.cancelled)
+    assert.are.equal(1, r.failed)
+    assert.are.equal(bad._id, r.errors[1].id)
+    assert.are.equal("policy", r.errors[1].error.code)
+    for _, t in ipairs { ok1, ok2 } do assert.are.equal("done", state(t)) end
+    assert.are.equal("cancelled", state(ok3))
+    local B = assert(tm:get(bad._id))
+    assert.are.equal("pending", B.state)
+    assert.truthy(B.reason:find("policy bug", 1, true), B.reason)
+    local b = {}
+    for _, d in ipairs(helpers.dump(accounts)) do b[d._id] = d.balance end
+    assert.are.same({ a1 = 990, b1 = 1010, a2 = 990, b2 = 1010, a3 = 990, a4 = 1000, b4 = 1000 }, b)
+  end)
+
   it("rolls back a batch where a document is missing (the fence matches fewer)", function()
     open_accounts(accounts, 3)
     local a = leave(tm, "canceling", "a1", "b1", 10)

@@ -111,6 +111,14 @@ end
 
 local function fail(e, err) e.err = e.err or err end
 
+-- fn(eng, e, ...), a step of entry e alone, which may call the policies
+-- (on_op_failure, backoff, ...): one that raises fails e only, not the
+-- rest of its batch.
+local function guarded(fn, eng, e, ...)
+  local ok, raised = pcall(fn, eng, e, ...)
+  if not ok then fail(e, errors.new("policy", tostring(raised), { id = e.T._id })) end
+end
+
 -- Drives entry e on alone, from where it stands now.
 local function alone(eng, e)
   local T, err = eng:get(e.T._id)
@@ -184,7 +192,7 @@ local function forward(eng, entries, versions, deadline)
   commit(eng, entries)
   for t, e in ipairs(entries) do
     if e.slow and not e.err then
-      batch.settle(eng, e, deadline, versions[t])
+      guarded(batch.settle, eng, e, deadline, versions[t])
       if e.err then e.outcome, e.err = failed_or_cancelled(eng, e.T, e.err) end
     end
   end
@@ -256,7 +264,7 @@ local function back(eng, entries)
     end
   end
   for _, e in ipairs(entries) do
-    if e.slow and not e.err then alone(eng, e) end
+    if e.slow and not e.err then guarded(alone, eng, e) end
   end
 end
 
@@ -340,7 +348,7 @@ local function recover_batch(eng, entries, now, me)
   local routes, deadline = claim(eng, claims, now)
   if #routes.forward > 0 then forward(eng, routes.forward, routes.versions, deadline) end
   if #routes.back > 0 then back(eng, routes.back) end
-  for _, e in ipairs(routes.alone) do alone(eng, e) end
+  for _, e in ipairs(routes.alone) do guarded(alone, eng, e) end
   -- finish the applied ones, claimed so or committed above, together
   local finish, list = {}, {}
   for _, e in ipairs(routes.applied) do finish[#finish + 1] = e end
