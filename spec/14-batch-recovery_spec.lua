@@ -252,6 +252,28 @@ describe("#server batched recovery", function()
     assert.are.same({ a1 = 990, b1 = 1010, a2 = 990, b2 = 1010, a3 = 990, a4 = 1000, b4 = 1000 }, b)
   end)
 
+  it("keeps a floor when transactions of one batch debit the same account", function()
+    open_accounts(accounts, 1)
+    assert(accounts:update_one({ _id = "a1" }, { ["$set"] = { balance = 25 } }))
+    local ts = {
+      leave(tm, "initial", "a1", "b1", 10), leave(tm, "pending", "a1", "b1", 10),
+      leave(tm, "initial", "a1", "b1", 10), leave(tm, "initial", "a1", "b1", 10),
+    }
+    age()
+    local r = assert(recoverer{ retries = 1, backoff = function() return 0 end }:recover())
+    assert.are.same({ examined = 4, done = 2, cancelled = 2, skipped = 0, parked = 0,
+                      failed = 0, malformed = 0, errors = {} }, r)
+    local done = 0
+    for _, t in ipairs(ts) do
+      local T = assert(tm:get(t._id))
+      if T.state == "done" then done = done + 1
+      else assert.matches("where", T.reason) end
+    end
+    assert.are.equal(2, done)
+    assert.are.same({ a1 = 5, b1 = 1020 }, helpers.balances(accounts))
+    assert_released(accounts)
+  end)
+
   it("rolls back a batch where a document is missing (the fence matches fewer)", function()
     open_accounts(accounts, 3)
     local a = leave(tm, "canceling", "a1", "b1", 10)
