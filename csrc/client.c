@@ -19,9 +19,11 @@
  * as it has calls in flight, not one per Lua state.  Sharing between Lua
  * states is the point, so this is the one place where the core keeps
  * state in C globals: a list under a mutex, whose entries live as long as
- * the process.  Each entry remembers the process that made it: after a
- * fork() the child makes its own (libmongoc's monitoring threads of the
- * parent's pools did not follow it). */
+ * the process: closing a Lua state does not end them (core.c pins the
+ * module so that their threads' code stays mapped), exit() does (below).
+ * Each entry remembers the process that made it: after a fork() the child
+ * makes its own (libmongoc's monitoring threads of the parent's pools did
+ * not follow it). */
 struct mtx_pool {
 	mtx_pool *next;
 	char *key;		    /* URI, appname and TLS settings */
@@ -31,6 +33,8 @@ struct mtx_pool {
 	mongoc_client_pool_t *pool;
 	mtx_counters counters;	    /* of every client of the pool (atomic) */
 	int64_t in_use, peak, pops; /* clients out, most out at once, pops */
+	int64_t taking;		    /* pops under way (atomic) */
+	int closed;		    /* set at exit: no more pops (atomic) */
 };
 
 static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -251,6 +255,56 @@ new_pool(const char *uristr, char *key, const char *appname,
 	return p;
 }
 
+/* ---- the end of the process ----
+ *
+ * exit() runs libmongoc's own destructor (mongoc_cleanup: it frees the
+ * driver's globals) while the monitoring threads of a pool still run.  So
+ * the pools of this process are destroyed first, by a handler registered
+ * with atexit (which exit() runs before the libraries' destructors) when
+ * the first pool is made: mongoc_client_pool_destroy stops and joins the
+ * threads and frees the clients given back.  (Registered from a shared
+ * object, the handler would also run at its dlclose, before the unmap:
+ * with core.c's pin that never happens, so it runs at exit.)  A pool
+ * with a client still out (taken by another thread or Lua state that runs
+ * on while exit() does, or by a program that exits without closing its
+ * Lua state) is left as it is, since that client may be in use: its
+ * threads end with the process, and the pin keeps their code mapped until
+ * then; pops that come after the handler fail.  Pools inherited over a
+ * fork() are not the child's to destroy (their threads live in the
+ * parent).  spec/42-exit_spec.lua shows each case. */
+static pthread_once_t exit_once = PTHREAD_ONCE_INIT;
+
+static void
+destroy_pools(void)
+{
+	mtx_pool **link = &pools, *p;
+	pid_t pid = getpid();
+
+	pthread_mutex_lock(&pools_lock);
+	while ((p = *link)) {
+		/* closed first, then the count of pops under way: a pop
+		 * either sees closed or is counted here (both seq_cst) */
+		__atomic_store_n(&p->closed, 1, __ATOMIC_SEQ_CST);
+		if (p->pid != pid || __atomic_load_n(&p->taking, __ATOMIC_SEQ_CST) ||
+		    __atomic_load_n(&p->in_use, __ATOMIC_SEQ_CST)) {
+			link = &p->next;
+			continue;
+		}
+		*link = p->next;
+		mongoc_client_pool_destroy(p->pool);
+		mongoc_uri_destroy(p->uri);
+		bson_free(p->key);
+		bson_free(p);
+	}
+	pthread_mutex_unlock(&pools_lock);
+}
+
+static void
+register_exit(void)
+{
+	atexit(destroy_pools);
+}
+
 /* The pool of this process for the URI and the options at 3 (appname)
  * and 4 (tls, checked), made on first use; NULL and err set when the URI
  * is refused.  Everything is read from Lua before the lock is taken, so
@@ -285,6 +339,7 @@ find_pool(lua_State *L, const char *uristr, bson_error_t *err)
 				 lua_isnil(L, 4) ? NULL : &tls, err))) {
 		p->next = pools;
 		pools = p;
+		pthread_once(&exit_once, register_exit);
 	} else {
 		bson_free(key);
 	}
@@ -294,17 +349,25 @@ find_pool(lua_State *L, const char *uristr, bson_error_t *err)
 
 /* Takes a client of the pool for the closed client c (which then owns
  * it): libmongoc's pop, which waits while maxPoolSize clients are out
- * (at most waitQueueTimeoutMS when the URI sets it; then NULL). */
-static int
+ * (at most waitQueueTimeoutMS when the URI sets it).  NULL, or why not. */
+static const char *
 pop_client(mtx_client *c, mtx_pool *p)
 {
 	int64_t out, peak;
 
 	c->pool = p;
-	if (!(c->client = mongoc_client_pool_pop(p->pool)))
-		return 0;
+	__atomic_add_fetch(&p->taking, 1, __ATOMIC_SEQ_CST);
+	if (__atomic_load_n(&p->closed, __ATOMIC_SEQ_CST)) {
+		__atomic_add_fetch(&p->taking, -1, __ATOMIC_SEQ_CST);
+		return "the pool is closed: the process is exiting";
+	}
+	if (!(c->client = mongoc_client_pool_pop(p->pool))) {
+		__atomic_add_fetch(&p->taking, -1, __ATOMIC_SEQ_CST);
+		return "no client of the pool came free within waitQueueTimeoutMS";
+	}
+	out = __atomic_add_fetch(&p->in_use, 1, __ATOMIC_SEQ_CST);
+	__atomic_add_fetch(&p->taking, -1, __ATOMIC_SEQ_CST);
 	MTX_ATOMIC_ADD(&p->pops, 1);
-	out = MTX_ATOMIC_ADD(&p->in_use, 1);
 	peak = MTX_ATOMIC_GET(&p->peak);
 	while (out > peak && !__atomic_compare_exchange_n(&p->peak, &peak, out,
 		0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
@@ -314,7 +377,7 @@ pop_client(mtx_client *c, mtx_pool *p)
 					mongoc_uri_get_write_concern(p->uri));
 	mongoc_client_set_read_prefs(c->client,
 				     mongoc_uri_get_read_prefs_t(p->uri));
-	return 1;
+	return NULL;
 }
 
 /* connect(uri [, { appname, write_concern, read_preference, tls, pool }]).
@@ -335,7 +398,7 @@ l_connect(lua_State *L)
 	mongoc_write_concern_t *wc;
 	mongoc_read_prefs_t *rp;
 	bson_error_t err;
-	const char *appname;
+	const char *appname, *why;
 	int pooled = 0;
 
 	mtx_check_options(L, 2, names);
@@ -375,10 +438,8 @@ l_connect(lua_State *L)
 	if (pooled) {
 		if (!(p = find_pool(L, uristr, &err)))
 			return mtx_push_error(L, &err, NULL);
-		if (!pop_client(c, p))
-			return mtx_push_error_msg(L, "client", 0,
-				"no client of the pool came free within "
-				"waitQueueTimeoutMS");
+		if ((why = pop_client(c, p)))
+			return mtx_push_error_msg(L, "client", 0, why);
 		/* from here on the userdata owns the client */
 		if ((wc = mtx_check_write_concern(L, 5))) {
 			mongoc_client_set_write_concern(c->client, wc);

@@ -1,12 +1,33 @@
 /* core.c: luaopen_mongotx_core, the only symbol the module exports. */
+#define _GNU_SOURCE /* dladdr, RTLD_NODELETE */
+#include <dlfcn.h>
+
 #include "mongotx.h"
 
 __attribute__((visibility("default"))) int luaopen_mongotx_core(lua_State *L);
+
+/* Makes this module (and so libmongoc, whose only user it may be) stay
+ * mapped until the process ends.  lua_close unloads the C modules it
+ * loaded (the __gc of package's _CLIBS calls dlclose), but the pools of
+ * client.c outlive every Lua state: their monitoring threads would wake
+ * from a heartbeat wait in unmapped code and the process would die with
+ * SIGSEGV after the state was closed (spec/42-exit_spec.lua).  Done here
+ * rather than with -z nodelete so that any build (make, luarocks,
+ * OpenResty) gets it.  A failure leaves the module as it was. */
+static void
+pin_module(void)
+{
+	Dl_info info;
+
+	if (dladdr((void *)luaopen_mongotx_core, &info) && info.dli_fname)
+		dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE);
+}
 
 int
 luaopen_mongotx_core(lua_State *L)
 {
 	mongoc_init(); /* idempotent: libmongoc guards it with a once */
+	pin_module();
 	lua_newtable(L);
 	lua_pushliteral(L, MONGOTX_VERSION);
 	lua_setfield(L, -2, "_VERSION");
