@@ -857,13 +857,15 @@ transition_point(const char *to)
 
 /* The rest of a transition's filter ({state: from [, epoch]}, after the
  * caller's _id) and its update {$set: {state: to [, key: value]},
- * $currentDate: {lastModified: true}}; epoch and value are stack indices
- * (0 or nil: none). */
+ * $currentDate: {lastModified: true}}, and for a final state (done,
+ * cancelled) $unset: {parked: ""}: parked says recovery gave up on an
+ * unfinished transaction, which a finished one no longer is (its reason
+ * stays).  epoch and value are stack indices (0 or nil: none). */
 static void
 build_transition(lua_State *L, const char *from, const char *to, int epoch,
 		 const char *key, int value, bson_t *filter, bson_t *update)
 {
-	bson_t set, cd;
+	bson_t set, cd, unset;
 
 	BSON_APPEND_UTF8(filter, "state", from);
 	if (epoch && !lua_isnil(L, epoch))
@@ -876,6 +878,11 @@ build_transition(lua_State *L, const char *from, const char *to, int epoch,
 	bson_append_document_begin(update, "$currentDate", -1, &cd);
 	BSON_APPEND_BOOL(&cd, "lastModified", true);
 	bson_append_document_end(update, &cd);
+	if (strcmp(to, "done") == 0 || strcmp(to, "cancelled") == 0) {
+		bson_append_document_begin(update, "$unset", 6, &unset);
+		BSON_APPEND_UTF8(&unset, "parked", "");
+		bson_append_document_end(update, &unset);
+	}
 }
 
 /* Moves the transaction (id at stack index 3, transactions collection
