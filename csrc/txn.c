@@ -59,6 +59,7 @@ enum { E_RAISES, E_LOWERS };
 typedef struct {
 	fields f;      /* the names, copies owned by the object */
 	bson_t *wopts; /* {writeConcern: ...}; NULL until set up */
+	bson_t *bopts; /* wopts and ordered: false, for the batches */
 } mtx_steps;
 
 #define MTX_STEPS_MT "mongotx.Steps"
@@ -72,8 +73,9 @@ check_steps(lua_State *L)
 	return s;
 }
 
-/* A step's write options: a copy of the bound ones (a step may add its
- * own, such as upsert). */
+/* A step's write options to add to (upsert): a copy of the bound ones.
+ * A step that adds nothing passes s->wopts itself, which libmongoc only
+ * reads: the copy, a scratch document, was about 3 000 instructions. */
 static bson_t *
 step_opts(lua_State *L, const mtx_steps *s)
 {
@@ -426,7 +428,8 @@ l_apply(lua_State *L)
 {
 	mtx_steps *s = check_steps(L);
 	mongoc_collection_t *coll = arg_collection(L, 2);
-	bson_t *tid, *filter, *update, *opts;
+	const bson_t *opts = s->wopts;
+	bson_t *tid, *filter, *update;
 	int64_t n = 0;
 	int kind, rc;
 
@@ -434,7 +437,6 @@ l_apply(lua_State *L)
 	tid = check_tid(L, 3);
 	luaL_checktype(L, 4, LUA_TTABLE);
 	kind = op_kind(L, 4);
-	opts = step_opts(L, s);
 	if (kind == K_INSERT) {
 		bson_t *doc = build_insert(L, 4, tid, &s->f), *reply = mtx_scratch(L);
 		bson_error_t err;
@@ -459,15 +461,13 @@ l_apply(lua_State *L)
 }
 
 /* The options of a batch: the write concern, unordered (one failing
- * request does not stop the others). */
-static bson_t *
+ * request does not stop the others).  Bound once, as libmongoc only reads
+ * them: a scratch copy a command was about 3 000 instructions. */
+static const bson_t *
 batch_opts(lua_State *L, const mtx_steps *s, int n)
 {
-	bson_t *opts = step_opts(L, s);
-
 	luaL_argcheck(L, n > 0, 3, "at least one item");
-	BSON_APPEND_BOOL(opts, "ordered", false);
-	return opts;
+	return s->bopts;
 }
 
 static mongoc_bulk_operation_t *
@@ -857,13 +857,15 @@ transition_point(const char *to)
 
 /* The rest of a transition's filter ({state: from [, epoch]}, after the
  * caller's _id) and its update {$set: {state: to [, key: value]},
- * $currentDate: {lastModified: true}}; epoch and value are stack indices
- * (0 or nil: none). */
+ * $currentDate: {lastModified: true}}, and for a final state (done,
+ * cancelled) $unset: {parked: ""}: parked says recovery gave up on an
+ * unfinished transaction, which a finished one no longer is (its reason
+ * stays).  epoch and value are stack indices (0 or nil: none). */
 static void
 build_transition(lua_State *L, const char *from, const char *to, int epoch,
 		 const char *key, int value, bson_t *filter, bson_t *update)
 {
-	bson_t set, cd;
+	bson_t set, cd, unset;
 
 	BSON_APPEND_UTF8(filter, "state", from);
 	if (epoch && !lua_isnil(L, epoch))
@@ -876,6 +878,11 @@ build_transition(lua_State *L, const char *from, const char *to, int epoch,
 	bson_append_document_begin(update, "$currentDate", -1, &cd);
 	BSON_APPEND_BOOL(&cd, "lastModified", true);
 	bson_append_document_end(update, &cd);
+	if (strcmp(to, "done") == 0 || strcmp(to, "cancelled") == 0) {
+		bson_append_document_begin(update, "$unset", 6, &unset);
+		BSON_APPEND_UTF8(&unset, "parked", "");
+		bson_append_document_end(update, &unset);
+	}
 }
 
 /* Moves the transaction (id at stack index 3, transactions collection
@@ -895,7 +902,7 @@ move(lua_State *L, const mtx_steps *s, const char *from, const char *to, int epo
 	bson_iter_init_find(&it, tid, "t");
 	bson_append_iter(filter, "_id", 3, &it);
 	build_transition(L, from, to, epoch, key, value, filter, update);
-	return find_and_modify(L, transition_point(to), coll, filter, update, step_opts(L, s));
+	return find_and_modify(L, transition_point(to), coll, filter, update, s->wopts);
 }
 
 /* The same for many transactions (ids: a list at stack index 3) in one
@@ -916,7 +923,7 @@ move_many(lua_State *L, const mtx_steps *s, const char *from, const char *to, in
 	bson_append_document_end(filter, &id);
 	update = mtx_scratch(L);
 	build_transition(L, from, to, epoch, NULL, 0, filter, update);
-	if ((rc = run_update(L, transition_point(to), coll, filter, update, step_opts(L, s), 1,
+	if ((rc = run_update(L, transition_point(to), coll, filter, update, s->wopts, 1,
 			     &n)))
 		return rc;
 	lua_createtable(L, 0, 1);
@@ -1146,15 +1153,14 @@ l_claim(lua_State *L)
 {
 	mtx_steps *s = check_steps(L);
 	mongoc_collection_t *coll = arg_collection(L, 2);
-	bson_t *tid, *query, *update, *opts;
+	bson_t *tid, *query, *update;
 
 	lua_settop(L, 5);
 	tid = check_tid(L, 3);
-	opts = step_opts(L, s);
 	query = mtx_scratch(L);
 	update = mtx_scratch(L);
 	build_claim(L, tid, 4, 5, query, update);
-	return find_and_modify(L, "claim", coll, query, update, opts);
+	return find_and_modify(L, "claim", coll, query, update, s->wopts);
 }
 
 /* steps:claim_many(txcoll, items) -> bulk result or nil, err.
@@ -1236,6 +1242,8 @@ l_steps_gc(lua_State *L)
 	bson_free((char *)s->f.placeholder);
 	if (s->wopts)
 		bson_destroy(s->wopts);
+	if (s->bopts)
+		bson_destroy(s->bopts);
 	memset(s, 0, sizeof *s);
 	return 0;
 }
@@ -1273,6 +1281,8 @@ l_new_steps(lua_State *L)
 	s->f.held = bson_strdup(field[3]);
 	s->f.placeholder = bson_strdup(field[4]);
 	s->wopts = bson_copy(opts);
+	BSON_APPEND_BOOL(opts, "ordered", false);
+	s->bopts = bson_copy(opts);
 	return 1;
 }
 

@@ -274,6 +274,39 @@ describe("#server recovery", function()
       assert.is_true(assert(tm:get(t._id)).parked)
     end)
 
+    it("a failed one waits stale_after before its next try: passes in between do not " ..
+       "add to its attempts (a sweep cannot park it in seconds)", function()
+      local t = transfer("A", "B", 100)
+      assert(tm:step("claim", t))
+      assert(tm:step("apply", t, 1))
+      assert(accounts:delete_one({ _id = "B" }))
+      local rec = recoverer{ stale_after = 1, max_attempts = 100,
+                             on_op_failure = function() return "fail" end }
+      local r = assert(rec:recover())
+      assert.are.equal(1, r.failed)
+      local T = assert(tm:get(t._id))
+      local attempts, epoch = T.attempts, T.epoch
+      assert.is_true(attempts >= 1)
+      -- claimed by rec, so its own (may_recover: at once): spaced all the same
+      for pass = 1, 4 do
+        assert.are.same(report{}, assert(rec:recover()), "pass " .. pass)
+      end
+      T = assert(tm:get(t._id))
+      assert.are.equal(attempts, T.attempts)
+      assert.are.equal(epoch, T.epoch)
+      assert.is_nil(T.parked)
+      assert.are.equal("pending", T.state)
+      mongotx.core.sleep(1.2)
+      r = assert(rec:recover())
+      assert.are.equal(1, r.failed)
+      assert.is_true(assert(tm:get(t._id)).attempts > attempts)
+      assert.are.same(report{}, assert(rec:recover()))
+      -- unparked (parked here as recovery parks one): taken up again at once
+      assert(txs:update_one({ _id = t._id }, { ["$set"] = { parked = true } }))
+      assert(tm:unpark(t._id))
+      assert.are.equal(1, assert(rec:recover()).examined)
+    end)
+
     it("a policy that raises is reported as failed and does not stop the pass", function()
       local t1 = transfer("A", "B", 100)
       assert(tm:step("claim", t1))

@@ -207,6 +207,73 @@ describe("#server batched recovery", function()
     assert.are.same({ holder._id }, held.pendingTransactions)
   end)
 
+  it("claims a transaction listed twice in one batch once (a cursor may return a " ..
+     "document that moved twice)", function()
+    open_accounts(accounts, 2)
+    local t = leave(tm, "pending", "a1", "b1", 10)
+    local u = leave(tm, "canceling", "a2", "b2", 10)
+    age()
+    local eng = recoverer().engine
+    local T, U = assert(tm:get(t._id)), assert(tm:get(u._id))
+    local deadline = eng:new_deadline() -- (nil where versions fence: FerretDB)
+    local out = assert(eng:claim_many({ { T = T }, { T = U }, { T = T } },
+      assert(eng:server_now()), deadline))
+    assert.are.equal(T.epoch + 1, out[1].epoch)
+    assert.are.equal(U.epoch + 1, out[2].epoch)
+    assert.is_false(out[3]) -- its claim matched nothing: the first moved it
+    local after = assert(tm:get(t._id))
+    assert.are.equal(T.epoch + 1, after.epoch)
+    assert.are.equal(T.attempts + 1, after.attempts)
+    assert.are.equal("recoverer", after.application)
+  end)
+
+  it("fails only the transaction whose on_op_failure raises, not its batch", function()
+    open_accounts(accounts, 4)
+    local ok1 = leave(tm, "pending", "a1", "b1", 10)
+    local ok2 = leave(tm, "initial", "a2", "b2", 10)
+    local bad = leave(tm, "pending", "a3", "b3", 10)
+    local ok3 = leave(tm, "canceling", "a4", "b4", 10)
+    assert(accounts:delete_one({ _id = "b3" })) -- its credit cannot apply
+    age()
+    local r = assert(recoverer{ on_op_failure = function() error("policy bug") end }:recover())
+    assert.are.equal(4, r.examined)
+    assert.are.equal(2, r.done)
+    assert.are.equal(1, r.cancelled)
+    assert.are.equal(1, r.failed)
+    assert.are.equal(bad._id, r.errors[1].id)
+    assert.are.equal("policy", r.errors[1].error.code)
+    for _, t in ipairs { ok1, ok2 } do assert.are.equal("done", state(t)) end
+    assert.are.equal("cancelled", state(ok3))
+    local B = assert(tm:get(bad._id))
+    assert.are.equal("pending", B.state)
+    assert.truthy(B.reason:find("policy bug", 1, true), B.reason)
+    local b = {}
+    for _, d in ipairs(helpers.dump(accounts)) do b[d._id] = d.balance end
+    assert.are.same({ a1 = 990, b1 = 1010, a2 = 990, b2 = 1010, a3 = 990, a4 = 1000, b4 = 1000 }, b)
+  end)
+
+  it("keeps a floor when transactions of one batch debit the same account", function()
+    open_accounts(accounts, 1)
+    assert(accounts:update_one({ _id = "a1" }, { ["$set"] = { balance = 25 } }))
+    local ts = {
+      leave(tm, "initial", "a1", "b1", 10), leave(tm, "pending", "a1", "b1", 10),
+      leave(tm, "initial", "a1", "b1", 10), leave(tm, "initial", "a1", "b1", 10),
+    }
+    age()
+    local r = assert(recoverer{ retries = 1, backoff = function() return 0 end }:recover())
+    assert.are.same({ examined = 4, done = 2, cancelled = 2, skipped = 0, parked = 0,
+                      failed = 0, malformed = 0, errors = {} }, r)
+    local done = 0
+    for _, t in ipairs(ts) do
+      local T = assert(tm:get(t._id))
+      if T.state == "done" then done = done + 1
+      else assert.matches("where", T.reason) end
+    end
+    assert.are.equal(2, done)
+    assert.are.same({ a1 = 5, b1 = 1020 }, helpers.balances(accounts))
+    assert_released(accounts)
+  end)
+
   it("rolls back a batch where a document is missing (the fence matches fewer)", function()
     open_accounts(accounts, 3)
     local a = leave(tm, "canceling", "a1", "b1", 10)

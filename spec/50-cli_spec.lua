@@ -145,6 +145,12 @@ describe("#server the mongotx command", function()
     assert.are.equal(1, #l)
     assert.are.equal("half", l[1]._id)
     assert.are.equal(1, #json_ok("list", "--parked"))
+    -- a finished transaction still flagged (an older version's) is not parked
+    assert(txs:insert_one{ _id = "fin", state = "done", parked = true, ops = mongotx.array(),
+                           lastModified = mongotx.core.Date(0) })
+    assert.are.equal("half", json_ok("list", "--parked")[1]._id)
+    assert.are.equal(1, #json_ok("list", "--parked"))
+    assert(txs:delete_one({ _id = "fin" }))
     assert.are.equal(2, #json_ok("list"))
     assert.are.equal(1, #json_ok("list", "--limit", "1"))
 

@@ -315,7 +315,9 @@ end
 -- some claims may have been won: their leases expire, nothing else
 -- happened).  A bulk write counts only the matches of the whole batch:
 -- when they fall short, one read tells which claims were won (the epoch
--- each moved on, with this owner's instance).
+-- each moved on, with this owner's instance).  A transaction listed twice
+-- (a cursor returns a document that moved while it ran) is won once: the
+-- second claim matched nothing.
 function Engine:claim_many(list, now, deadline)
   local items, ids = {}, {}
   for i, c in ipairs(list) do
@@ -339,8 +341,10 @@ function Engine:claim_many(list, now, deadline)
     local T, epoch = c.T, (c.T.epoch or 0) + 1
     local doc
     if by_id then
-      doc = by_id[key(T._id)]
+      local k = key(T._id)
+      doc = by_id[k]
       if not (doc and doc.epoch == epoch and doc.instance == self.instance) then doc = false end
+      if doc then by_id[k] = nil end -- won at most once
     else
       -- every claim matched: T as the claim left it
       doc = {}

@@ -31,6 +31,7 @@ local Manager = {}
 Manager.__index = Manager
 
 local STATES = { "initial", "pending", "applied", "done", "canceling", "cancelled" }
+local ACTIVE = { ["$in"] = { "initial", "pending", "applied", "canceling" } }
 
 -- Levels for error(), counted from the function that raises or passes
 -- the level on: a misuse is reported at the caller of the public method
@@ -528,9 +529,10 @@ function Manager:_prune_placeholders(filter)
 end
 
 -- Clears `parked` on a transaction recovery gave up on, and its
--- `attempts`, so that recovery takes it up again (for max_attempts more
--- tries); its `reason` stays for the record.  Returns true, or nil, err:
--- `state` when there is no such transaction or it is not parked.
+-- `attempts` and `triedAt`, so that recovery takes it up again at once
+-- (for max_attempts more tries); its `reason` stays for the record.  Returns true, or nil, err:
+-- `state` when there is no such transaction or it is not parked (a
+-- finished one is not, whatever flag it carries).
 function Manager:unpark(id)
   local T, err = self:_get(id, "unpark", CALLER)
   if err then return nil, err end
@@ -538,8 +540,8 @@ function Manager:unpark(id)
     return nil, errors.new("state", "no such transaction", { step = "unpark", id = id })
   end
   local res
-  res, err = self.tx:update_one({ _id = T._id, parked = true },
-    { ["$unset"] = { parked = "" }, ["$set"] = { attempts = 0 } }, self.engine.wopts)
+  res, err = self.tx:update_one({ _id = T._id, parked = true, state = ACTIVE },
+    { ["$unset"] = { parked = "", triedAt = "" }, ["$set"] = { attempts = 0 } }, self.engine.wopts)
   if not res then return nil, errors.wrap(err, "unpark", T._id) end
   if res.matched == 0 then
     return nil, errors.new("state", "the transaction is not parked", { step = "unpark", id = T._id })
@@ -581,7 +583,9 @@ function Manager:find(filter, opts)
   return list
 end
 
--- Counts by state, plus `parked`.
+-- Counts by state, plus `parked`: the unfinished ones recovery gave up on
+-- (the final transitions clear the flag; one an older version left on a
+-- finished transaction is not counted).
 function Manager:stats()
   local out = {}
   for _, state in ipairs(STATES) do
@@ -589,13 +593,11 @@ function Manager:stats()
     if not n then return nil, errors.wrap(err, "stats") end
     out[state] = n
   end
-  local n, err = self.tx:count({ parked = true })
+  local n, err = self.tx:count({ parked = true, state = ACTIVE })
   if not n then return nil, errors.wrap(err, "stats") end
   out.parked = n
   return out
 end
-
-local ACTIVE = { ["$in"] = { "initial", "pending", "applied", "canceling" } }
 
 -- What recovery has before it, by the server's clock: `active` (in
 -- initial, pending, applied or canceling and not parked: what recover

@@ -30,6 +30,7 @@ local validate = require "mongotx.validate"
 local stored = require "mongotx.stored"
 
 local ipairs, tostring, pcall = ipairs, tostring, pcall
+local Date = require("mongotx.core").Date
 local live, has_marker, id_key = stored.live, stored.has_marker, validate.id_key
 
 local _M = {}
@@ -110,6 +111,14 @@ end
 
 local function fail(e, err) e.err = e.err or err end
 
+-- fn(eng, e, ...), a step of entry e alone, which may call the policies
+-- (on_op_failure, backoff, ...): one that raises fails e only, not the
+-- rest of its batch.
+local function guarded(fn, eng, e, ...)
+  local ok, raised = pcall(fn, eng, e, ...)
+  if not ok then fail(e, errors.new("policy", tostring(raised), { id = e.T._id })) end
+end
+
 -- Drives entry e on alone, from where it stands now.
 local function alone(eng, e)
   local T, err = eng:get(e.T._id)
@@ -183,7 +192,7 @@ local function forward(eng, entries, versions, deadline)
   commit(eng, entries)
   for t, e in ipairs(entries) do
     if e.slow and not e.err then
-      batch.settle(eng, e, deadline, versions[t])
+      guarded(batch.settle, eng, e, deadline, versions[t])
       if e.err then e.outcome, e.err = failed_or_cancelled(eng, e.T, e.err) end
     end
   end
@@ -255,7 +264,7 @@ local function back(eng, entries)
     end
   end
   for _, e in ipairs(entries) do
-    if e.slow and not e.err then alone(eng, e) end
+    if e.slow and not e.err then guarded(alone, eng, e) end
   end
 end
 
@@ -339,7 +348,7 @@ local function recover_batch(eng, entries, now, me)
   local routes, deadline = claim(eng, claims, now)
   if #routes.forward > 0 then forward(eng, routes.forward, routes.versions, deadline) end
   if #routes.back > 0 then back(eng, routes.back) end
-  for _, e in ipairs(routes.alone) do alone(eng, e) end
+  for _, e in ipairs(routes.alone) do guarded(alone, eng, e) end
   -- finish the applied ones, claimed so or committed above, together
   local finish, list = {}, {}
   for _, e in ipairs(routes.applied) do finish[#finish + 1] = e end
@@ -361,18 +370,24 @@ local function recover_batch(eng, entries, now, me)
   end
 end
 
--- Up to `limit` well-formed active transactions that are not parked,
--- oldest first, read before recovery writes anything.  A malformed one
+-- Up to `limit` well-formed active transactions that are not parked and
+-- were not tried in the last stale_after seconds (`triedAt`, set when a
+-- try fails: a failure is tried again no sooner than a stale transaction
+-- is first, so passes in quick succession, as a `mongotx recover` sweep
+-- runs them, cannot spend its max_attempts in seconds; stale_after = 0
+-- waits for nothing), oldest first, read before recovery writes anything.  A malformed one
 -- (validate.malformed) is counted in report.malformed and listed in
 -- report.errors (the first `limit` of them), never written: it is evidence
 -- for an operator.  Malformed ones do not count against the limit, so
 -- however many pile up they cannot starve the well-formed ones behind
 -- them; they only cost a read per pass until someone removes them.
-local function stale_list(eng, limit, report)
-  local cursor = eng.tx:find({
-    state = { ["$in"] = ACTIVE },
-    parked = { ["$ne"] = true },
-  }, { sort = { lastModified = 1 } })
+local function stale_list(eng, limit, report, now)
+  local filter = { state = { ["$in"] = ACTIVE }, parked = { ["$ne"] = true } }
+  if eng.policy.stale_after > 0 then
+    filter["$or"] = { { triedAt = { ["$exists"] = false } },
+      { triedAt = { ["$lt"] = Date(math.floor(now - eng.policy.stale_after * 1000)) } } }
+  end
+  local cursor = eng.tx:find(filter, { sort = { lastModified = 1 } })
   local list, listed = {}, 0
   while #list < limit do
     local T, err = cursor:next()
@@ -399,12 +414,13 @@ end
 
 -- Counts a failure of T in the report and on T, so that a transaction
 -- that keeps failing is parked (with this reason) instead of blocking
--- every pass.
+-- every pass, and notes when (triedAt, by the server's clock: stale_list
+-- waits before the next try).
 local function failed(eng, report, T, e)
   report.failed = report.failed + 1
   report.errors[#report.errors + 1] = { id = T._id, error = e }
   eng.tx:update_one({ _id = T._id }, { ["$inc"] = { attempts = 1 },
-    ["$set"] = { reason = tostring(e) } }, eng.wopts)
+    ["$set"] = { reason = tostring(e) }, ["$currentDate"] = { triedAt = true } }, eng.wopts)
 end
 
 -- How many transactions a pass recovers together by default.
@@ -424,7 +440,7 @@ function _M.recover(eng, limit, size)
   -- Oldest first; whether each one is stale enough is the policy's call
   -- (a holder may have declared a shorter lease than this manager's).
   local list
-  list, err = stale_list(eng, limit, report)
+  list, err = stale_list(eng, limit, report, now)
   if not list then return nil, err end
   report.examined = #list
   for first = 1, #list, size or 1 do

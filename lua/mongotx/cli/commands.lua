@@ -14,6 +14,7 @@ local format, floor = string.format, math.floor
 local stdout = output.stdout
 
 local OK, FAILED = 0, 1
+local ACTIVE = { "initial", "pending", "applied", "canceling" }
 
 local _M = {}
 
@@ -77,7 +78,9 @@ function _M.list(tm, o, fail)
   if not now then return fail(FAILED, tostring(err)) end
   local filter = {}
   if o.state then filter.state = o.state end
-  if o.parked then filter.parked = true end
+  if o.parked then -- unfinished ones, as status counts them
+    filter.parked, filter.state = true, o.state or { ["$in"] = ACTIVE }
+  end
   if o.older_than then
     filter.lastModified = { ["$lt"] = core.Date(floor(now - o.older_than * 1000)) }
   end
@@ -101,7 +104,7 @@ function _M.list(tm, o, fail)
 end
 
 local TX_FIELDS = { "state", "application", "instance", "epoch", "attempts", "lease",
-                    "deadline", "lastModified", "parked", "reason", "compensates",
+                    "deadline", "lastModified", "triedAt", "parked", "reason", "compensates",
                     "source", "destination", "value", "meta" }
 
 function _M.show(tm, o, fail)
