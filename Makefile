@@ -120,7 +120,8 @@ demo: setup
 	  '$(LUA) examples/00-accounts.lua && $(LUA) examples/01-tutorial.lua'
 
 # Benchmarks (bench/README.md): figures, not tests; each starts its own
-# server.  bench takes 4-8 minutes and rewrites the table in
+# server.  bench took 4-8 minutes before the recovery and ledger rows,
+# which add several (batch-1 recovery at +1 ms is slow); it rewrites the table in
 # bench/README.md and bench/throughput.png (BENCH_ARGS: --runs, --scale,
 # --only, --loopback-only); its latency rows run through toxiproxy, which
 # setup.sh builds with Go the first time.  bench-memory checks that RSS
@@ -152,8 +153,10 @@ bench-openresty:
 
 # The torture suite (TESTING.md): crash points, kill -9 of workers, stalls,
 # server faults, and the hostile-input spec and fuzz-ci as rows of one
-# summary table; fails on any violation.  torture takes about 19 minutes,
-# torture-ci (what CI runs) about 6.  TORTURE_ARGS: e.g. --only kills.
+# summary table, plus the sections of batched recovery, the batch job
+# and the four modules; fails on any violation.  torture-ci (what CI
+# runs) takes about 9 minutes; torture took 19 before those sections,
+# which add a few.  TORTURE_ARGS: e.g. --only kills.
 TORTURE = $(SPEC_ENV) MONGOTX_TORTURE_BUILD=$(BUILD) $(LUA) torture/run.lua
 torture:
 	@spec/support/setup.sh deps java ferretdb
