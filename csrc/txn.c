@@ -52,6 +52,20 @@ typedef struct {
  * writer that follows the tutorial's recipe. */
 enum { E_RAISES, E_LOWERS };
 
+/* Built here.  libmongoc validates every update it sends (bson_validate:
+ * UTF-8 of every key and string, no empty key; then every top-level key
+ * an operator), 5 000 instructions a request.  The updates of commit and
+ * done (move_many) and of finish (finish_many) need none of it: their
+ * keys are the operators written below and the manager's field names,
+ * which core.steps checks once (not empty, UTF-8; options.lua refuses
+ * `$` first and dots), and their only string values are the state names
+ * below and the transaction id, an id that was inserted (validated) or
+ * read back from the server before it can be finished.  So those go out
+ * with validate: false (s->built_wopts, s->built_req).  Apply, undo and
+ * fence carry the caller's update or undo, and create the caller's meta,
+ * whose string values no check of ours reads as UTF-8: libmongoc still
+ * validates them (bench/README.md, "Per command in libmongoc"). */
+
 /* A manager's steps (core.steps{...}): the field names and the write
  * options bound once, so that each step takes only what varies: (coll,
  * id, op [, version]) for the steps on documents, (txcoll, id, ...) for
@@ -60,6 +74,9 @@ typedef struct {
 	fields f;      /* the names, copies owned by the object */
 	bson_t *wopts; /* {writeConcern: ...}; NULL until set up */
 	bson_t *bopts; /* wopts and ordered: false, for the batches */
+	/* What libmongoc need not validate ("Built here", below): wopts
+	 * with validate: false, and a bulk request's {validate: false}. */
+	bson_t *built_wopts, *built_req;
 } mtx_steps;
 
 #define MTX_STEPS_MT "mongotx.Steps"
@@ -501,6 +518,7 @@ check_added(lua_State *L, bool ok, int i, const bson_error_t *err)
 typedef struct {
 	mongoc_bulk_operation_t *bulk;
 	bson_t *tid, *filter, *update; /* reused for every item */
+	const bson_t *req;	       /* s->built_req */
 	fields f;
 	int n;
 } op_batch;
@@ -514,6 +532,7 @@ op_batch_open(lua_State *L, op_batch *b)
 	lua_settop(L, 3);
 	luaL_checktype(L, 3, LUA_TTABLE);
 	b->f = s->f;
+	b->req = s->built_req;
 	b->n = (int)mtx_rawlen(L, 3);
 	b->bulk = new_bulk(L, coll, batch_opts(L, s, b->n));
 	b->tid = mtx_scratch(L);
@@ -642,9 +661,10 @@ typedef int (*op_builder)(lua_State *L, int op, const bson_t *tid, const fields 
 			  bson_t *filter, bson_t *update);
 
 /* The writes `build` makes of a batch of ops of one collection (steps,
- * coll, items), in one unordered bulk write at crash point `point`. */
+ * coll, items), in one unordered bulk write at crash point `point`;
+ * `built`: every update is built here (see "Built here"). */
 static int
-op_batch_run(lua_State *L, op_builder build, const char *point)
+op_batch_run(lua_State *L, op_builder build, const char *point, int built)
 {
 	op_batch b;
 	bson_error_t err;
@@ -664,7 +684,8 @@ op_batch_run(lua_State *L, op_builder build, const char *point)
 									NULL, &err);
 		else
 			ok = mongoc_bulk_operation_update_one_with_opts(
-				b.bulk, b.filter, b.update, how == OP_UPSERT ? upsert : NULL, &err);
+				b.bulk, b.filter, b.update,
+				how == OP_UPSERT ? upsert : built ? b.req : NULL, &err);
 		check_added(L, ok, i, &err);
 		lua_settop(L, top);
 	}
@@ -677,7 +698,7 @@ op_batch_run(lua_State *L, op_builder build, const char *point)
 static int
 l_finish_many(lua_State *L)
 {
-	return op_batch_run(L, build_finish, "finish");
+	return op_batch_run(L, build_finish, "finish", 1);
 }
 
 /* The undo of op: filter {_id, marker: tid}; update op.undo (update
@@ -740,7 +761,7 @@ l_undo(lua_State *L)
 static int
 l_undo_many(lua_State *L)
 {
-	return op_batch_run(L, build_undo, "undo");
+	return op_batch_run(L, build_undo, "undo", 0);
 }
 
 /* The fence of op: filter {_id, marker: {$ne: tid}}; update $inc version,
@@ -802,7 +823,7 @@ l_fence(lua_State *L)
 static int
 l_fence_many(lua_State *L)
 {
-	return op_batch_run(L, build_fence, "fence");
+	return op_batch_run(L, build_fence, "fence", 0);
 }
 
 /* Runs findAndModify(query, update) returning the new document, at crash
@@ -923,8 +944,8 @@ move_many(lua_State *L, const mtx_steps *s, const char *from, const char *to, in
 	bson_append_document_end(filter, &id);
 	update = mtx_scratch(L);
 	build_transition(L, from, to, epoch, NULL, 0, filter, update);
-	if ((rc = run_update(L, transition_point(to), coll, filter, update, s->wopts, 1,
-			     &n)))
+	if ((rc = run_update(L, transition_point(to), coll, filter, update,
+			     s->built_wopts, 1, &n)))
 		return rc;
 	lua_createtable(L, 0, 1);
 	lua_pushinteger(L, (lua_Integer)n);
@@ -1244,6 +1265,10 @@ l_steps_gc(lua_State *L)
 		bson_destroy(s->wopts);
 	if (s->bopts)
 		bson_destroy(s->bopts);
+	if (s->built_wopts)
+		bson_destroy(s->built_wopts);
+	if (s->built_req)
+		bson_destroy(s->built_req);
 	memset(s, 0, sizeof *s);
 	return 0;
 }
@@ -1257,6 +1282,7 @@ l_new_steps(lua_State *L)
 	static const char *const names[] = {"marker", "version", "removing", "held",
 		"placeholder", "write_concern", NULL};
 	const char *field[5];
+	size_t len;
 	mtx_steps *s;
 	bson_t *opts;
 	int i;
@@ -1265,7 +1291,11 @@ l_new_steps(lua_State *L)
 	mtx_check_options(L, 1, names);
 	for (i = 0; i < 5; i++) {
 		lua_getfield(L, 1, names[i]);
-		field[i] = luaL_checkstring(L, -1); /* kept alive by the table */
+		field[i] = luaL_checklstring(L, -1, &len); /* kept alive by the table */
+		/* "Built here": these names go out unvalidated */
+		if (len == 0 || strlen(field[i]) != len || !mtx_utf8_valid(field[i], len))
+			luaL_error(L, "mongotx: steps: %s must be a non-empty UTF-8 field name",
+				   names[i]);
 		lua_pop(L, 1);
 	}
 	opts = mtx_scratch(L);
@@ -1281,6 +1311,9 @@ l_new_steps(lua_State *L)
 	s->f.held = bson_strdup(field[3]);
 	s->f.placeholder = bson_strdup(field[4]);
 	s->wopts = bson_copy(opts);
+	s->built_wopts = bson_copy(opts);
+	BSON_APPEND_BOOL(s->built_wopts, "validate", false);
+	s->built_req = BCON_NEW("validate", BCON_BOOL(false));
 	BSON_APPEND_BOOL(opts, "ordered", false);
 	s->bopts = bson_copy(opts);
 	return 1;

@@ -90,7 +90,11 @@ describe("#server options", function()
     end)
 
     it("refuses a marker or version field that is another mongotx field", function()
-      for _, f in ipairs { "_id", "txRemoving", "txPlaceholder", "", "a.b", "$set", "a\0b" } do
+      -- not UTF-8 ("\xff", a sequence cut short): the updates of finish,
+      -- commit and done go out without libmongoc's validation (csrc/txn.c,
+      -- "Built here"), so these names are checked here
+      for _, f in ipairs { "_id", "txRemoving", "txPlaceholder", "", "a.b", "$set", "a\0b",
+                           "\xff", "m\xc3" } do
         invalid(manager { marker = f }, "option marker of manager must be a top-level field name")
         invalid(manager { version_field = f },
           "option version_field of manager must be a top-level field name")
@@ -99,6 +103,33 @@ describe("#server options", function()
         "options marker and version_field must be different fields")
       invalid(manager { marker = "txVersion" }, "must be different fields")
       invalid(manager { version_field = "pendingTransactions" }, "must be different fields")
+    end)
+
+    it("core.steps itself refuses a field name that is empty or not UTF-8", function()
+      local core = require "mongotx.core"
+      local names = { marker = "m", version = "v", removing = "r", held = "h", placeholder = "p" }
+      assert.is_not_nil(core.steps(names))
+      for field in pairs(names) do
+        for _, bad in ipairs { "", "\xff", "a\xe2\x82" } do
+          local with = {}
+          for k, v in pairs(names) do with[k] = v end
+          with[field] = bad
+          raises(function() return core.steps(with) end,
+            "steps: " .. field .. " must be a non-empty UTF-8 field name")
+        end
+      end
+    end)
+
+    it("a marker and version field beyond ASCII work through every step", function()
+      local tm = assert(db:manager { marker = "en_cours_é", version_field = "versión" })
+      local accounts = db.client:collection(db.name, "accounts")
+      assert(accounts:insert_many({ { _id = "a", balance = 10 }, { _id = "b", balance = 0 } }, {}))
+      local t = assert(tm:transfer("accounts", "a", "b", 4))
+      assert.are.equal("done", t.state)
+      assert.are.same({ { _id = "a", balance = 6, ["versión"] = 2, ["en_cours_é"] = {} },
+                        { _id = "b", balance = 4, ["versión"] = 2, ["en_cours_é"] = {},
+                          txHeld = {} } }, helpers.dump(accounts))
+      assert.are.equal("done", assert(tm:get(t._id)).state)
     end)
 
     it("refuses unknown modes and names", function()
