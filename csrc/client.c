@@ -134,9 +134,9 @@ apply_tls(lua_State *L, int idx, mongoc_client_t *client)
 	lua_pop(L, 5);
 }
 
-/* Statements a write command carries: the length of its documents,
- * updates or deletes array (libmongoc hands APM the OP_MSG document
- * sequence as that array), 1 for findAndModify, 0 for anything else. */
+/* Statements a write command carries (client:command's): the length of
+ * its documents, updates or deletes array, 1 for findAndModify, 0 for
+ * anything else. */
 static int64_t
 count_writes(const char *name, const bson_t *cmd)
 {
@@ -159,30 +159,41 @@ count_writes(const char *name, const bson_t *cmd)
 	return n;
 }
 
-/* Runs for every command the client sends, on the calling thread (a
- * client is single-threaded): counting only, so it stays cheap. */
+/* Commands: libmongoc ends every command it sends (a getMore, a
+ * killCursors, each command a bulk write is cut into) with one succeeded
+ * or one failed event, on the calling thread (a client is
+ * single-threaded).  Not the started event, which would do as well but
+ * makes libmongoc copy the command (its document sequence made an
+ * array): about 4 000 instructions a command, against 200 for these
+ * (bench/README.md, "Per command in libmongoc").  The statements are
+ * counted by mongotx where it hands them over (mtx_count_writes). */
 static void
-count_command(const mongoc_apm_command_started_t *event)
+count_succeeded(const mongoc_apm_command_succeeded_t *event)
 {
-	mtx_counters *n = (mtx_counters *)
-		mongoc_apm_command_started_get_context(event);
-
-	n->commands++;
-	n->writes += count_writes(
-		mongoc_apm_command_started_get_command_name(event),
-		mongoc_apm_command_started_get_command(event));
+	((mtx_counters *)mongoc_apm_command_succeeded_get_context(event))->commands++;
 }
 
-/* count_command for the clients of a pool, which run on many threads. */
 static void
-count_pooled_command(const mongoc_apm_command_started_t *event)
+count_failed(const mongoc_apm_command_failed_t *event)
 {
-	mtx_pool *p = (mtx_pool *)mongoc_apm_command_started_get_context(event);
+	((mtx_counters *)mongoc_apm_command_failed_get_context(event))->commands++;
+}
+
+/* The same for the clients of a pool, which run on many threads. */
+static void
+count_pooled_succeeded(const mongoc_apm_command_succeeded_t *event)
+{
+	mtx_pool *p = (mtx_pool *)mongoc_apm_command_succeeded_get_context(event);
 
 	MTX_ATOMIC_ADD(&p->counters.commands, 1);
-	MTX_ATOMIC_ADD(&p->counters.writes, count_writes(
-		mongoc_apm_command_started_get_command_name(event),
-		mongoc_apm_command_started_get_command(event)));
+}
+
+static void
+count_pooled_failed(const mongoc_apm_command_failed_t *event)
+{
+	mtx_pool *p = (mtx_pool *)mongoc_apm_command_failed_get_context(event);
+
+	MTX_ATOMIC_ADD(&p->counters.commands, 1);
 }
 
 static void
@@ -190,9 +201,36 @@ watch_commands(mtx_client *c)
 {
 	mongoc_apm_callbacks_t *cbs = mongoc_apm_callbacks_new();
 
-	mongoc_apm_set_command_started_cb(cbs, count_command);
+	mongoc_apm_set_command_succeeded_cb(cbs, count_succeeded);
+	mongoc_apm_set_command_failed_cb(cbs, count_failed);
 	mongoc_client_set_apm_callbacks(c->client, cbs, &c->counters); /* copies cbs */
 	mongoc_apm_callbacks_destroy(cbs);
+}
+
+/* The counters c adds to: a pool counts for all its clients (APM is set
+ * per pool). */
+static mtx_counters *
+counters_of(mtx_client *c)
+{
+	return c->pool ? &c->pool->counters : &c->counters;
+}
+
+int64_t
+mtx_commands_sent(mtx_client *c)
+{
+	return MTX_ATOMIC_GET(&counters_of(c)->commands);
+}
+
+/* With a pool, another thread's command may have moved the count too: a
+ * write libmongoc refused before sending it (a document it would not
+ * validate) can then count, nothing else. */
+void
+mtx_count_writes(mtx_client *c, int64_t since, int64_t n)
+{
+	mtx_counters *k = counters_of(c);
+
+	if (MTX_ATOMIC_GET(&k->commands) != since)
+		MTX_ATOMIC_ADD(&k->writes, n);
 }
 
 /* The key of a pool: the URI and what is set on the pool rather than on
@@ -245,7 +283,8 @@ new_pool(const char *uristr, char *key, const char *appname,
 	p->pid = getpid();
 	mongoc_client_pool_set_error_api(p->pool, MONGOC_ERROR_API_VERSION_2);
 	cbs = mongoc_apm_callbacks_new();
-	mongoc_apm_set_command_started_cb(cbs, count_pooled_command);
+	mongoc_apm_set_command_succeeded_cb(cbs, count_pooled_succeeded);
+	mongoc_apm_set_command_failed_cb(cbs, count_pooled_failed);
 	mongoc_client_pool_set_apm_callbacks(p->pool, cbs, p); /* copies cbs */
 	mongoc_apm_callbacks_destroy(cbs);
 	if (appname)
@@ -502,6 +541,9 @@ client_command(lua_State *L)
 	bson_t *cmd, *opts, *reply;
 	mongoc_read_prefs_t *rp;
 	bson_error_t err;
+	bson_iter_t it;
+	int64_t sent;
+	bool ok;
 
 	lua_settop(L, 4); /* absent optional arguments keep their slots */
 	mongoc_client_t *client = mtx_client_handle(L, c);
@@ -511,7 +553,11 @@ client_command(lua_State *L)
 	mtx_opt_write_concern(L, 4, opts);
 	rp = mtx_opt_read_prefs(L, 4);
 	reply = mtx_scratch(L);
-	if (!mongoc_client_command_with_opts(client, db, cmd, rp, opts, reply, &err))
+	sent = mtx_commands_sent(c);
+	ok = mongoc_client_command_with_opts(client, db, cmd, rp, opts, reply, &err);
+	if (bson_iter_init(&it, cmd) && bson_iter_next(&it))
+		mtx_count_writes(c, sent, count_writes(bson_iter_key(&it), cmd));
+	if (!ok)
 		return mtx_push_error(L, &err, reply);
 	mtx_push_document(L, reply);
 	return 1;
@@ -523,11 +569,9 @@ static int
 client_counters(lua_State *L)
 {
 	mtx_client *c = mtx_check_client(L, 1);
-	mtx_counters *n = &c->counters;
+	mtx_counters *n = counters_of(c);
 
 	mtx_client_handle(L, c);
-	if (c->pool) /* a pool counts for all its clients (APM is per pool) */
-		n = &c->pool->counters;
 	lua_createtable(L, 0, 2);
 	lua_pushinteger(L, (lua_Integer)MTX_ATOMIC_GET(&n->commands));
 	lua_setfield(L, -2, "commands");
@@ -540,11 +584,9 @@ static int
 client_reset_counters(lua_State *L)
 {
 	mtx_client *c = mtx_check_client(L, 1);
-	mtx_counters *n = &c->counters;
+	mtx_counters *n = counters_of(c);
 
 	mtx_client_handle(L, c);
-	if (c->pool)
-		n = &c->pool->counters;
 	MTX_ATOMIC_SET(&n->commands, 0);
 	MTX_ATOMIC_SET(&n->writes, 0);
 	return 0;

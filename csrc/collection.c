@@ -44,6 +44,13 @@ check_open(lua_State *L)
 	return mtx_collection_handle(L, mtx_check_collection(L, 1));
 }
 
+/* The client whose counters a write of the collection at 1 adds to. */
+static mtx_client *
+owner(lua_State *L)
+{
+	return mtx_check_collection(L, 1)->owner;
+}
+
 /* mongoc_collection_destroy does not touch the client, so a collection
  * may outlive the close of its client. */
 static int
@@ -113,7 +120,9 @@ collection_insert_one(lua_State *L)
 	mongoc_collection_t *coll = check_open(L);
 	bson_t *doc, *opts, *reply;
 	bson_error_t err;
+	int64_t sent = mtx_commands_sent(owner(L));
 	int id;
+	bool ok;
 
 	lua_settop(L, 3); /* absent optional arguments keep their slots */
 	mtx_check_options(L, 3, write_opts);
@@ -122,7 +131,9 @@ collection_insert_one(lua_State *L)
 	opts = mtx_scratch(L);
 	mtx_opt_write_concern(L, 3, opts);
 	reply = mtx_scratch(L);
-	if (!mongoc_collection_insert_one(coll, doc, opts, reply, &err))
+	ok = mongoc_collection_insert_one(coll, doc, opts, reply, &err);
+	mtx_count_writes(owner(L), sent, 1);
+	if (!ok)
 		return mtx_push_error(L, &err, reply);
 	lua_createtable(L, 0, 1);
 	lua_pushvalue(L, id);
@@ -141,7 +152,9 @@ collection_insert_many(lua_State *L)
 	const bson_t **docs;
 	bson_error_t err;
 	size_t i, n;
+	int64_t sent;
 	int ids;
+	bool ok;
 
 	lua_settop(L, 3); /* absent optional arguments keep their slots */
 	luaL_checktype(L, 2, LUA_TTABLE);
@@ -164,7 +177,10 @@ collection_insert_many(lua_State *L)
 	mtx_opt_bool(L, 3, "ordered", opts, "ordered");
 	mtx_opt_write_concern(L, 3, opts);
 	reply = mtx_scratch(L);
-	if (!mongoc_collection_insert_many(coll, docs, n, opts, reply, &err))
+	sent = mtx_commands_sent(owner(L));
+	ok = mongoc_collection_insert_many(coll, docs, n, opts, reply, &err);
+	mtx_count_writes(owner(L), sent, (int64_t)n);
+	if (!ok)
 		return mtx_push_error(L, &err, reply);
 	lua_createtable(L, 0, 2);
 	copy_count(L, reply, "insertedCount", "inserted");
@@ -325,6 +341,8 @@ do_update(lua_State *L, update_fn fn)
 	mongoc_collection_t *coll = check_open(L);
 	bson_t *filter, *update, *opts, *reply;
 	bson_error_t err;
+	int64_t sent;
+	bool ok;
 
 	lua_settop(L, 4); /* absent optional arguments keep their slots */
 	filter = mtx_check_document(L, 2);
@@ -334,7 +352,10 @@ do_update(lua_State *L, update_fn fn)
 	mtx_opt_bool(L, 4, "upsert", opts, "upsert");
 	mtx_opt_write_concern(L, 4, opts);
 	reply = mtx_scratch(L);
-	if (!fn(coll, filter, update, opts, reply, &err))
+	sent = mtx_commands_sent(owner(L));
+	ok = fn(coll, filter, update, opts, reply, &err);
+	mtx_count_writes(owner(L), sent, 1);
+	if (!ok)
 		return mtx_push_error(L, &err, reply);
 	lua_createtable(L, 0, 3);
 	copy_count(L, reply, "matchedCount", "matched");
@@ -371,6 +392,8 @@ do_delete(lua_State *L, delete_fn fn)
 	mongoc_collection_t *coll = check_open(L);
 	bson_t *filter, *opts, *reply;
 	bson_error_t err;
+	int64_t sent;
+	bool ok;
 
 	lua_settop(L, 3); /* absent optional arguments keep their slots */
 	filter = mtx_check_document(L, 2);
@@ -378,7 +401,10 @@ do_delete(lua_State *L, delete_fn fn)
 	opts = mtx_scratch(L);
 	mtx_opt_write_concern(L, 3, opts);
 	reply = mtx_scratch(L);
-	if (!fn(coll, filter, opts, reply, &err))
+	sent = mtx_commands_sent(owner(L));
+	ok = fn(coll, filter, opts, reply, &err);
+	mtx_count_writes(owner(L), sent, 1);
+	if (!ok)
 		return mtx_push_error(L, &err, reply);
 	lua_createtable(L, 0, 1);
 	copy_count(L, reply, "deletedCount", "deleted");
@@ -412,6 +438,8 @@ collection_find_and_modify(lua_State *L)
 	bson_error_t err;
 	bson_iter_t it, sub;
 	void **slot;
+	int64_t sent;
+	bool ok;
 
 	lua_settop(L, 3); /* absent optional arguments keep their slots */
 	query = mtx_check_document(L, 2);
@@ -444,7 +472,10 @@ collection_find_and_modify(lua_State *L)
 	mtx_opt_write_concern(L, 3, extra);
 	mongoc_find_and_modify_opts_append(fam, extra);
 	reply = mtx_scratch(L);
-	if (!mongoc_collection_find_and_modify_with_opts(coll, query, fam, reply, &err))
+	sent = mtx_commands_sent(owner(L));
+	ok = mongoc_collection_find_and_modify_with_opts(coll, query, fam, reply, &err);
+	mtx_count_writes(owner(L), sent, 1);
+	if (!ok)
 		return mtx_push_error(L, &err, reply);
 	lua_createtable(L, 0, 4);
 	if (bson_iter_init_find(&it, reply, "value") && BSON_ITER_HOLDS_DOCUMENT(&it)) {
@@ -698,25 +729,31 @@ collection_bulk_write(lua_State *L)
 		add_request(L, bulk, i);
 		lua_pop(L, 1);
 	}
-	return mtx_bulk_execute(L, bulk, NULL, n, ordered);
+	return mtx_bulk_execute(L, owner(L), bulk, NULL, n, ordered);
 }
 
 /* Executes bulk (n requests) between the crash points of `point` (none
- * when NULL) and pushes the result table coll:bulk_write describes, or nil,
- * err; returns the number of values pushed.  The transaction steps share
- * it for their batched writes. */
+ * when NULL), counts its statements as owner's writes, and pushes the
+ * result table coll:bulk_write describes, or nil, err; returns the number
+ * of values pushed.  The transaction steps share it for their batched
+ * writes.  (An ordered bulk stops at a command that fails, and the
+ * commands after it are not sent; their statements count all the same,
+ * as libmongoc does not say how it cut the bulk into commands.) */
 int
-mtx_bulk_execute(lua_State *L, mongoc_bulk_operation_t *bulk,
+mtx_bulk_execute(lua_State *L, mtx_client *owner, mongoc_bulk_operation_t *bulk,
 		 const char *point, int n, int ordered)
 {
 	bson_t *reply = mtx_scratch(L);
 	bson_error_t err;
 	bulk_reply r;
+	int64_t sent;
 	bool ok;
 
 	if (point)
 		mtx_fault(point, "before");
+	sent = mtx_commands_sent(owner);
 	ok = mongoc_bulk_operation_execute(bulk, reply, &err);
+	mtx_count_writes(owner, sent, n);
 	if (point)
 		mtx_fault(point, "after");
 	read_bulk_reply(reply, &r);

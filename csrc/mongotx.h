@@ -167,8 +167,10 @@ MTX_HIDDEN mongoc_read_prefs_t *mtx_opt_read_prefs(lua_State *L, int idx);
 
 typedef struct mtx_cursor mtx_cursor;
 
-/* What the client sent, counted by libmongoc's command monitoring (APM):
- * commands is round trips, writes the statements of write commands. */
+/* What the client sent: commands is round trips, counted by libmongoc's
+ * command monitoring (APM, client.c); writes the statements of write
+ * commands, counted where mongotx hands them to libmongoc
+ * (mtx_count_writes). */
 typedef struct {
 	int64_t commands;
 	int64_t writes;
@@ -189,6 +191,12 @@ MTX_HIDDEN mtx_client *mtx_check_client(lua_State *L, int idx);
 /* The client's libmongoc handle; raises if the client was closed. */
 MTX_HIDDEN mongoc_client_t *mtx_client_handle(lua_State *L, mtx_client *c);
 MTX_HIDDEN int mtx_open_client(lua_State *L);
+/* Around every write mongotx sends: since = mtx_commands_sent(c) before
+ * the libmongoc call, then mtx_count_writes(c, since, n) after it, which
+ * counts its n statements when a command went out meanwhile (not when
+ * libmongoc refused the write before sending it). */
+MTX_HIDDEN int64_t mtx_commands_sent(mtx_client *c);
+MTX_HIDDEN void mtx_count_writes(mtx_client *c, int64_t since, int64_t n);
 
 /* ---- collection.c ---- */
 
@@ -204,8 +212,9 @@ MTX_HIDDEN mtx_collection *mtx_check_collection(lua_State *L, int idx);
 MTX_HIDDEN mongoc_collection_t *mtx_collection_handle(lua_State *L,
 						      mtx_collection *c);
 MTX_HIDDEN int mtx_open_collection(lua_State *L);
-MTX_HIDDEN int mtx_bulk_execute(lua_State *L, mongoc_bulk_operation_t *bulk,
-				const char *point, int n, int ordered);
+MTX_HIDDEN int mtx_bulk_execute(lua_State *L, mtx_client *owner,
+				mongoc_bulk_operation_t *bulk, const char *point,
+				int n, int ordered);
 
 /* ---- cursor.c ---- */
 

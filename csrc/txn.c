@@ -273,6 +273,30 @@ arg_collection(lua_State *L, int idx)
 	return mtx_collection_handle(L, mtx_check_collection(L, idx));
 }
 
+/* The client whose counters a step's writes add to: every step takes
+ * the collection it writes to second (steps, coll, ...). */
+static mtx_client *
+step_owner(lua_State *L)
+{
+	return mtx_check_collection(L, 2)->owner;
+}
+
+/* Around each single write of a step: its crash points (fault.c) and
+ * the count of its statement (client:counters). */
+static int64_t
+write_begin(lua_State *L, const char *point)
+{
+	mtx_fault(point, "before");
+	return mtx_commands_sent(step_owner(L));
+}
+
+static void
+write_end(lua_State *L, const char *point, int64_t since)
+{
+	mtx_count_writes(step_owner(L), since, 1);
+	mtx_fault(point, "after");
+}
+
 /* Runs an update_one (update_many if `many`) at crash point `point`
  * (fault.c); sets *matched (an upsert counts as one), or
  * pushes nil, err and returns 2 (0 on success). */
@@ -284,12 +308,13 @@ run_update(lua_State *L, const char *point, mongoc_collection_t *coll,
 	bson_t *reply = mtx_scratch(L);
 	bson_error_t err;
 	bson_iter_t it;
+	int64_t sent;
 	bool ok;
 
-	mtx_fault(point, "before");
+	sent = write_begin(L, point);
 	ok = many ? mongoc_collection_update_many(coll, filter, update, opts, reply, &err)
 		     : mongoc_collection_update_one(coll, filter, update, opts, reply, &err);
-	mtx_fault(point, "after");
+	write_end(L, point, sent);
 	if (!ok)
 		return mtx_push_error(L, &err, reply);
 	*matched = bson_iter_init_find(&it, reply, "matchedCount")
@@ -306,11 +331,12 @@ run_delete(lua_State *L, const char *point, mongoc_collection_t *coll,
 	bson_t *reply = mtx_scratch(L);
 	bson_error_t err;
 	bson_iter_t it;
+	int64_t sent;
 	bool ok;
 
-	mtx_fault(point, "before");
+	sent = write_begin(L, point);
 	ok = mongoc_collection_delete_one(coll, filter, opts, reply, &err);
-	mtx_fault(point, "after");
+	write_end(L, point, sent);
 	if (!ok)
 		return mtx_push_error(L, &err, reply);
 	*deleted = bson_iter_init_find(&it, reply, "deletedCount")
@@ -457,11 +483,12 @@ l_apply(lua_State *L)
 	if (kind == K_INSERT) {
 		bson_t *doc = build_insert(L, 4, tid, &s->f), *reply = mtx_scratch(L);
 		bson_error_t err;
+		int64_t sent;
 		bool ok;
 
-		mtx_fault("apply", "before");
+		sent = write_begin(L, "apply");
 		ok = mongoc_collection_insert_one(coll, doc, opts, reply, &err);
-		mtx_fault("apply", "after");
+		write_end(L, "apply", sent);
 		if (!ok) {
 			if (err.code == 11000)
 				return push_bool_result(L, "applied", 0);
@@ -587,7 +614,7 @@ l_apply_many(lua_State *L)
 		check_added(L, ok, i, &err);
 		lua_settop(L, top);
 	}
-	return mtx_bulk_execute(L, b.bulk, "apply", b.n, 0);
+	return mtx_bulk_execute(L, step_owner(L), b.bulk, "apply", b.n, 0);
 }
 
 /* The arguments finish, undo and fence share: (steps, coll, tid, op),
@@ -689,7 +716,7 @@ op_batch_run(lua_State *L, op_builder build, const char *point, int built)
 		check_added(L, ok, i, &err);
 		lua_settop(L, top);
 	}
-	return mtx_bulk_execute(L, b.bulk, point, b.n, 0);
+	return mtx_bulk_execute(L, step_owner(L), b.bulk, point, b.n, 0);
 }
 
 /* steps:finish_many(coll, items) -> bulk result or nil, err.
@@ -840,6 +867,7 @@ find_and_modify(lua_State *L, const char *point, mongoc_collection_t *coll,
 	void **slot;
 	uint32_t len;
 	const uint8_t *data;
+	int64_t sent;
 	bool ok;
 
 	slot = mtx_guard(L, (void (*)(void *))mongoc_find_and_modify_opts_destroy);
@@ -847,9 +875,9 @@ find_and_modify(lua_State *L, const char *point, mongoc_collection_t *coll,
 	mongoc_find_and_modify_opts_set_update(fam, update);
 	mongoc_find_and_modify_opts_set_flags(fam, MONGOC_FIND_AND_MODIFY_RETURN_NEW);
 	mongoc_find_and_modify_opts_append(fam, opts);
-	mtx_fault(point, "before");
+	sent = write_begin(L, point);
 	ok = mongoc_collection_find_and_modify_with_opts(coll, query, fam, reply, &err);
-	mtx_fault(point, "after");
+	write_end(L, point, sent);
 	if (!ok)
 		return mtx_push_error(L, &err, reply);
 	if (bson_iter_init_find(&it, reply, "value") && BSON_ITER_HOLDS_DOCUMENT(&it)) {
@@ -1084,6 +1112,7 @@ l_create(lua_State *L)
 	bson_iter_t it;
 	bson_error_t err;
 	const char *point;
+	int64_t sent;
 	bool ok;
 
 	lua_settop(L, 3);
@@ -1094,9 +1123,9 @@ l_create(lua_State *L)
 	update = mtx_scratch(L);
 	point = build_create(L, 3, filter, update);
 	reply = mtx_scratch(L);
-	mtx_fault(point, "before");
+	sent = write_begin(L, point);
 	ok = mongoc_collection_update_one(coll, filter, update, opts, reply, &err);
-	mtx_fault(point, "after");
+	write_end(L, point, sent);
 	if (!ok) {
 		/* two creators racing on one id: the loser sees a duplicate */
 		if (err.code == 11000)
@@ -1137,7 +1166,7 @@ l_create_many(lua_State *L)
 		mtx_scratch_give(L, -1); /* the bulk holds a copy */
 		lua_settop(L, top);
 	}
-	return mtx_bulk_execute(L, bulk, "create", n, 0);
+	return mtx_bulk_execute(L, step_owner(L), bulk, "create", n, 0);
 }
 
 /* A claim's filter {_id: tid, ...expect} and update {$set: set, $inc:
@@ -1220,7 +1249,7 @@ l_claim_many(lua_State *L)
 			    i, &err);
 		lua_settop(L, top);
 	}
-	return mtx_bulk_execute(L, bulk, "claim", n, 0);
+	return mtx_bulk_execute(L, step_owner(L), bulk, "claim", n, 0);
 }
 
 /* Monotonic milliseconds, for leases measured by this process. */

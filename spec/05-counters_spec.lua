@@ -1,14 +1,18 @@
--- client:counters() / client:reset_counters(): round trips and write
--- statements as libmongoc's command monitoring sees them.  bench/ divides
--- them by the transfers it ran, so they must be exact.
+-- client:counters() / client:reset_counters(): round trips (libmongoc's
+-- command monitoring: one succeeded or failed event a command) and write
+-- statements (counted where mongotx hands them to libmongoc, when a
+-- command went out).  bench/ divides them by the transfers it ran, so
+-- they must be exact.
 local helpers = require "spec.helpers"
+local mongotx_core = require "mongotx.core"
 
 describe("#server client counters", function()
-  local client, coll
+  local client, coll, dbname
 
   before_each(function()
     client = helpers.client()
-    coll = client:collection(helpers.db_name(), "c")
+    dbname = helpers.db_name()
+    coll = client:collection(dbname, "c")
   end)
 
   after_each(function()
@@ -100,6 +104,55 @@ describe("#server client counters", function()
       assert.is_not_nil(err)
     end))
     assert.are.same({ { _id = 1 } }, helpers.dump(coll))
+  end)
+
+  it("count each getMore of a cursor, and the killCursors of one closed early", function()
+    local docs = {}
+    for i = 1, 5 do docs[i] = { _id = i } end
+    assert(coll:insert_many(docs, {}))
+    -- find answers 2, two getMores the other 3 (the last batch ends the cursor)
+    assert.are.same({ commands = 3, writes = 0 }, counted(function()
+      local cur = coll:find({}, { sort = { _id = 1 }, batch_size = 2 })
+      local seen = {}
+      for doc in cur.next, cur do seen[#seen + 1] = doc._id end
+      assert.are.same({ 1, 2, 3, 4, 5 }, seen)
+    end))
+    -- closed after its first batch: the server's cursor is killed
+    assert.are.same({ commands = 2, writes = 0 }, counted(function()
+      local cur = coll:find({}, { sort = { _id = 1 }, batch_size = 2 })
+      assert.are.equal(1, cur:next()._id)
+      cur:close()
+    end))
+    assert.are.same(docs, helpers.dump(coll))
+  end)
+
+  it("count a write command sent through client:command by its statements", function()
+    assert.are.same({ commands = 1, writes = 2 }, counted(function()
+      assert(client:command(dbname, mongotx_core.doc("insert", "c",
+        "documents", { { _id = 1 }, { _id = 2 } })))
+    end))
+    assert.are.same({ { _id = 1 }, { _id = 2 } }, helpers.dump(coll))
+  end)
+
+  it("count a command the server answers with an error", function()
+    assert.are.same({ commands = 1, writes = 0 }, counted(function()
+      local res, err = client:command(dbname, { noSuchCommand = 1 })
+      assert.is_nil(res)
+      assert.is_not_nil(err)
+    end))
+    assert.are.same({}, helpers.dump(coll))
+  end)
+
+  it("count nothing for a write libmongoc refuses before sending it", function()
+    assert.are.same({ commands = 0, writes = 0 }, counted(function()
+      local res, err = coll:insert_one({ _id = 1, [""] = 1 }, {})
+      assert.is_nil(res)
+      assert.matches("empty key", err.message)
+      res, err = coll:update_one({ _id = 1 }, mongotx_core.doc("$set", { n = 1 }, "n", 2), {})
+      assert.is_nil(res)
+      assert.matches("operators", err.message)
+    end))
+    assert.are.same({}, helpers.dump(coll))
   end)
 
   it("raise on a closed client", function()
