@@ -132,6 +132,20 @@ describe("#server options", function()
       assert.are.equal("done", assert(tm:get(t._id)).state)
     end)
 
+    -- finish and done go out unvalidated (csrc/txn.c, "Built here"): an
+    -- id libmongoc would not read as UTF-8 goes through them as before
+    it("a transaction id that is not UTF-8 ends done, every marker pulled", function()
+      local tm = assert(db:manager {})
+      local accounts = db.client:collection(db.name, "accounts")
+      assert(accounts:insert_many({ { _id = "a", balance = 10 }, { _id = "b", balance = 0 } }, {}))
+      local t = assert(tm:transfer("accounts", "a", "b", 4, { id = "tx\xff" }))
+      assert.are.equal("done", t.state)
+      assert.are.same({ { _id = "a", balance = 6, txVersion = 2, pendingTransactions = {} },
+                        { _id = "b", balance = 4, txVersion = 2, pendingTransactions = {},
+                          txHeld = {} } }, helpers.dump(accounts))
+      assert.are.equal("done", assert(tm:get("tx\xff")).state)
+    end)
+
     it("refuses unknown modes and names", function()
       invalid(manager { finish = "later" }, 'option finish of manager must be "inline" or "deferred"')
       invalid(manager { fencing = "none" },
