@@ -743,11 +743,7 @@ int
 mtx_bulk_execute(lua_State *L, mtx_client *owner, mongoc_bulk_operation_t *bulk,
 		 const char *point, int n, int ordered)
 {
-	/* the kept scratch (a finalised userdata each command was 1 600
-	 * instructions): read into Lua tables before it is given back; an
-	 * error leaves it to the collector */
-	bson_t *reply = mtx_scratch_take(L);
-	int kept = lua_gettop(L);
+	bson_t *reply = mtx_scratch(L);
 	bson_error_t err;
 	bulk_reply r;
 	int64_t sent;
@@ -773,7 +769,6 @@ mtx_bulk_execute(lua_State *L, mtx_client *owner, mongoc_bulk_operation_t *bulk,
 	push_count(L, r.upserted, "upserted");
 	push_bulk_items(L, reply, &r, n, ordered);
 	lua_setfield(L, -2, "items");
-	mtx_scratch_give(L, kept);
 	return 1;
 }
 

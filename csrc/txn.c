@@ -305,8 +305,7 @@ run_update(lua_State *L, const char *point, mongoc_collection_t *coll,
 	   const bson_t *filter, const bson_t *update, const bson_t *opts,
 	   int many, int64_t *matched)
 {
-	bson_t *reply = mtx_scratch_take(L); /* as mtx_bulk_execute's */
-	int kept = lua_gettop(L);
+	bson_t *reply = mtx_scratch(L);
 	bson_error_t err;
 	bson_iter_t it;
 	int64_t sent;
@@ -322,7 +321,6 @@ run_update(lua_State *L, const char *point, mongoc_collection_t *coll,
 			   ? bson_iter_as_int64(&it) : 0;
 	if (bson_iter_init_find(&it, reply, "upsertedId"))
 		(*matched)++; /* fence's placeholder: written, so it counts */
-	mtx_scratch_give(L, kept);
 	return 0;
 }
 
