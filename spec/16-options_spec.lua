@@ -135,6 +135,9 @@ describe("#server options", function()
     -- finish and done go out unvalidated (csrc/txn.c, "Built here"): an
     -- id libmongoc would not read as UTF-8 goes through them as before
     it("a transaction id that is not UTF-8 ends done, every marker pulled", function()
+      local lacks = helpers.ferretdb_lacks("strings that are not UTF-8 (it stores another " ..
+        "string, so the transaction is not found again under its id)")
+      if lacks then return pending(lacks) end
       local tm = assert(db:manager {})
       local accounts = db.client:collection(db.name, "accounts")
       assert(accounts:insert_many({ { _id = "a", balance = 10 }, { _id = "b", balance = 0 } }, {}))
