@@ -227,6 +227,10 @@ MTX_HIDDEN int mtx_open_cursor(lua_State *L);
 
 MTX_HIDDEN int mtx_open_ids(lua_State *L);
 
+/* ---- stored.c: the ops as a transaction stores them ---- */
+
+MTX_HIDDEN int mtx_open_stored(lua_State *L);
+
 /* ---- txn.c: the two-phase-commit steps ---- */
 
 MTX_HIDDEN int mtx_open_txn(lua_State *L);

@@ -576,12 +576,6 @@ end
 -- rest to its state, owner, meta and the like.
 local MAX_OPS_BYTES = 16 * 1024 * 1024 - 64 * 1024
 
--- The BSON of ops as stored, and that stored form (stored.ops).
-local function encode_stored(ops, encoded)
-  local stored_ops = stored.ops(ops, encoded)
-  return encode({ ops = stored_ops }), stored_ops
-end
-
 -- ops: the caller's op list; ctx: { collection = transactions collection
 -- name, owned = { "_id", marker, version } }.  Returns the normalised
 -- list and the ops as the transaction stores them (stored.ops), or nil,
@@ -612,12 +606,14 @@ function _M.ops(ops, ctx, built)
   -- Too big for one document is bad content, found here rather than as a
   -- raise from the insert: the stored form (update, undo and where as
   -- BSON in binaries) measured, and room left for the transaction's own
-  -- fields.
-  local ok, bytes, stored_ops = pcall(encode_stored, out, encoded)
-  if not ok then return invalid("the ops cannot be stored: " .. tostring(bytes)) end
-  if #bytes > MAX_OPS_BYTES then
+  -- fields.  That form is what the transaction document holds.
+  local ok, stored_ops, size = pcall(stored.ops, out, encoded)
+  if not ok then
+    return invalid("the ops cannot be stored: " .. tostring(stored_ops):gsub("^mongotx: ", ""))
+  end
+  if size > MAX_OPS_BYTES then
     return invalid(format("the ops take %d bytes: a transaction is one document of " ..
-      "at most 16 MiB", #bytes))
+      "at most 16 MiB", size))
   end
   return out, stored_ops
 end
