@@ -143,8 +143,11 @@ local function apply(eng, entries, deadline, versions)
             local v = versions and versions[t][i]
             local version = false -- none read: fenced by the deadline alone
             if v then version = v.version end
+            -- stored: the ops as the create sent them, which the C step
+            -- reads the op's filter and update from (recovery's have none)
             items[#items + 1] = { tid = e.T._id, op = op, deadline = deadline,
-                                  version = version, entry = e, i = i }
+                                  version = version, entry = e, i = i,
+                                  stored = e.doc and e.doc.ops }
           end
         end
       end
