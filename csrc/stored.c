@@ -1,5 +1,6 @@
 /* stored.c: the ops as a transaction document stores them
- * (lua/mongotx/stored.lua), built in one pass from the checked ops.
+ * (lua/mongotx/stored.lua), built in one pass from the checked ops, and
+ * the snapshots of the caller's tables they are made from.
  *
  * The array is made once per transaction and used three times: its size
  * is the size check of validate.ops, the insert (create, create_many)
@@ -38,13 +39,15 @@ append_operator_field(lua_State *L, int op, int enc, const char *f, bson_t *out)
 		bytes = lua_tolstring(L, -1, &len);
 	}
 	if (!bytes) {
-		bson_t *doc = mtx_check_document(L, top + 1);
+		bson_t *doc = mtx_check_document_reused(L, top + 1);
 
-		bytes = (const char *)bson_get_data(doc);
-		len = doc->len;
+		bson_append_binary(out, f, -1, BSON_SUBTYPE_BINARY, bson_get_data(doc),
+				   doc->len);
+		mtx_scratch_give(L, -1);
+	} else {
+		bson_append_binary(out, f, -1, BSON_SUBTYPE_BINARY, (const uint8_t *)bytes,
+				   (uint32_t)len);
 	}
-	bson_append_binary(out, f, -1, BSON_SUBTYPE_BINARY, (const uint8_t *)bytes,
-			   (uint32_t)len);
 	lua_settop(L, top);
 }
 
@@ -108,10 +111,45 @@ l_stored_ops(lua_State *L)
 	return 2;
 }
 
+/* core.snapshot(t) -> copy, bytes: the table as it would be sent (encoded
+ * as the field v of a document, so that it may be an array too, and
+ * decoded again: plain tables, whatever metatables t carried) and its
+ * BSON (what core.stored_ops keeps).  One call for validate's
+ * encode-then-decode, which sends no string of the whole document and
+ * skips the validation of bytes just encoded here.  Raises as
+ * core.encode({ v = t }) does. */
+static int
+l_snapshot(lua_State *L)
+{
+	bson_t *holder;
+	bson_iter_t it;
+	const uint8_t *data;
+	uint32_t len;
+
+	luaL_checktype(L, 1, LUA_TTABLE);
+	lua_settop(L, 1);
+	lua_createtable(L, 0, 1);
+	lua_pushvalue(L, 1);
+	lua_setfield(L, 2, "v");
+	holder = mtx_check_document_reused(L, 2);
+	if (!bson_iter_init_find(&it, holder, "v"))
+		return luaL_error(L, "mongotx: snapshot lost its value");
+	if (BSON_ITER_HOLDS_ARRAY(&it))
+		bson_iter_array(&it, &len, &data);
+	else
+		bson_iter_document(&it, &len, &data);
+	mtx_push_iter(L, &it);
+	lua_pushlstring(L, (const char *)data, len);
+	mtx_scratch_give(L, 3);
+	return 2;
+}
+
 int
 mtx_open_stored(lua_State *L)
 {
 	lua_pushcfunction(L, l_stored_ops);
 	lua_setfield(L, -2, "stored_ops");
+	lua_pushcfunction(L, l_snapshot);
+	lua_setfield(L, -2, "snapshot");
 	return 0;
 }

@@ -109,13 +109,12 @@ end
 -- encoded (a function, a table holding itself, over 16 MiB, ...).  For a
 -- table, also the BSON of the copy as a document, which is how the
 -- transaction stores it (stored.ops): each op is encoded once.
-local encode, decode = core.encode, core.decode
+local encode, core_snapshot = core.encode, core.snapshot
 local function snapshot(v)
   if type(v) ~= "table" then return v end
-  local ok, bytes = pcall(encode, { v = v })
-  if not ok then return nil, (tostring(bytes):gsub("^mongotx: ", "")) end
-  -- { v = <v> } is int32 size, type, "v\0", v's bytes, 0: v's start at 8
-  return decode(bytes).v, bytes:sub(8, -2)
+  local ok, copy, bytes = pcall(core_snapshot, v)
+  if not ok then return nil, (tostring(copy):gsub("^mongotx: ", "")) end
+  return copy, bytes
 end
 _M.snapshot = snapshot
 
