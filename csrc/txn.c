@@ -1184,29 +1184,36 @@ l_create(lua_State *L)
 				bson_iter_init_find(&it, reply, "upsertedId"));
 }
 
-/* steps:create_many(txcoll, docs) -> bulk result or nil, err
+/* steps:create_many(txcoll, docs [, common]) -> bulk result or nil, err
  * Inserts the transactions in one unordered bulk write: a duplicate key
  * (code 11000) in items[i] marks an id that exists already.  Unlike
  * create, the documents carry their own lastModified (an insert cannot
  * $currentDate; the caller uses the server's clock), because an insert
- * costs the server a third of an upsert. */
+ * costs the server a third of an upsert.  common: the fields every
+ * document of the batch shares (state, owner, lastModified, ...), encoded
+ * once and appended to each document after its own fields. */
 static int
 l_create_many(lua_State *L)
 {
 	mtx_steps *s = check_steps(L);
 	mongoc_collection_t *coll = arg_collection(L, 2);
 	mongoc_bulk_operation_t *bulk;
+	const bson_t *common = NULL;
 	bson_error_t err;
 	int i, n;
 
-	lua_settop(L, 3);
+	lua_settop(L, 4);
 	luaL_checktype(L, 3, LUA_TTABLE);
+	if (!lua_isnil(L, 4))
+		common = mtx_check_document(L, 4);
 	n = (int)mtx_rawlen(L, 3);
 	bulk = new_bulk(L, coll, batch_opts(L, s, n));
 	for (i = 1; i <= n; i++) {
 		int top = lua_gettop(L), item = batch_item(L, 3, i);
 		bson_t *doc = mtx_check_document_reused(L, item);
 
+		if (common && (!bson_concat(doc, common) || doc->len > MTX_MAX_BSON))
+			luaL_error(L, "mongotx: transaction %d exceeds the 16 MiB limit", i);
 		if (!bson_has_field(doc, "_id") || !bson_has_field(doc, "lastModified"))
 			luaL_error(L, "mongotx: transaction %d needs an _id and lastModified", i);
 		check_added(L, mongoc_bulk_operation_insert_with_opts(bulk, doc, NULL, &err),

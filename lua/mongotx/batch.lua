@@ -38,17 +38,19 @@ local floor = math.floor
 
 local _M = {}
 
--- Entries: { T = <the transaction, ops as tables>, doc = <as stored>,
--- err = <why it failed>, slow = <needs the one-at-a-time steps> }.
+-- Entries: { T = <the transaction, ops as tables>, doc = <its own fields
+-- as stored: _id, ops (core.stored_ops), meta and the caller's extra>,
+-- err = <why it failed>, slow = <needs the one-at-a-time steps> }.  The
+-- fields all transactions of a batch share are sent once (`common`).
 
 local function fail(e, err) e.err = e.err or err end
 
 -- Step 1: insert them all pending and owned.  An id that exists already
 -- is handled the way begin handles it (same ops: its outcome).
-local function create(eng, entries)
+local function create(eng, entries, common)
   local docs = {}
   for i, e in ipairs(entries) do docs[i] = e.doc end
-  local res, err = eng:many("create", eng.tx, docs)
+  local res, err = eng:many("create", eng.tx, docs, common)
   -- items say ok for a request a server never ran after an error
   -- (FerretDB stops there): then inserted counts fewer than the oks
   local oks = 0
@@ -241,8 +243,10 @@ local function settle(eng, e, deadline, versions)
     if err then return fail(e, err) end
     if not existing then
       -- a batch the server cut short: create this one alone
-      local res
-      res, err = eng:step("create", T._id, eng.tx, e.doc)
+      local res, doc = nil, {}
+      for k, v in pairs(T) do doc[k] = v end
+      doc.ops = e.doc.ops
+      res, err = eng:step("create", T._id, eng.tx, doc)
       if not res then return fail(e, err) end
       existing = res.created and T or eng:get(T._id)
     end
@@ -297,6 +301,9 @@ function _M.run(eng, specs)
     stamp = core.Date(floor(now))
     if eng:deadlines() then deadline = core.Date(floor(now + eng.policy.lease * 1000)) end
   end
+  local common = { state = "pending", epoch = 1, attempts = 1, application = eng.application,
+                   instance = eng.instance, lease = eng.policy.lease, deadline = deadline,
+                   lastModified = stamp }
   for i, spec in ipairs(specs) do
     local id = spec.id
     if id == nil then id = core.ObjectId() end
@@ -304,10 +311,8 @@ function _M.run(eng, specs)
                 application = eng.application, instance = eng.instance,
                 lease = eng.policy.lease, deadline = deadline, meta = spec.meta,
                 lastModified = stamp }
-    for k, v in pairs(spec.extra or {}) do T[k] = v end
-    local doc = {}
-    for k, v in pairs(T) do doc[k] = v end
-    doc.ops = spec.stored or stored.ops(spec.ops)
+    local doc = { _id = id, ops = spec.stored or stored.ops(spec.ops), meta = spec.meta }
+    for k, v in pairs(spec.extra or {}) do T[k], doc[k] = v, v end
     entries[i] = { T = T, doc = doc, err = not now and err or nil }
   end
   local versions
@@ -333,7 +338,7 @@ function _M.run(eng, specs)
     return out, versions and vs
   end
   local todo = live()
-  if #todo > 0 then create(eng, todo) end
+  if #todo > 0 then create(eng, todo, common) end
   local created, vs = live(function(e) return e.created end)
   for _, e in ipairs(created) do eng:hold(e.T._id, 1) end
   if #created > 0 then apply(eng, created, deadline, vs) end
