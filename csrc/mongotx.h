@@ -204,8 +204,12 @@ MTX_HIDDEN mtx_collection *mtx_check_collection(lua_State *L, int idx);
 MTX_HIDDEN mongoc_collection_t *mtx_collection_handle(lua_State *L,
 						      mtx_collection *c);
 MTX_HIDDEN int mtx_open_collection(lua_State *L);
+/* mtx_bulk_execute's flags: the bulk was ordered; items only for the
+ * requests that failed or upserted (the others are ok). */
+#define MTX_BULK_ORDERED 1
+#define MTX_BULK_FAILURES 2
 MTX_HIDDEN int mtx_bulk_execute(lua_State *L, mongoc_bulk_operation_t *bulk,
-				const char *point, int n, int ordered);
+				const char *point, int n, int flags);
 
 /* ---- cursor.c ---- */
 

@@ -631,7 +631,8 @@ item_op_parts(lua_State *L, int item, int op, int kind, op_parts *p)
 }
 
 /* steps:apply_many(coll, items) -> bulk result (see
- * coll:bulk_write) or nil, err.  items[i] = { tid, op, version, deadline
+ * coll:bulk_write; as for every batch of the steps, its items list only
+ * the requests that failed or upserted: MTX_BULK_FAILURES) or nil, err.  items[i] = { tid, op, version, deadline
  * [, stored, i] }: apply's writes for many ops of one collection in one
  * unordered bulk write; an update's filter and update are read from
  * `stored` (op i of the transaction's stored ops) when given, rather than
@@ -666,7 +667,7 @@ l_apply_many(lua_State *L)
 		check_added(L, ok, i, &err);
 		lua_settop(L, top);
 	}
-	return mtx_bulk_execute(L, b.bulk, "apply", b.n, 0);
+	return mtx_bulk_execute(L, b.bulk, "apply", b.n, MTX_BULK_FAILURES);
 }
 
 /* The arguments finish, undo and fence share: (steps, coll, tid, op),
@@ -766,7 +767,7 @@ op_batch_run(lua_State *L, op_builder build, const char *point)
 		check_added(L, ok, i, &err);
 		lua_settop(L, top);
 	}
-	return mtx_bulk_execute(L, b.bulk, point, b.n, 0);
+	return mtx_bulk_execute(L, b.bulk, point, b.n, MTX_BULK_FAILURES);
 }
 
 /* steps:finish_many(coll, items) -> bulk result or nil, err.
@@ -1221,7 +1222,7 @@ l_create_many(lua_State *L)
 		mtx_scratch_give(L, -1); /* the bulk holds a copy */
 		lua_settop(L, top);
 	}
-	return mtx_bulk_execute(L, bulk, "create", n, 0);
+	return mtx_bulk_execute(L, bulk, "create", n, MTX_BULK_FAILURES);
 }
 
 /* A claim's filter {_id: tid, ...expect} and update {$set: set, $inc:
@@ -1304,7 +1305,7 @@ l_claim_many(lua_State *L)
 			    i, &err);
 		lua_settop(L, top);
 	}
-	return mtx_bulk_execute(L, bulk, "claim", n, 0);
+	return mtx_bulk_execute(L, bulk, "claim", n, MTX_BULK_FAILURES);
 }
 
 /* Monotonic milliseconds, for leases measured by this process. */

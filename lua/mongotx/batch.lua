@@ -45,21 +45,25 @@ local _M = {}
 
 local function fail(e, err) e.err = e.err or err end
 
+-- The result of a request of a batch that did not fail.
+local OK = { ok = true }
+
 -- Step 1: insert them all pending and owned.  An id that exists already
 -- is handled the way begin handles it (same ops: its outcome).
 local function create(eng, entries, common)
   local docs = {}
   for i, e in ipairs(entries) do docs[i] = e.doc end
   local res, err = eng:many("create", eng.tx, docs, common)
-  -- items say ok for a request a server never ran after an error
-  -- (FerretDB stops there): then inserted counts fewer than the oks
-  local oks = 0
-  for _, item in ipairs(res and res.items or {}) do
-    if item.ok then oks = oks + 1 end
+  -- res.items lists the requests that failed only (csrc/txn.c).  A
+  -- request a server never ran after an error is not among them (FerretDB
+  -- stops there): then inserted counts fewer than the oks
+  local oks = #entries
+  for _, item in pairs(res and res.items or {}) do
+    if not item.ok then oks = oks - 1 end
   end
   local sure = res and res.inserted == oks
   for i, e in ipairs(entries) do
-    local item = res and res.items[i]
+    local item = res and (res.items[i] or OK)
     if not item then
       fail(e, err)
     elseif item.ok and sure then
