@@ -247,9 +247,10 @@ local function settle(eng, e, deadline, versions)
     if err then return fail(e, err) end
     if not existing then
       -- a batch the server cut short: create this one alone
-      local res, doc = nil, {}
+      local doc = {}
       for k, v in pairs(T) do doc[k] = v end
       doc.ops = e.doc.ops
+      local res
       res, err = eng:step("create", T._id, eng.tx, doc)
       if not res then return fail(e, err) end
       existing = res.created and T or eng:get(T._id)
