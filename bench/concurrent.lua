@@ -8,6 +8,7 @@
 local helpers = require "spec.helpers"
 local server = require "spec.support.server"
 local bank = require "bench.bank"
+local servercpu = require "bench.servercpu"
 
 local _M = { label = "tm:transfer, processes" }
 
@@ -40,6 +41,7 @@ function _M.run(ctx)
   for p = 1, ctx.procs do
     assert(pipes[p]:read("*l") == "ready", "worker " .. p .. " did not start")
   end
+  local server0 = servercpu.read()
   assert(io.open(go, "w")):close()
   local sample = { n = each * ctx.procs, ok = 0, failed = 0, cpu_s = 0, commands = 0,
                    writes = 0, lat = {} }
@@ -59,6 +61,7 @@ function _M.run(ctx)
   end
   os.remove(go)
   sample.wall_ms = last - first
+  sample.server_s = servercpu.since(server0) -- with the workers' exits: idle time
   bank.check_accounts(db, ctx.accounts, moved)
   bank.check_transactions(db, { done = sample.ok, cancelled = sample.failed })
   bank.drop(db)

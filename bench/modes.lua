@@ -11,6 +11,7 @@
 
 local mongotx = require "mongotx"
 local bank = require "bench.bank"
+local servercpu = require "bench.servercpu"
 
 local now = mongotx.core.monotonic_ms
 local clock = os.clock
@@ -24,12 +25,12 @@ local _M = {}
 local function timed(db, n, body)
   local lat, moved = {}, {}
   db.client:reset_counters()
-  local cpu0, t0 = clock(), now()
+  local server0, cpu0, t0 = servercpu.read(), clock(), now()
   local ok = body(lat, moved)
   local wall = now() - t0
-  local cpu = clock() - cpu0
+  local cpu, server = clock() - cpu0, servercpu.since(server0)
   local c = db.client:counters()
-  return { n = n, ok = ok, failed = n - ok, wall_ms = wall, cpu_s = cpu,
+  return { n = n, ok = ok, failed = n - ok, wall_ms = wall, cpu_s = cpu, server_s = server,
            commands = c.commands, writes = c.writes, lat = lat }, moved
 end
 

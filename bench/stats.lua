@@ -2,8 +2,8 @@
 -- measuring so that it can be read (and checked) on its own.
 --
 -- A sample is what one run of a mode measured:
---   { n, wall_ms, cpu_s, commands, writes, lat = { ms per transfer, ... },
---     ok, failed }
+--   { n, wall_ms, cpu_s, server_s (the server's CPU, nil when unknown),
+--     commands, writes, lat = { ms per transfer, ... }, ok, failed }
 -- summarise() turns several samples of one mode into the median figures
 -- the table prints, with the min and max of the throughput.
 
@@ -56,6 +56,7 @@ function _M.figures(s)
     commands = s.commands / s.n,
     writes = s.writes / s.n,
     cpu_us = s.cpu_s * 1e6 / s.n,
+    server_us = s.server_s and s.server_s * 1e6 / s.n,
     failed = s.failed or 0,
     call_commands = s.call_commands and s.call_commands / s.n,
     typical_call_commands = s.typical_call_commands,
@@ -67,7 +68,7 @@ function _M.summarise(samples)
   local per = {}
   for i, s in ipairs(samples) do per[i] = _M.figures(s) end
   local out = { runs = #samples, n = samples[1].n }
-  for _, key in ipairs { "tps", "p50", "p99", "commands", "writes", "cpu_us", "failed",
+  for _, key in ipairs { "tps", "p50", "p99", "commands", "writes", "cpu_us", "server_us", "failed",
                          "call_commands", "typical_call_commands" } do
     local list = {}
     for i, f in ipairs(per) do list[i] = f[key] end -- nil when a mode has no such figure

@@ -46,6 +46,41 @@ describe("#server mongotx.ledger", function()
 
   if no_ledger then print("spec/60: pending on FerretDB: " .. no_ledger) end
 
+  -- Runs on every server: where the unique index holds, the first post
+  -- tries it and leaves nothing in the probe collection; where it does
+  -- not (FerretDB v1), nothing is posted and the code says why.
+  it("tries the unique index before its first post and refuses where it is not enforced", function()
+    local probe = db:collection("ledger.probe")
+    if no_ledger then
+      -- the probe's collection and index may stay; the ledger's data does not move
+      local skip = { skip = { "ledger.probe" } }
+      local before = helpers.db_dump(db.client, db.name, skip)
+      for _, call in ipairs {
+        function() return L:transfer("A", "B", 1) end,
+        function() return L:post({ { account = "A", value = 5 } }) end,
+        function() return L:transfer_many({ { from = "A", to = "B", amount = 1 } }) end,
+      } do
+        local ok, err = call()
+        assert.is_nil(ok)
+        assert.are.equal("unsupported", err.code)
+      end
+      assert.are.equal(0, entries:count({}))
+      assert.are.equal(0, probe:count({}))
+      helpers.assert_dump_unchanged(before, db.client, db.name, skip)
+      return
+    end
+    assert(L:transfer("A", "B", 1))
+    assert(L:transfer("B", "A", 1))
+    assert.are.equal(0, probe:count({}))
+    assert.are.equal(2, entries:count({}))
+    -- the probe's index is the entries' own: a duplicate is refused there
+    local pair = { { account = "A", seqId = 1 } }
+    assert(probe:insert_one({ _id = 1, changes = pair }))
+    local dup, err = probe:insert_one({ _id = 2, changes = pair })
+    assert.is_nil(dup)
+    assert.are.equal(11000, err.server_code)
+  end)
+
   it_ledger("a transfer is one entry taking the next seqId of each account", function()
     local dep = assert(L:post({ { account = "A", value = 100 } }))
     local t = assert(L:transfer("A", "B", 30, { min = 0 }))

@@ -16,6 +16,8 @@
 --   removing, contention, busy  op failures (see policy.on_op_failure);
 --                contention also when mongotx.ledger kept finding its seqIds taken
 --   mismatch     mongotx.ledger's committer found a cached balance its entries contradict
+--   unsupported  mongotx.ledger: the server does not enforce the unique index on
+--                (changes.account, changes.seqId) (FerretDB v1); nothing was posted
 --   policy       a policy function raised (in a recover report) or returned
 --                what it may not (queue:fail's backoff)
 --   propagation  mongotx.sync: the caller's propagate failed (the change

@@ -398,7 +398,51 @@ function Ledger:_existing(id, changes, step)
     { step = step, id = id })
 end
 
+-- The unique index on (changes.account, changes.seqId) is the ledger's
+-- only defence against two entries taking one seqId, and it is a
+-- multikey index over an array of documents: a server may accept such an
+-- index and not enforce it (FerretDB v1.24 does: a second entry with a
+-- taken (account, seqId) goes in), and a ledger there would let two
+-- writers share a seqId in silence.  So before its first write a ledger
+-- tries the index on a collection of its own (`<entries>.probe`, same
+-- index): two documents under one new (ObjectId, 1) pair, the second of
+-- which must fail as a duplicate; both are deleted again.  Once per
+-- connection and collection; nil, `unsupported` where the index is not
+-- enforced.
+local PROBE_INDEX = core.doc("changes.account", 1, "changes.seqId", 1)
+local probed = setmetatable({}, { __mode = "k" }) -- client -> { "<db>.<entries>" = true }
+
+function Ledger:_index_enforced(step)
+  local client = self.db.client
+  local seen = probed[client]
+  if not seen then
+    seen = {}
+    probed[client] = seen
+  end
+  local key = self.db.name .. "." .. self.entries:name()
+  if seen[key] then return true end
+  local probe = client:collection(self.db.name, self.entries:name() .. ".probe")
+  local ok, err = probe:create_index(PROBE_INDEX, { unique = true })
+  if not ok then return nil, errors.wrap(err, step) end
+  local changes = { { account = core.ObjectId(), seqId = 1 } }
+  local first, second = core.ObjectId(), core.ObjectId()
+  ok, err = probe:insert_one({ _id = first, changes = changes }, self.wopts)
+  if not ok then return nil, errors.wrap(err, step) end
+  local dup, why = probe:insert_one({ _id = second, changes = changes }, self.wopts)
+  probe:delete_many({ _id = { ["$in"] = { first, second } } }, self.wopts)
+  if dup then
+    return nil, errors.new("unsupported", "this server does not enforce a unique index " ..
+      "on a path inside an array of documents, which keeps two entries off one seqId",
+      { step = step })
+  end
+  if why.server_code ~= 11000 then return nil, errors.wrap(why, step) end
+  seen[key] = true
+  return true
+end
+
 function Ledger:_post(changes, opts, step)
+  local enforced, unsafe = self:_index_enforced(step)
+  if not enforced then return nil, unsafe end
   local views = {}
   for i, c in ipairs(changes) do views[i] = { account = c.account, key = c.key } end
   local taken, read = 0, false
@@ -542,6 +586,8 @@ local function views_of(items, from)
 end
 
 function Ledger:_post_many(items, opts)
+  local enforced, unsafe = self:_index_enforced("transfer_many")
+  if not enforced then return nil, unsafe end
   local results, errs = {}, {}
   local from, taken, read = 1, 0, false
   while from <= #items do

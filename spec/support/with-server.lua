@@ -29,7 +29,8 @@ if not s then
   os.exit(1)
 end
 io.stderr:write(("with-server: %s on %s (pid %d, log %s)\n"):format(s.version, s.uri, s.pid, s.log))
-local rc = server.execute(("MONGOTX_TEST_URI=%s MONGOTX_TEST_SERVER=%s MONGOTX_TEST_SERVER_LOG=%s %s")
-  :format(server.quote(s.uri), server.quote(kind), server.quote(s.log), cmd))
+local rc = server.execute(("MONGOTX_TEST_URI=%s MONGOTX_TEST_SERVER=%s MONGOTX_TEST_SERVER_LOG=%s"
+  .. " MONGOTX_TEST_SERVER_PID=%d %s")
+  :format(server.quote(s.uri), server.quote(kind), server.quote(s.log), s.pid, cmd))
 s:stop()
 os.exit(rc)
