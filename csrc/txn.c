@@ -630,15 +630,15 @@ item_op_parts(lua_State *L, int item, int op, int kind, op_parts *p)
 	op_parts_table(L, op, kind, p);
 }
 
-/* steps:apply_many(coll, items) -> bulk result (see
- * coll:bulk_write; as for every batch of the steps, its items list only
- * the requests that failed or upserted: MTX_BULK_FAILURES) or nil, err.  items[i] = { tid, op, version, deadline
- * [, stored, i] }: apply's writes for many ops of one collection in one
- * unordered bulk write; an update's filter and update are read from
- * `stored` (op i of the transaction's stored ops) when given, rather than
- * encoded from the op's tables again.  MongoDB counts matches for the
- * whole batch only: when `matched + inserted` falls short, the caller
- * reads which ops applied. */
+/* steps:apply_many(coll, items) -> bulk result (see coll:bulk_write; as
+ * for every batch of the steps, its items list only the requests that
+ * failed or upserted: MTX_BULK_FAILURES) or nil, err.  items[i] = { tid,
+ * op, version, deadline [, stored, i] }: apply's writes for many ops of
+ * one collection in one unordered bulk write; an op's id, update and where
+ * are read from `stored` (op i of the transaction's stored ops) when
+ * given, rather than encoded from the op's tables again.  MongoDB counts
+ * matches for the whole batch only: when `matched + inserted` falls
+ * short, the caller reads which ops applied. */
 static int
 l_apply_many(lua_State *L)
 {
