@@ -615,20 +615,39 @@ read_bulk_reply(const bson_t *reply, bulk_reply *r)
 	}
 }
 
+/* Pushes the item at index i of the items table at idx, made { ok = true }
+ * when the table has none (MTX_BULK_FAILURES). */
+static void
+push_item(lua_State *L, int items, int i)
+{
+	lua_rawgeti(L, items, i);
+	if (!lua_isnil(L, -1))
+		return;
+	lua_pop(L, 1);
+	lua_createtable(L, 0, 3);
+	lua_pushboolean(L, 1);
+	lua_setfield(L, -2, "ok");
+	lua_pushvalue(L, -1);
+	lua_rawseti(L, items, i);
+}
+
 /* Per-request results: { ok = true [, upserted_id] } or { ok = false,
  * server_code, message } for a failed request (server_code as in error
  * tables: the server's number, 11000 for a duplicate key), { ok = false,
- * executed = false } for those an ordered bulk never reached. */
+ * executed = false } for those an ordered bulk never reached.  With
+ * MTX_BULK_FAILURES only the requests that failed or upserted have an
+ * item (the steps' batches: a table per request was a tenth of a batched
+ * transfer's allocations). */
 static void
 push_bulk_items(lua_State *L, const bson_t *reply, const bulk_reply *r, int n,
-		int ordered)
+		int flags)
 {
 	bson_iter_t it, arr, fields;
-	int i, items, first_error = n + 1;
+	int i, items, first_error = n + 1, ordered = flags & MTX_BULK_ORDERED;
 
-	lua_createtable(L, n, 0);
+	lua_createtable(L, (flags & MTX_BULK_FAILURES) ? 0 : n, 0);
 	items = lua_gettop(L);
-	for (i = 1; i <= n; i++) {
+	for (i = 1; i <= n && !(flags & MTX_BULK_FAILURES); i++) {
 		lua_createtable(L, 0, 3);
 		lua_pushboolean(L, 1);
 		lua_setfield(L, -2, "ok");
@@ -644,7 +663,7 @@ push_bulk_items(lua_State *L, const bson_t *reply, const bulk_reply *r, int n,
 			if (i < 1 || i > n)
 				continue;
 			first_error = i < first_error ? i : first_error;
-			lua_rawgeti(L, items, i);
+			push_item(L, items, i);
 			lua_pushboolean(L, 0);
 			lua_setfield(L, -2, "ok");
 			bson_iter_recurse(&arr, &fields);
@@ -670,14 +689,14 @@ push_bulk_items(lua_State *L, const bson_t *reply, const bulk_reply *r, int n,
 			bson_iter_recurse(&arr, &fields);
 			if (i < 1 || i > n || !bson_iter_find(&fields, "_id"))
 				continue;
-			lua_rawgeti(L, items, i);
+			push_item(L, items, i);
 			mtx_push_iter(L, &fields);
 			lua_setfield(L, -2, "upserted_id");
 			lua_pop(L, 1);
 		}
 	}
 	for (i = first_error + 1; ordered && i <= n; i++) {
-		lua_rawgeti(L, items, i);
+		push_item(L, items, i);
 		lua_pushboolean(L, 0);
 		lua_setfield(L, -2, "ok");
 		lua_pushboolean(L, 0);
@@ -729,19 +748,20 @@ collection_bulk_write(lua_State *L)
 		add_request(L, bulk, i);
 		lua_pop(L, 1);
 	}
-	return mtx_bulk_execute(L, owner(L), bulk, NULL, n, ordered);
+	return mtx_bulk_execute(L, owner(L), bulk, NULL, n, ordered ? MTX_BULK_ORDERED : 0);
 }
 
 /* Executes bulk (n requests) between the crash points of `point` (none
  * when NULL), counts its statements as owner's writes, and pushes the
  * result table coll:bulk_write describes, or nil, err; returns the number
  * of values pushed.  The transaction steps share it for their batched
- * writes.  (An ordered bulk stops at a command that fails, and the
- * commands after it are not sent; their statements count all the same,
- * as libmongoc does not say how it cut the bulk into commands.) */
+ * writes.  flags: MTX_BULK_ORDERED, MTX_BULK_FAILURES (mongotx.h).  (An
+ * ordered bulk stops at a command that fails, and the commands after it
+ * are not sent; their statements count all the same, as libmongoc does
+ * not say how it cut the bulk into commands.) */
 int
 mtx_bulk_execute(lua_State *L, mtx_client *owner, mongoc_bulk_operation_t *bulk,
-		 const char *point, int n, int ordered)
+		 const char *point, int n, int flags)
 {
 	bson_t *reply = mtx_scratch(L);
 	bson_error_t err;
@@ -767,7 +787,7 @@ mtx_bulk_execute(lua_State *L, mtx_client *owner, mongoc_bulk_operation_t *bulk,
 	push_count(L, r.modified, "modified");
 	push_count(L, r.deleted, "deleted");
 	push_count(L, r.upserted, "upserted");
-	push_bulk_items(L, reply, &r, n, ordered);
+	push_bulk_items(L, reply, &r, n, flags);
 	lua_setfield(L, -2, "items");
 	return 1;
 }

@@ -67,15 +67,16 @@ kb_printf(keybuf *kb, const char *fmt, ...)
 	kb_add(kb, tmp, (size_t)n); /* every use fits in 64 bytes */
 }
 
+static const char hex_digits[] = "0123456789abcdef";
+
 static void
 kb_hex(keybuf *kb, const uint8_t *p, uint32_t n)
 {
-	static const char digits[] = "0123456789abcdef";
 	char pair[2];
 	uint32_t i;
 
 	for (i = 0; i < n; i++) {
-		pair[0] = digits[p[i] >> 4], pair[1] = digits[p[i] & 15];
+		pair[0] = hex_digits[p[i] >> 4], pair[1] = hex_digits[p[i] & 15];
 		kb_add(kb, pair, 2);
 	}
 }
@@ -186,8 +187,9 @@ walk_document(keybuf *kb, bson_iter_t *it)
 }
 
 /* The key and snapshot of the ids most calls pass, made without the
- * encoder: an integer (how the encoder sends it: mtx_number_kind) and a
- * string that fits (sent as it is).  Pushes both and returns 1, or 0 for
+ * encoder: an integer (how the encoder sends it: mtx_number_kind), a
+ * string that fits and an ObjectId (sent as they are; an ObjectId's key
+ * was 7 000 instructions the general way, twice a batched transfer).  Pushes both and returns 1, or 0 for
  * the general way. */
 static int
 quick_key(lua_State *L)
@@ -217,6 +219,21 @@ quick_key(lua_State *L)
 		luaL_addlstring(&buf, s, len);
 		luaL_pushresult(&buf);
 		break;
+	case LUA_TUSERDATA: {
+		/* an ObjectId (every transaction id mongotx makes) */
+		const mtx_value *v = mtx_test_value(L, 1);
+		int k;
+
+		if (!v || v->v.value_type != BSON_TYPE_OID)
+			return 0;
+		key[0] = 'o';
+		for (k = 0; k < 12; k++) {
+			key[1 + 2 * k] = hex_digits[v->v.value.v_oid.bytes[k] >> 4];
+			key[2 + 2 * k] = hex_digits[v->v.value.v_oid.bytes[k] & 15];
+		}
+		lua_pushlstring(L, key, 25);
+		break;
+	}
 	default:
 		return 0;
 	}

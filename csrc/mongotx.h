@@ -212,9 +212,13 @@ MTX_HIDDEN mtx_collection *mtx_check_collection(lua_State *L, int idx);
 MTX_HIDDEN mongoc_collection_t *mtx_collection_handle(lua_State *L,
 						      mtx_collection *c);
 MTX_HIDDEN int mtx_open_collection(lua_State *L);
+/* mtx_bulk_execute's flags: the bulk was ordered; items only for the
+ * requests that failed or upserted (the others are ok). */
+#define MTX_BULK_ORDERED 1
+#define MTX_BULK_FAILURES 2
 MTX_HIDDEN int mtx_bulk_execute(lua_State *L, mtx_client *owner,
 				mongoc_bulk_operation_t *bulk, const char *point,
-				int n, int ordered);
+				int n, int flags);
 
 /* ---- cursor.c ---- */
 
@@ -235,6 +239,10 @@ MTX_HIDDEN int mtx_open_cursor(lua_State *L);
 /* ---- ids.c: what may be an id, and its canonical key ---- */
 
 MTX_HIDDEN int mtx_open_ids(lua_State *L);
+
+/* ---- stored.c: the ops as a transaction stores them ---- */
+
+MTX_HIDDEN int mtx_open_stored(lua_State *L);
 
 /* ---- txn.c: the two-phase-commit steps ---- */
 

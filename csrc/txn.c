@@ -116,26 +116,21 @@ append_removing(bson_t *update, const char *op, const fields *f,
 	bson_append_document_end(update, &sub);
 }
 
-/* Appends op.where's conditions to filter: flattened, or with a deadline
- * (stack index, 0 for none) $and: [where, {$expr: {$lt: ["$$NOW",
- * deadline]}}], so that neither can shadow a key of the other.  Returns
- * whether the op has a where (a guard). */
-static int
-append_conditions(lua_State *L, int op, int deadline, bson_t *filter)
+/* Appends the conditions of where (NULL: none) to filter: flattened, or
+ * with a deadline (stack index, 0 for none) $and: [where, {$expr: {$lt:
+ * ["$$NOW", deadline]}}], so that neither can shadow a key of the
+ * other. */
+static void
+append_conditions(lua_State *L, const bson_t *where, int deadline, bson_t *filter)
 {
-	bson_t *where = NULL, and, elem, expr, lt;
+	bson_t and, elem, expr, lt;
 	bson_iter_t it;
-	int top = lua_gettop(L);
 
-	lua_getfield(L, op, "where");
-	if (!lua_isnil(L, -1))
-		where = mtx_check_document(L, -1);
 	if (!deadline) {
 		if (where && bson_iter_init(&it, where))
 			while (bson_iter_next(&it))
 				bson_append_iter(filter, NULL, 0, &it);
-		lua_settop(L, top);
-		return where != NULL;
+		return;
 	}
 	bson_append_array_begin(filter, "$and", 4, &and);
 	if (where)
@@ -149,8 +144,6 @@ append_conditions(lua_State *L, int op, int deadline, bson_t *filter)
 	bson_append_document_end(&elem, &expr);
 	bson_append_document_end(&and, &elem);
 	bson_append_array_end(filter, &and);
-	lua_settop(L, top);
-	return where != NULL;
 }
 
 static void
@@ -426,6 +419,91 @@ build_insert(lua_State *L, int op, const bson_t *tid, const fields *f)
 	return doc;
 }
 
+/* What the apply of an update/remove/assert op is made of.  kind, floor
+ * and holds come from the op's table; its id, update and where from the
+ * table too (op_parts_table: the update and where encoded, left on the
+ * stack), or from the op as the transaction stores it (op_parts_stored:
+ * the BSON core.stored_ops made, read where it lies). */
+typedef struct {
+	int kind, floor, holds;
+	int id_idx;		      /* stack index of the id, 0: id_it */
+	bson_iter_t id_it;
+	const bson_t *update, *where; /* NULL: none */
+	bson_t update_view, where_view; /* op_parts_stored's, for the above */
+} op_parts;
+
+static void
+op_parts_flags(lua_State *L, int op, int kind, op_parts *p)
+{
+	p->kind = kind;
+	p->floor = op_floor(L, op);
+	p->holds = op_holds(L, op, kind);
+	p->update = p->where = NULL;
+	p->id_idx = 0;
+}
+
+static void
+op_parts_table(lua_State *L, int op, int kind, op_parts *p)
+{
+	op_parts_flags(L, op, kind, p);
+	lua_getfield(L, op, "id");
+	p->id_idx = lua_gettop(L);
+	lua_getfield(L, op, "where");
+	if (!lua_isnil(L, -1))
+		p->where = mtx_check_document(L, -1);
+	if (kind == K_UPDATE) {
+		lua_getfield(L, op, "update");
+		p->update = mtx_check_document(L, -1);
+	}
+}
+
+/* The Binary holding BSON at it as a document view into *view. */
+static const bson_t *
+stored_part(lua_State *L, const bson_iter_t *it, bson_t *view)
+{
+	const uint8_t *data;
+	uint32_t len;
+	bson_subtype_t subtype;
+
+	if (!BSON_ITER_HOLDS_BINARY(it))
+		luaL_error(L, "mongotx: a stored %s is not a Binary", bson_iter_key(it));
+	bson_iter_binary(it, &subtype, &len, &data);
+	if (!bson_init_static(view, data, len))
+		luaL_error(L, "mongotx: a stored %s is not BSON", bson_iter_key(it));
+	return view;
+}
+
+/* op_parts from op i (1-based) of the stored array `ops`. */
+static void
+op_parts_stored(lua_State *L, int op, int kind, const bson_value_t *ops, int i,
+		op_parts *p)
+{
+	bson_t arr;
+	bson_iter_t it, fields_it;
+	char buf[16];
+	const char *key;
+
+	op_parts_flags(L, op, kind, p);
+	bson_uint32_to_string((uint32_t)(i - 1), &key, buf, sizeof buf);
+	if (!bson_init_static(&arr, ops->value.v_doc.data, ops->value.v_doc.data_len) ||
+	    !bson_iter_init_find(&it, &arr, key) || !BSON_ITER_HOLDS_DOCUMENT(&it) ||
+	    !bson_iter_recurse(&it, &fields_it))
+		luaL_error(L, "mongotx: no stored op %d", i);
+	memset(&p->id_it, 0, sizeof p->id_it);
+	while (bson_iter_next(&fields_it)) {
+		const char *f = bson_iter_key(&fields_it);
+
+		if (strcmp(f, "id") == 0)
+			p->id_it = fields_it;
+		else if (strcmp(f, "where") == 0)
+			p->where = stored_part(L, &fields_it, &p->where_view);
+		else if (strcmp(f, "update") == 0 && kind == K_UPDATE)
+			p->update = stored_part(L, &fields_it, &p->update_view);
+	}
+	if (!p->id_it.raw || (kind == K_UPDATE && !p->update))
+		luaL_error(L, "mongotx: stored op %d lacks its id or update", i);
+}
+
 /* The apply of an update/remove/assert op: filter {_id, where...,
  * marker: {$ne: tid}} fenced by the version the owner read (stack index
  * `version`; nil means the document had none, false that the owner read
@@ -434,31 +512,25 @@ build_insert(lua_State *L, int op, const bson_t *tid, const fields *f)
  * $inc version (and the `held` array; see "Guards", like the condition a
  * guarded op adds). */
 static void
-build_apply(lua_State *L, int op, int kind, const bson_t *tid, int version,
+build_apply(lua_State *L, const op_parts *p, const bson_t *tid, int version,
 	    int deadline, const fields *f, bson_t *filter, bson_t *update)
 {
-	bson_t *upd = NULL;
-
-	lua_getfield(L, op, "id");
-	mtx_append_value(L, -1, filter, "_id");
-	lua_pop(L, 1);
-	if (append_conditions(L, op, deadline, filter))
-		append_unheld(L, filter, op_floor(L, op) ? f->held : f->marker);
+	if (p->id_idx)
+		mtx_append_value(L, p->id_idx, filter, "_id");
+	else
+		bson_append_iter(filter, "_id", 3, &p->id_it);
+	append_conditions(L, p->where, deadline, filter);
+	if (p->where)
+		append_unheld(L, filter, p->floor ? f->held : f->marker);
 	append_marker_ne(filter, f, tid);
 	bson_append_null(filter, f->removing, -1); /* absent: nobody removes it */
 	if (lua_isnil(L, version))
 		bson_append_null(filter, f->version, -1);
 	else if (!lua_isboolean(L, version))
 		mtx_append_value(L, version, filter, f->version);
-	if (kind == K_UPDATE) {
-		lua_getfield(L, op, "update");
-		upd = mtx_check_document(L, -1);
-	}
-	merge_update(update, upd, f, "$push", tid, op_holds(L, op, kind));
-	if (kind == K_REMOVE)
+	merge_update(update, p->update, f, "$push", tid, p->holds);
+	if (p->kind == K_REMOVE)
 		append_removing(update, "$set", f, tid);
-	if (upd)
-		lua_pop(L, 2);
 }
 
 /* steps:apply(coll, tid, op [, version|false [, deadline]])
@@ -473,6 +545,7 @@ l_apply(lua_State *L)
 	mongoc_collection_t *coll = arg_collection(L, 2);
 	const bson_t *opts = s->wopts;
 	bson_t *tid, *filter, *update;
+	op_parts parts;
 	int64_t n = 0;
 	int kind, rc;
 
@@ -498,7 +571,8 @@ l_apply(lua_State *L)
 	}
 	filter = mtx_scratch(L);
 	update = mtx_scratch(L);
-	build_apply(L, 4, kind, tid, 5, lua_isnil(L, 6) ? 0 : 6, &s->f, filter, update);
+	op_parts_table(L, 4, kind, &parts);
+	build_apply(L, &parts, tid, 5, lua_isnil(L, 6) ? 0 : 6, &s->f, filter, update);
 	if ((rc = run_update(L, "apply", coll, filter, update, opts, 0, &n)))
 		return rc;
 	return push_bool_result(L, "applied", n);
@@ -583,16 +657,40 @@ op_batch_item(lua_State *L, op_batch *b, int i)
 	return lua_gettop(L);
 }
 
-/* steps:apply_many(coll, items) -> bulk result (see
- * coll:bulk_write) or nil, err.  items[i] = { tid, op, version, deadline }:
- * apply's writes for many ops of one collection in one unordered bulk
- * write.  MongoDB counts matches for the whole batch only: when
- * `matched + inserted` falls short, the caller reads which ops applied. */
+/* The parts of the op of an apply_many item (at stack index item, its op
+ * at op): from the stored ops when the item carries them (item.stored,
+ * core.stored_ops's array, and item.i the op's index), else from the op's
+ * table. */
+static void
+item_op_parts(lua_State *L, int item, int op, int kind, op_parts *p)
+{
+	mtx_value *stored;
+
+	lua_getfield(L, item, "stored");
+	stored = mtx_test_value(L, -1);
+	if (stored && stored->v.value_type == BSON_TYPE_ARRAY) {
+		lua_getfield(L, item, "i");
+		op_parts_stored(L, op, kind, &stored->v, (int)luaL_checkinteger(L, -1), p);
+		return; /* the value stays on the stack: p points into it */
+	}
+	op_parts_table(L, op, kind, p);
+}
+
+/* steps:apply_many(coll, items) -> bulk result (see coll:bulk_write; as
+ * for every batch of the steps, its items list only the requests that
+ * failed or upserted: MTX_BULK_FAILURES) or nil, err.  items[i] = { tid,
+ * op, version, deadline [, stored, i] }: apply's writes for many ops of
+ * one collection in one unordered bulk write; an op's id, update and where
+ * are read from `stored` (op i of the transaction's stored ops) when
+ * given, rather than encoded from the op's tables again.  MongoDB counts
+ * matches for the whole batch only: when `matched + inserted` falls
+ * short, the caller reads which ops applied. */
 static int
 l_apply_many(lua_State *L)
 {
 	op_batch b;
 	bson_error_t err;
+	op_parts parts;
 	int i;
 
 	op_batch_open(L, &b);
@@ -606,7 +704,8 @@ l_apply_many(lua_State *L)
 		} else {
 			lua_getfield(L, op - 1, "version");
 			lua_getfield(L, op - 1, "deadline");
-			build_apply(L, op, kind, b.tid, op + 1, lua_isnil(L, op + 2) ? 0 : op + 2,
+			item_op_parts(L, op - 1, op, kind, &parts);
+			build_apply(L, &parts, b.tid, op + 1, lua_isnil(L, op + 2) ? 0 : op + 2,
 				    &b.f, b.filter, b.update);
 			ok = mongoc_bulk_operation_update_one_with_opts(
 				b.bulk, b.filter, b.update, NULL, &err);
@@ -614,7 +713,7 @@ l_apply_many(lua_State *L)
 		check_added(L, ok, i, &err);
 		lua_settop(L, top);
 	}
-	return mtx_bulk_execute(L, step_owner(L), b.bulk, "apply", b.n, 0);
+	return mtx_bulk_execute(L, step_owner(L), b.bulk, "apply", b.n, MTX_BULK_FAILURES);
 }
 
 /* The arguments finish, undo and fence share: (steps, coll, tid, op),
@@ -716,7 +815,7 @@ op_batch_run(lua_State *L, op_builder build, const char *point, int built)
 		check_added(L, ok, i, &err);
 		lua_settop(L, top);
 	}
-	return mtx_bulk_execute(L, step_owner(L), b.bulk, point, b.n, 0);
+	return mtx_bulk_execute(L, step_owner(L), b.bulk, point, b.n, MTX_BULK_FAILURES);
 }
 
 /* steps:finish_many(coll, items) -> bulk result or nil, err.
@@ -1136,29 +1235,36 @@ l_create(lua_State *L)
 				bson_iter_init_find(&it, reply, "upsertedId"));
 }
 
-/* steps:create_many(txcoll, docs) -> bulk result or nil, err
+/* steps:create_many(txcoll, docs [, common]) -> bulk result or nil, err
  * Inserts the transactions in one unordered bulk write: a duplicate key
  * (code 11000) in items[i] marks an id that exists already.  Unlike
  * create, the documents carry their own lastModified (an insert cannot
  * $currentDate; the caller uses the server's clock), because an insert
- * costs the server a third of an upsert. */
+ * costs the server a third of an upsert.  common: the fields every
+ * document of the batch shares (state, owner, lastModified, ...), encoded
+ * once and appended to each document after its own fields. */
 static int
 l_create_many(lua_State *L)
 {
 	mtx_steps *s = check_steps(L);
 	mongoc_collection_t *coll = arg_collection(L, 2);
 	mongoc_bulk_operation_t *bulk;
+	const bson_t *common = NULL;
 	bson_error_t err;
 	int i, n;
 
-	lua_settop(L, 3);
+	lua_settop(L, 4);
 	luaL_checktype(L, 3, LUA_TTABLE);
+	if (!lua_isnil(L, 4))
+		common = mtx_check_document(L, 4);
 	n = (int)mtx_rawlen(L, 3);
 	bulk = new_bulk(L, coll, batch_opts(L, s, n));
 	for (i = 1; i <= n; i++) {
 		int top = lua_gettop(L), item = batch_item(L, 3, i);
 		bson_t *doc = mtx_check_document_reused(L, item);
 
+		if (common && (!bson_concat(doc, common) || doc->len > MTX_MAX_BSON))
+			luaL_error(L, "mongotx: transaction %d exceeds the 16 MiB limit", i);
 		if (!bson_has_field(doc, "_id") || !bson_has_field(doc, "lastModified"))
 			luaL_error(L, "mongotx: transaction %d needs an _id and lastModified", i);
 		check_added(L, mongoc_bulk_operation_insert_with_opts(bulk, doc, NULL, &err),
@@ -1166,7 +1272,7 @@ l_create_many(lua_State *L)
 		mtx_scratch_give(L, -1); /* the bulk holds a copy */
 		lua_settop(L, top);
 	}
-	return mtx_bulk_execute(L, step_owner(L), bulk, "create", n, 0);
+	return mtx_bulk_execute(L, step_owner(L), bulk, "create", n, MTX_BULK_FAILURES);
 }
 
 /* A claim's filter {_id: tid, ...expect} and update {$set: set, $inc:
@@ -1249,7 +1355,7 @@ l_claim_many(lua_State *L)
 			    i, &err);
 		lua_settop(L, top);
 	}
-	return mtx_bulk_execute(L, step_owner(L), bulk, "claim", n, 0);
+	return mtx_bulk_execute(L, step_owner(L), bulk, "claim", n, MTX_BULK_FAILURES);
 }
 
 /* Monotonic milliseconds, for leases measured by this process. */

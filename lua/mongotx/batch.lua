@@ -38,26 +38,32 @@ local floor = math.floor
 
 local _M = {}
 
--- Entries: { T = <the transaction, ops as tables>, doc = <as stored>,
--- err = <why it failed>, slow = <needs the one-at-a-time steps> }.
+-- Entries: { T = <the transaction, ops as tables>, doc = <its own fields
+-- as stored: _id, ops (core.stored_ops), meta and the caller's extra>,
+-- err = <why it failed>, slow = <needs the one-at-a-time steps> }.  The
+-- fields all transactions of a batch share are sent once (`common`).
 
 local function fail(e, err) e.err = e.err or err end
 
+-- The result of a request of a batch that did not fail.
+local OK = { ok = true }
+
 -- Step 1: insert them all pending and owned.  An id that exists already
 -- is handled the way begin handles it (same ops: its outcome).
-local function create(eng, entries)
+local function create(eng, entries, common)
   local docs = {}
   for i, e in ipairs(entries) do docs[i] = e.doc end
-  local res, err = eng:many("create", eng.tx, docs)
-  -- items say ok for a request a server never ran after an error
-  -- (FerretDB stops there): then inserted counts fewer than the oks
-  local oks = 0
-  for _, item in ipairs(res and res.items or {}) do
-    if item.ok then oks = oks + 1 end
+  local res, err = eng:many("create", eng.tx, docs, common)
+  -- res.items lists the requests that failed only (csrc/txn.c).  A
+  -- request a server never ran after an error is not among them (FerretDB
+  -- stops there): then inserted counts fewer than the oks
+  local oks = #entries
+  for _, item in pairs(res and res.items or {}) do
+    if not item.ok then oks = oks - 1 end
   end
   local sure = res and res.inserted == oks
   for i, e in ipairs(entries) do
-    local item = res and res.items[i]
+    local item = res and (res.items[i] or OK)
     if not item then
       fail(e, err)
     elseif item.ok and sure then
@@ -143,8 +149,11 @@ local function apply(eng, entries, deadline, versions)
             local v = versions and versions[t][i]
             local version = false -- none read: fenced by the deadline alone
             if v then version = v.version end
+            -- stored: the ops as the create sent them, which the C step
+            -- reads the op's filter and update from (recovery's have none)
             items[#items + 1] = { tid = e.T._id, op = op, deadline = deadline,
-                                  version = version, entry = e, i = i }
+                                  version = version, entry = e, i = i,
+                                  stored = e.doc and e.doc.ops }
           end
         end
       end
@@ -238,8 +247,11 @@ local function settle(eng, e, deadline, versions)
     if err then return fail(e, err) end
     if not existing then
       -- a batch the server cut short: create this one alone
+      local doc = {}
+      for k, v in pairs(T) do doc[k] = v end
+      doc.ops = e.doc.ops
       local res
-      res, err = eng:step("create", T._id, eng.tx, e.doc)
+      res, err = eng:step("create", T._id, eng.tx, doc)
       if not res then return fail(e, err) end
       existing = res.created and T or eng:get(T._id)
     end
@@ -294,6 +306,9 @@ function _M.run(eng, specs)
     stamp = core.Date(floor(now))
     if eng:deadlines() then deadline = core.Date(floor(now + eng.policy.lease * 1000)) end
   end
+  local common = { state = "pending", epoch = 1, attempts = 1, application = eng.application,
+                   instance = eng.instance, lease = eng.policy.lease, deadline = deadline,
+                   lastModified = stamp }
   for i, spec in ipairs(specs) do
     local id = spec.id
     if id == nil then id = core.ObjectId() end
@@ -301,10 +316,8 @@ function _M.run(eng, specs)
                 application = eng.application, instance = eng.instance,
                 lease = eng.policy.lease, deadline = deadline, meta = spec.meta,
                 lastModified = stamp }
-    for k, v in pairs(spec.extra or {}) do T[k] = v end
-    local doc = {}
-    for k, v in pairs(T) do doc[k] = v end
-    doc.ops = spec.stored or stored.ops(spec.ops)
+    local doc = { _id = id, ops = spec.stored or stored.ops(spec.ops), meta = spec.meta }
+    for k, v in pairs(spec.extra or {}) do T[k], doc[k] = v, v end
     entries[i] = { T = T, doc = doc, err = not now and err or nil }
   end
   local versions
@@ -330,7 +343,7 @@ function _M.run(eng, specs)
     return out, versions and vs
   end
   local todo = live()
-  if #todo > 0 then create(eng, todo) end
+  if #todo > 0 then create(eng, todo, common) end
   local created, vs = live(function(e) return e.created end)
   for _, e in ipairs(created) do eng:hold(e.T._id, 1) end
   if #created > 0 then apply(eng, created, deadline, vs) end

@@ -5,7 +5,7 @@
 local core = require "mongotx.core"
 
 local ipairs, pairs, next, type = ipairs, pairs, next, type
-local encode, Binary, core_id_key = core.encode, core.Binary, core.id_key
+local core_id_key = core.id_key
 
 local _M = {}
 
@@ -39,24 +39,13 @@ function _M.is_floor(where)
 end
 local is_floor = _M.is_floor
 
--- The ops as they are stored (`floor` is derived again on loading).
--- encoded[i], when given, holds op i's operator fields already encoded
--- (validate.ops keeps the BSON its snapshots made), so that no op is
--- encoded twice; the others are encoded here.
-function _M.ops(ops, encoded)
-  local out = {}
-  for i, op in ipairs(ops) do
-    local s, bytes = {}, encoded and encoded[i]
-    for k, v in pairs(op) do s[k] = v end
-    for _, f in ipairs(OPERATOR_FIELDS) do
-      local v = op[f]
-      if v ~= nil then s[f] = Binary(bytes and bytes[f] or encode(v)) end
-    end
-    s.floor = nil
-    out[i] = s
-  end
-  return out
-end
+-- The ops as they are stored (a mongotx.Value holding the array, sent as
+-- it is) and their size in bytes, built in C in one pass (csrc/stored.c;
+-- `floor` is derived again on loading).  encoded[i], when given, holds op
+-- i's operator fields already encoded (validate.ops keeps the BSON its
+-- snapshots made), so that no op is encoded twice.  Raises when the ops
+-- cannot be encoded.
+_M.ops = core.stored_ops
 
 -- Decodes the operator fields of T's ops in place, and marks the floor
 -- guards; T as it was when they are not binaries (a malformed document is

@@ -10,14 +10,15 @@ local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local stored = require "mongotx.stored"
 
-local type, pairs, ipairs, tostring = type, pairs, ipairs, tostring
+local type, pairs, ipairs, tostring, setmetatable = type, pairs, ipairs, tostring, setmetatable
 local sort, concat, format = table.sort, table.concat, string.format
 local huge = math.huge
 
 local _M = {}
 
+local math_type = math.type
 local function is_integer(n)
-  if math.type then return math.type(n) == "integer" end
+  if math_type then return math_type(n) == "integer" end
   return n == math.floor(n) and n > -2 ^ 53 and n < 2 ^ 53
 end
 
@@ -109,13 +110,12 @@ end
 -- encoded (a function, a table holding itself, over 16 MiB, ...).  For a
 -- table, also the BSON of the copy as a document, which is how the
 -- transaction stores it (stored.ops): each op is encoded once.
-local encode, decode = core.encode, core.decode
+local encode, core_snapshot = core.encode, core.snapshot
 local function snapshot(v)
   if type(v) ~= "table" then return v end
-  local ok, bytes = pcall(encode, { v = v })
-  if not ok then return nil, (tostring(bytes):gsub("^mongotx: ", "")) end
-  -- { v = <v> } is int32 size, type, "v\0", v's bytes, 0: v's start at 8
-  return decode(bytes).v, bytes:sub(8, -2)
+  local ok, copy, bytes = pcall(core_snapshot, v)
+  if not ok then return nil, (tostring(copy):gsub("^mongotx: ", "")) end
+  return copy, bytes
 end
 _M.snapshot = snapshot
 
@@ -161,6 +161,40 @@ local function touches(path, field)
     return path:byte(nf + 1) == 46 and path:find(field, 1, true) == 1
   end
   return np < nf and field:byte(np + 1) == 46 and field:find(path, 1, true) == 1
+end
+
+-- owned (a list of field names) as a set { [field] = field }, made once
+-- per list (the lists are made once and not changed: engine.new, the
+-- modules), or false when a field holds a dot.
+local owned_sets = setmetatable({}, { __mode = "k" })
+local function owned_set(owned)
+  local set = owned_sets[owned]
+  if set == nil then
+    set = {}
+    for _, field in ipairs(owned) do
+      if field:find(".", 1, true) then
+        set = false
+        break
+      end
+      set[field] = field
+    end
+    owned_sets[owned] = set
+  end
+  return set
+end
+
+-- The first field of owned that path touches, or nil.  When no field
+-- holds a dot, path touches one exactly when its first part is that field:
+-- one lookup instead of a comparison per field.
+local function touched(path, owned)
+  local set = owned_set(owned)
+  if set then
+    local dot = path:find(".", 1, true)
+    return set[dot and path:sub(1, dot - 1) or path]
+  end
+  for _, field in ipairs(owned) do
+    if touches(path, field) then return field end
+  end
 end
 
 local update_operators = {
@@ -210,11 +244,18 @@ local function check_update(u, owned, what, i)
           or value:sub(1, 1) == "$") then
         return invalid(format("%s: $rename of %s needs a field name", what, path), i)
       end
-      for _, field in ipairs(owned) do
-        if touches(path, field) or (opname == "$rename" and type(value) == "string"
-            and touches(value, field)) then
-          return invalid(format("%s: %s may not touch %s", what, opname, field), i)
+      local field = touched(path, owned)
+      if opname == "$rename" then
+        field = nil -- the first field either name touches
+        for _, f in ipairs(owned) do
+          if touches(path, f) or (type(value) == "string" and touches(value, f)) then
+            field = f
+            break
+          end
         end
+      end
+      if field then
+        return invalid(format("%s: %s may not touch %s", what, opname, field), i)
       end
     end
   end
@@ -280,19 +321,21 @@ local function check_id(id, i)
   if t == "number" and not finite(id) then
     return invalid("id may not be " .. tostring(id), i)
   end
-  local op = operator_key(id, 0)
-  if op then
-    return invalid(format("id holds the key %q: an id may not look like a " ..
-      "query operator", op), i)
-  end
-  local unordered = unordered_table(id, 0)
-  if unordered then
-    return invalid(format("id holds a table with several keys (%s): the key order of " ..
-      "an _id matters, so build it with mongotx.doc", unordered), i)
-  end
-  local dotted = dotted_key(id, 0)
-  if dotted then
-    return invalid(format("id holds the key %q: keys of an id may not hold dots", dotted), i)
+  if t == "table" then -- (the walks below look into tables only)
+    local op = operator_key(id, 0)
+    if op then
+      return invalid(format("id holds the key %q: an id may not look like a " ..
+        "query operator", op), i)
+    end
+    local unordered = unordered_table(id, 0)
+    if unordered then
+      return invalid(format("id holds a table with several keys (%s): the key order of " ..
+        "an _id matters, so build it with mongotx.doc", unordered), i)
+    end
+    local dotted = dotted_key(id, 0)
+    if dotted then
+      return invalid(format("id holds the key %q: keys of an id may not hold dots", dotted), i)
+    end
   end
   local ok, key, sent = pcall(id_key, id)
   if not ok then
@@ -464,11 +507,8 @@ function check_filter(where, owned, i, depth)
       if owned and (k == "_id" or k:sub(1, 4) == "_id.") then
         return invalid("where may not constrain _id", i)
       end
-      for _, field in ipairs(owned or {}) do
-        if touches(k, field) then
-          return invalid("where may not constrain " .. field, i)
-        end
-      end
+      local field = owned and touched(k, owned)
+      if field then return invalid("where may not constrain " .. field, i) end
       local ok, err = check_condition(x, i, depth + 1)
       if not ok then return nil, err end
     end
@@ -576,12 +616,6 @@ end
 -- rest to its state, owner, meta and the like.
 local MAX_OPS_BYTES = 16 * 1024 * 1024 - 64 * 1024
 
--- The BSON of ops as stored, and that stored form (stored.ops).
-local function encode_stored(ops, encoded)
-  local stored_ops = stored.ops(ops, encoded)
-  return encode({ ops = stored_ops }), stored_ops
-end
-
 -- ops: the caller's op list; ctx: { collection = transactions collection
 -- name, owned = { "_id", marker, version } }.  Returns the normalised
 -- list and the ops as the transaction stores them (stored.ops), or nil,
@@ -612,12 +646,14 @@ function _M.ops(ops, ctx, built)
   -- Too big for one document is bad content, found here rather than as a
   -- raise from the insert: the stored form (update, undo and where as
   -- BSON in binaries) measured, and room left for the transaction's own
-  -- fields.
-  local ok, bytes, stored_ops = pcall(encode_stored, out, encoded)
-  if not ok then return invalid("the ops cannot be stored: " .. tostring(bytes)) end
-  if #bytes > MAX_OPS_BYTES then
+  -- fields.  That form is what the transaction document holds.
+  local ok, stored_ops, size = pcall(stored.ops, out, encoded)
+  if not ok then
+    return invalid("the ops cannot be stored: " .. tostring(stored_ops):gsub("^mongotx: ", ""))
+  end
+  if size > MAX_OPS_BYTES then
     return invalid(format("the ops take %d bytes: a transaction is one document of " ..
-      "at most 16 MiB", #bytes))
+      "at most 16 MiB", size))
   end
   return out, stored_ops
 end
