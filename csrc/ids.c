@@ -124,6 +124,11 @@ walk_value(keybuf *kb, bson_iter_t *it)
 		return NULL;
 	case BSON_TYPE_UTF8:
 		s = bson_iter_utf8(it, &len);
+		/* a server may store other bytes as another string (FerretDB
+		 * does): the id written would not be the id looked up */
+		if (!mtx_utf8_valid(s, len))
+			return "an id string must be valid UTF-8 (a server may store other "
+			       "bytes as another string)";
 		kb_printf(kb, "s%" PRIu32 ":", len);
 		kb_add(kb, s, len);
 		return NULL;
@@ -210,8 +215,9 @@ quick_key(lua_State *L)
 		break;
 	case LUA_TSTRING:
 		s = lua_tolstring(L, 1, &len);
-		/* its bytes: length, the string and its NUL */
-		if (len + 5 > MAX_ID_BYTES)
+		/* its bytes: length, the string and its NUL; the general way
+		 * refuses one that is not UTF-8 */
+		if (len + 5 > MAX_ID_BYTES || !mtx_utf8_valid(s, len))
 			return 0;
 		luaL_buffinit(L, &buf);
 		snprintf(key, sizeof key, "s%zu:", len);
