@@ -73,6 +73,23 @@ function _M.ops(from, to, amount)
   }
 end
 
+-- Transfers first..last of the plan (from, to) through manager tm, one
+-- of each account to the other: tm:transfer at batch 1, tm:commit_many of
+-- `batch` otherwise (bench/profile.lua and bench/steps.lua); raises on
+-- any that fails.
+function _M.drive(tm, from, to, first, last, batch)
+  if batch == 1 then
+    for i = first, last do assert(tm:transfer(_M.COLLECTION, from[i], to[i], 1)) end
+    return
+  end
+  for b = first, last, batch do
+    local list = {}
+    for i = b, math.min(b + batch - 1, last) do list[#list + 1] = _M.ops(from[i], to[i], 1) end
+    local results = tm:commit_many(list)
+    for k = 1, #list do assert(results[k]) end
+  end
+end
+
 -- Raises unless the accounts hold exactly START plus the deltas of the
 -- transfers that completed (moved[a] for account a; when moved is nil,
 -- only that the total is unchanged) and no document still carries a

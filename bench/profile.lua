@@ -18,18 +18,7 @@ local db = bank.open(uri, "profile", accounts)
 local tm = assert(db:manager { application = "profile" })
 local from, to = bank.plan(accounts, n + batch, batch)
 
-local function run(first, last)
-  if batch == 1 then
-    for i = first, last do assert(tm:transfer(bank.COLLECTION, from[i], to[i], 1)) end
-    return
-  end
-  for b = first, last, batch do
-    local list = {}
-    for i = b, math.min(b + batch - 1, last) do list[#list + 1] = bank.ops(from[i], to[i], 1) end
-    local results = tm:commit_many(list)
-    for k = 1, #list do assert(results[k]) end
-  end
-end
+local function run(first, last) bank.drive(tm, from, to, first, last, batch) end
 
 run(1, batch) -- warm-up: the server's clock, the collections' handles
 local cpu = os.clock()

@@ -43,18 +43,7 @@ do
   end
 end
 
-local function run(first, last)
-  for b = first, last, batch do
-    if batch == 1 then
-      assert(tm:transfer(bank.COLLECTION, from[b], to[b], 1))
-    else
-      local list = {}
-      for i = b, math.min(b + batch - 1, last) do list[#list + 1] = bank.ops(from[i], to[i], 1) end
-      local results = tm:commit_many(list)
-      for k = 1, #list do assert(results[k]) end
-    end
-  end
-end
+local function run(first, last) bank.drive(tm, from, to, first, last, batch) end
 
 local function us(ms) return ("%7.1f"):format(ms * 1e3 / n) end
 print(("batch %d, %d transfers a round; µs per transfer: wall / client CPU / server CPU"):format(batch, n))
