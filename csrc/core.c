@@ -39,6 +39,7 @@ luaopen_mongotx_core(lua_State *L)
 	mtx_open_cursor(L);
 	mtx_open_ids(L);
 	mtx_open_stored(L);
+	mtx_open_checks(L);
 	mtx_open_txn(L);
 	mtx_open_fault(L);
 	return 1;

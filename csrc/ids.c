@@ -252,8 +252,8 @@ quick_key(lua_State *L)
  * one _id; snapshot: the id as it is sent (decoded from what the encoder
  * made of v).  Raises, like the encoder, for values that cannot be encoded
  * at all (functions, tables holding themselves, ...). */
-static int
-l_id_key(lua_State *L)
+int
+mtx_l_id_key(lua_State *L)
 {
 	bson_t *holder;
 	bson_iter_t it;
@@ -295,7 +295,7 @@ l_id_key(lua_State *L)
 int
 mtx_open_ids(lua_State *L)
 {
-	lua_pushcfunction(L, l_id_key);
+	lua_pushcfunction(L, mtx_l_id_key);
 	lua_setfield(L, -2, "id_key");
 	return 0;
 }

@@ -115,6 +115,8 @@ MTX_HIDDEN int mtx_listed_in_order(lua_State *L, int meta, lua_Integer n,
 MTX_HIDDEN int mtx_plain_is_array(lua_State *L, int idx);
 /* core.encode(t). */
 MTX_HIDDEN int mtx_l_encode(lua_State *L);
+/* core.type(v). */
+MTX_HIDDEN int mtx_l_type(lua_State *L);
 
 /* ---- decode.c: BSON -> Lua ---- */
 
@@ -239,10 +241,30 @@ MTX_HIDDEN int mtx_open_cursor(lua_State *L);
 /* ---- ids.c: what may be an id, and its canonical key ---- */
 
 MTX_HIDDEN int mtx_open_ids(lua_State *L);
+/* core.id_key(v) -> key, snapshot | nil, message; raises for a value the
+ * encoder refuses. */
+MTX_HIDDEN int mtx_l_id_key(lua_State *L);
 
 /* ---- stored.c: the ops as a transaction stores them ---- */
 
 MTX_HIDDEN int mtx_open_stored(lua_State *L);
+/* The parts of a stored op, by their stack indices (nil: left out):
+ * collection, id, kind, doc and effect as values; update, undo and where
+ * as their BSON in a string, or a table to encode. */
+enum { MTX_SO_COLLECTION, MTX_SO_ID, MTX_SO_KIND, MTX_SO_UPDATE, MTX_SO_UNDO,
+       MTX_SO_WHERE, MTX_SO_DOC, MTX_SO_EFFECT, MTX_SO_N };
+MTX_HIDDEN extern const char *const mtx_stored_fields[MTX_SO_N];
+/* Appends op i of the array arr as a transaction stores it. */
+MTX_HIDDEN void mtx_append_stored_op(lua_State *L, const int parts[MTX_SO_N],
+				     bson_t *arr, uint32_t i);
+/* Pushes the array (a mongotx.Value, a copy) and its size. */
+MTX_HIDDEN void mtx_push_stored_ops(lua_State *L, const bson_t *arr);
+/* core.snapshot(t) -> copy, bytes; raises as the encoder does. */
+MTX_HIDDEN int mtx_l_snapshot(lua_State *L);
+
+/* ---- checks.c: the checks of a transaction's ops ---- */
+
+MTX_HIDDEN int mtx_open_checks(lua_State *L);
 
 /* ---- txn.c: the two-phase-commit steps ---- */
 

@@ -11,53 +11,95 @@
 
 #include "mongotx.h"
 
-/* The op fields kept as plain values, in the order they are stored. */
-static const char *const plain_fields[] = {"collection", "id", "kind", NULL};
-
-/* update, undo and where hold `$` keys, which servers refuse in a stored
- * document: each is kept as its BSON inside a Binary. */
-static const char *const operator_fields[] = {"update", "undo", "where", NULL};
-
-/* Appends op[f] (op at stack index op) as a Binary of its BSON: the bytes
- * encoded[f] (encoded a table or nil at stack index enc) when validate
- * kept them from its snapshot, else the table encoded here.  enc 0: none
- * kept. */
+/* Appends the plain value at idx under key: the strings and integers of
+ * every op without the general encoder, anything else through it. */
 static void
-append_operator_field(lua_State *L, int op, int enc, const char *f, bson_t *out)
+append_plain(lua_State *L, int idx, bson_t *out, const char *key)
 {
-	int top = lua_gettop(L);
-	const char *bytes = NULL;
-	size_t len = 0;
+	size_t len;
+	const char *s;
+	int64_t i;
+	double d;
 
-	lua_getfield(L, op, f);
-	if (lua_isnil(L, -1)) {
-		lua_settop(L, top);
+	switch (lua_type(L, idx)) {
+	case LUA_TNIL:
 		return;
+	case LUA_TSTRING:
+		s = lua_tolstring(L, idx, &len);
+		if (len <= MTX_MAX_BSON) {
+			bson_append_utf8(out, key, -1, s, (int)len);
+			return;
+		}
+		break;
+	case LUA_TNUMBER:
+		switch (mtx_number_kind(L, idx, &i, &d)) {
+		case MTX_NUM_INT32: bson_append_int32(out, key, -1, (int32_t)i); return;
+		case MTX_NUM_INT64: bson_append_int64(out, key, -1, i); return;
+		case MTX_NUM_DOUBLE: break;
+		}
+		break;
+	default:
+		break;
 	}
-	if (enc && lua_istable(L, enc)) {
-		lua_getfield(L, enc, f);
-		bytes = lua_tolstring(L, -1, &len);
-	}
-	if (!bytes) {
-		bson_t *doc = mtx_check_document_reused(L, top + 1);
-
-		bson_append_binary(out, f, -1, BSON_SUBTYPE_BINARY, bson_get_data(doc),
-				   doc->len);
-		mtx_scratch_give(L, -1);
-	} else {
-		bson_append_binary(out, f, -1, BSON_SUBTYPE_BINARY, (const uint8_t *)bytes,
-				   (uint32_t)len);
-	}
-	lua_settop(L, top);
+	mtx_append_value(L, idx, out, key);
 }
 
+/* update, undo and where hold `$` keys, which servers refuse in a stored
+ * document: each is kept as its BSON inside a Binary, given as a string
+ * (the bytes a snapshot made) or as a table encoded here. */
 static void
-append_field(lua_State *L, int op, const char *f, bson_t *out)
+append_operator_part(lua_State *L, int idx, bson_t *out, const char *key)
 {
-	lua_getfield(L, op, f);
-	if (!lua_isnil(L, -1))
-		mtx_append_value(L, -1, out, f);
-	lua_pop(L, 1);
+	const char *bytes;
+	size_t len;
+
+	if (lua_type(L, idx) == LUA_TSTRING) {
+		bytes = lua_tolstring(L, idx, &len);
+		bson_append_binary(out, key, -1, BSON_SUBTYPE_BINARY, (const uint8_t *)bytes,
+				   (uint32_t)len);
+	} else if (!lua_isnil(L, idx)) {
+		bson_t *doc = mtx_check_document_reused(L, idx);
+
+		bson_append_binary(out, key, -1, BSON_SUBTYPE_BINARY, bson_get_data(doc),
+				   doc->len);
+		mtx_scratch_give(L, -1);
+		lua_pop(L, 1);
+	}
+}
+
+/* The fields of a stored op, in the order they are stored. */
+const char *const mtx_stored_fields[MTX_SO_N] = {
+	"collection", "id", "kind", "update", "undo", "where", "doc", "effect"};
+
+void
+mtx_append_stored_op(lua_State *L, const int parts[MTX_SO_N], bson_t *arr, uint32_t i)
+{
+	bson_t op_doc;
+	char buf[16];
+	const char *key;
+	int k;
+
+	bson_uint32_to_string(i, &key, buf, sizeof buf);
+	bson_append_document_begin(arr, key, -1, &op_doc);
+	for (k = 0; k < MTX_SO_N; k++) {
+		if (k == MTX_SO_UPDATE || k == MTX_SO_UNDO || k == MTX_SO_WHERE)
+			append_operator_part(L, parts[k], &op_doc, mtx_stored_fields[k]);
+		else
+			append_plain(L, parts[k], &op_doc, mtx_stored_fields[k]);
+	}
+	bson_append_document_end(arr, &op_doc);
+}
+
+void
+mtx_push_stored_ops(lua_State *L, const bson_t *arr)
+{
+	bson_value_t v;
+
+	v.value_type = BSON_TYPE_ARRAY;
+	v.value.v_doc.data = (uint8_t *)bson_get_data(arr); /* copied */
+	v.value.v_doc.data_len = arr->len;
+	mtx_push_value(L, &v);
+	lua_pushinteger(L, (lua_Integer)arr->len);
 }
 
 /* core.stored_ops(ops [, encoded]) -> the ops as stored (a mongotx.Value
@@ -69,45 +111,41 @@ append_field(lua_State *L, int op, const char *f, bson_t *out)
 static int
 l_stored_ops(lua_State *L)
 {
-	bson_t *arr, op_doc;
-	bson_value_t v;
-	char buf[16];
-	const char *key;
-	int i, n, k;
+	bson_t *arr;
+	int i, n, k, parts[MTX_SO_N];
 
 	lua_settop(L, 2);
 	luaL_checktype(L, 1, LUA_TTABLE);
 	n = (int)mtx_rawlen(L, 1);
 	arr = mtx_scratch(L);
 	for (i = 1; i <= n; i++) {
-		int top = lua_gettop(L), op, enc;
+		int top = lua_gettop(L), op, enc = 0;
 
 		lua_rawgeti(L, 1, i);
 		op = lua_gettop(L);
 		luaL_argcheck(L, lua_istable(L, op), 1, "a list of ops");
-		enc = 0;
 		if (lua_istable(L, 2)) {
 			lua_rawgeti(L, 2, i);
-			enc = lua_gettop(L);
+			enc = lua_istable(L, -1) ? lua_gettop(L) : 0;
 		}
-		bson_uint32_to_string((uint32_t)(i - 1), &key, buf, sizeof buf);
-		bson_append_document_begin(arr, key, -1, &op_doc);
-		for (k = 0; plain_fields[k]; k++)
-			append_field(L, op, plain_fields[k], &op_doc);
-		for (k = 0; operator_fields[k]; k++)
-			append_operator_field(L, op, enc, operator_fields[k], &op_doc);
-		append_field(L, op, "doc", &op_doc);
-		append_field(L, op, "effect", &op_doc);
-		bson_append_document_end(arr, &op_doc);
+		for (k = 0; k < MTX_SO_N; k++) {
+			lua_getfield(L, op, mtx_stored_fields[k]);
+			if (enc && (k == MTX_SO_UPDATE || k == MTX_SO_UNDO || k == MTX_SO_WHERE) &&
+			    !lua_isnil(L, -1)) {
+				lua_getfield(L, enc, mtx_stored_fields[k]);
+				if (lua_isnil(L, -1))
+					lua_pop(L, 1);
+				else
+					lua_remove(L, -2); /* the bytes kept */
+			}
+			parts[k] = lua_gettop(L);
+		}
+		mtx_append_stored_op(L, parts, arr, (uint32_t)(i - 1));
 		if (arr->len > MTX_MAX_BSON)
 			luaL_error(L, "mongotx: the ops take more than 16 MiB");
 		lua_settop(L, top);
 	}
-	v.value_type = BSON_TYPE_ARRAY;
-	v.value.v_doc.data = (uint8_t *)bson_get_data(arr); /* copied */
-	v.value.v_doc.data_len = arr->len;
-	mtx_push_value(L, &v);
-	lua_pushinteger(L, (lua_Integer)arr->len);
+	mtx_push_stored_ops(L, arr);
 	return 2;
 }
 
@@ -118,8 +156,8 @@ l_stored_ops(lua_State *L)
  * encode-then-decode, which sends no string of the whole document and
  * skips the validation of bytes just encoded here.  Raises as
  * core.encode({ v = t }) does. */
-static int
-l_snapshot(lua_State *L)
+int
+mtx_l_snapshot(lua_State *L)
 {
 	bson_t *holder;
 	bson_iter_t it;
@@ -149,7 +187,7 @@ mtx_open_stored(lua_State *L)
 {
 	lua_pushcfunction(L, l_stored_ops);
 	lua_setfield(L, -2, "stored_ops");
-	lua_pushcfunction(L, l_snapshot);
+	lua_pushcfunction(L, mtx_l_snapshot);
 	lua_setfield(L, -2, "snapshot");
 	return 0;
 }

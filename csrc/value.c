@@ -430,8 +430,8 @@ l_timestamp(lua_State *L)
 }
 
 /* type(v): the BSON type (as $type names it) v encodes to. */
-static int
-l_type(lua_State *L)
+int
+mtx_l_type(lua_State *L)
 {
 	mtx_value *v;
 	int64_t i;
@@ -510,7 +510,7 @@ mtx_open_bson(lua_State *L)
 		{"decode", mtx_l_decode},
 		{"doc", l_doc},
 		{"encode", mtx_l_encode},
-		{"type", l_type},
+		{"type", mtx_l_type},
 		{NULL, NULL},
 	};
 

@@ -5,12 +5,17 @@
 -- may not hold `$` keys (nor dotted keys, which servers read as paths),
 -- and the fields mongotx owns are off limits.  Options are checked in
 -- mongotx.options (validate.options forwards there).
+--
+-- The checks themselves are C (csrc/checks.c: core.check_ops and the
+-- core.check_* below): in Lua they were more than half the client CPU of
+-- a batched transfer.  Only a `where`'s filter grammar is Lua, called
+-- back from there.
 
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local stored = require "mongotx.stored"
 
-local type, pairs, ipairs, tostring, setmetatable = type, pairs, ipairs, tostring, setmetatable
+local type, pairs, ipairs, tostring = type, pairs, ipairs, tostring
 local sort, concat, format = table.sort, table.concat, string.format
 local huge = math.huge
 
@@ -63,47 +68,8 @@ end
 -- then snapshotted through the encoder (snapshot below) and the checks
 -- run on the copy, which is what is sent.
 -- (LuaJIT has no rawlen, and its # ignores __len: the same thing.)
-local next, rawget, rawlen = next, rawget, rawlen or function(t) return #t end
-local raw_metatable = debug.getmetatable
+local next, rawlen = next, rawlen or function(t) return #t end
 _M.rawlen = rawlen
-
--- The first key starting with `$` anywhere in v, or nil.
-local function operator_key(v, depth)
-  if type(v) ~= "table" or depth > 100 then return nil end
-  for k, x in next, v do
-    if type(k) == "string" and k:sub(1, 1) == "$" then return k end
-    local found = operator_key(x, depth + 1)
-    if found then return found end
-  end
-end
-
--- A plain table (not from core.doc or decoding) with several keys anywhere
--- in v: its keys would encode in whatever order next() gives.  Returns
--- its keys, or nil.
-local function unordered_table(v, depth)
-  if type(v) ~= "table" or depth > 100 then return nil end
-  local mt = raw_metatable(v)
-  local keys = {}
-  for k, x in next, v do
-    if type(k) == "string" then keys[#keys + 1] = k end
-    local found = unordered_table(x, depth + 1)
-    if found then return found end
-  end
-  if #keys > 1 and not (type(mt) == "table" and rawget(mt, "__mongotx")) then
-    sort(keys)
-    return concat(keys, ", ")
-  end
-end
-
--- The first key holding a dot anywhere in v, or nil.
-local function dotted_key(v, depth)
-  if type(v) ~= "table" or depth > 100 then return nil end
-  for k, x in next, v do
-    if type(k) == "string" and k:find(".", 1, true) then return k end
-    local found = dotted_key(x, depth + 1)
-    if found then return found end
-  end
-end
 
 -- v as it would be sent: encoded and decoded again, so that later checks
 -- and every write see the same plain tables; nil and why when v cannot be
@@ -123,225 +89,33 @@ local function finite(x)
   return x == x and x ~= huge and x ~= -huge
 end
 
--- The first number in v that is NaN or infinite, or nil.
-local function non_finite(v, depth)
-  if type(v) == "number" then return not finite(v) and v or nil end
-  if type(v) ~= "table" or depth > 100 then return nil end
-  for _, x in pairs(v) do
-    local bad = non_finite(x, depth + 1)
-    if bad then return bad end
-  end
-end
-
 -- A caller's value to be stored in a document (a job's details or
 -- result, ...): its snapshot (as the server will hold it), or nil and
 -- why: it cannot be encoded, or holds a `$` key, a dotted key (servers
 -- read both as operators or paths) or a NaN or infinite number.
+local check_value = core.check_value
 function _M.value(v)
   local snap, why = snapshot(v)
   if type(v) ~= "table" and not pcall(encode, { v = v }) then
     snap, why = nil, "a " .. type(v) .. " is no BSON value"
   end
   if snap == nil and v ~= nil then return nil, "it cannot be stored: " .. why end
-  local op = operator_key(snap, 0)
-  if op then return nil, format("it holds the key %q, which looks like an operator", op) end
-  local dotted = dotted_key(snap, 0)
-  if dotted then return nil, format("it holds the key %q (dots are paths)", dotted) end
-  local bad = non_finite(snap, 0)
-  if bad then return nil, "it holds " .. tostring(bad) end
+  why = check_value(snap)
+  if why then return nil, why end
   return snap
 end
 
--- Does path reach field, or a part of it (a.b touches a, and a touches
--- a.b)?  (No strings made: it runs for every path of every op.)
-local function touches(path, field)
-  if path == field then return true end
-  local np, nf = #path, #field
-  if np > nf then
-    return path:byte(nf + 1) == 46 and path:find(field, 1, true) == 1
-  end
-  return np < nf and field:byte(np + 1) == 46 and field:find(path, 1, true) == 1
-end
-
--- owned (a list of field names) as a set { [field] = field }, made once
--- per list (the lists are made once and not changed: engine.new, the
--- modules), or false when a field holds a dot.
-local owned_sets = setmetatable({}, { __mode = "k" })
-local function owned_set(owned)
-  local set = owned_sets[owned]
-  if set == nil then
-    set = {}
-    for _, field in ipairs(owned) do
-      if field:find(".", 1, true) then
-        set = false
-        break
-      end
-      set[field] = field
-    end
-    owned_sets[owned] = set
-  end
-  return set
-end
-
--- The first field of owned that path touches, or nil.  When no field
--- holds a dot, path touches one exactly when its first part is that field:
--- one lookup instead of a comparison per field.
-local function touched(path, owned)
-  local set = owned_set(owned)
-  if set then
-    local dot = path:find(".", 1, true)
-    return set[dot and path:sub(1, dot - 1) or path]
-  end
-  for _, field in ipairs(owned) do
-    if touches(path, field) then return field end
-  end
-end
-
-local update_operators = {
-  ["$inc"] = true, ["$set"] = true, ["$unset"] = true, ["$push"] = true,
-  ["$pull"] = true, ["$addToSet"] = true, ["$pop"] = true, ["$min"] = true,
-  ["$max"] = true, ["$mul"] = true, ["$rename"] = true,
-  ["$currentDate"] = true, ["$pullAll"] = true, ["$bit"] = true,
-}
-
--- Operators whose every value must be a number, and what counts as one.
-local numeric_operators = { ["$inc"] = true, ["$mul"] = true }
-local numeric_types = { int = true, long = true, double = true, decimal = true }
-
--- An update document: operators only, none touching _id or the fields
--- mongotx keeps on documents.
-local function check_update(u, owned, what, i)
-  if type(u) ~= "table" then return invalid(what .. " must be a table", i) end
-  local n = 0
-  for opname, fieldset in pairs(u) do
-    n = n + 1
-    if type(opname) ~= "string" or not update_operators[opname] then
-      return invalid(format("%s: %s is not an update operator (an update " ..
-        "needs operators such as $inc or $set)", what, tostring(opname)), i)
-    end
-    if type(fieldset) ~= "table" or next(fieldset) == nil then
-      return invalid(format("%s: %s needs a table of fields", what, opname), i)
-    end
-    for path, value in pairs(fieldset) do
-      -- (no dot first or last, no two dots in a row)
-      if type(path) ~= "string" or path == "" or path:byte(1) == 36 or path:byte(1) == 46
-          or path:byte(-1) == 46 or path:find("..", 1, true) then
-        return invalid(format("%s: %s has a bad field name %s", what, opname,
-          tostring(path)), i)
-      end
-      if numeric_operators[opname] then
-        if not numeric_types[core.type(value)] then
-          return invalid(format("%s: %s of %s needs a number, not %s", what, opname,
-            path, core.type(value) or type(value)), i)
-        end
-        -- its inverse would be itself: -math.mininteger overflows
-        if math.mininteger and value == math.mininteger then
-          return invalid(format("%s: %s of %s by %d cannot be undone (its " ..
-            "negation overflows)", what, opname, path, value), i)
-        end
-      end
-      if opname == "$rename" and (type(value) ~= "string" or value == ""
-          or value:sub(1, 1) == "$") then
-        return invalid(format("%s: $rename of %s needs a field name", what, path), i)
-      end
-      local field = touched(path, owned)
-      if opname == "$rename" then
-        field = nil -- the first field either name touches
-        for _, f in ipairs(owned) do
-          if touches(path, f) or (type(value) == "string" and touches(value, f)) then
-            field = f
-            break
-          end
-        end
-      end
-      if field then
-        return invalid(format("%s: %s may not touch %s", what, opname, field), i)
-      end
-    end
-  end
-  if n == 0 then return invalid(what .. " is empty", i) end
-  local bad = non_finite(u, 0)
-  if bad then return invalid(format("%s holds %s", what, tostring(bad)), i) end
-  return true
-end
-
--- The sign of an update made only of $inc of numbers of one sign (1 or
--- -1), or nil.
-local function inc_sign(update)
-  local inc, sign = update["$inc"], nil
-  if next(update, next(update)) ~= nil or type(inc) ~= "table" then return nil end
-  for _, amount in pairs(inc) do
-    if type(amount) ~= "number" or amount == 0 then return nil end
-    local s = amount > 0 and 1 or -1
-    if sign and s ~= sign then return nil end
-    sign = s
-  end
-  return sign
-end
-
--- What an update op's effect does to the values a guard reads
--- (csrc/txn.c, "Guards"): "lowers" for a debit (only $inc of negative
--- numbers, undone by an $inc of positive ones), which a floor guard may
--- read before it commits; nil (it may raise them) for anything else.
-local function update_effect(update, undo)
-  -- undoing it must only raise values again (a $set could lower them)
-  if inc_sign(update) == -1 and inc_sign(undo) == 1 then return "lowers" end
-  return nil
-end
-
--- The automatic undo of an update made only of $inc: the same $inc negated.
-local function inverse_inc(u)
-  for opname in pairs(u) do
-    if opname ~= "$inc" then return nil end
-  end
-  local inc = {}
-  for field, amount in pairs(u["$inc"]) do
-    if type(amount) ~= "number" then return nil end
-    inc[field] = -amount
-  end
-  return { ["$inc"] = inc }
-end
-
-local op_keys = { collection = true, id = true, kind = true, update = true,
-                  doc = true, undo = true, where = true }
-local kinds = { update = true, insert = true, remove = true, assert = true }
+local check_update, operator_key, touched = core.check_update, core.operator_key, core.touched
 
 -- Checks an id (a transaction's, or an op's document) for use in a
 -- filter: it must match exactly one value there (core.id_key says which
 -- types may, ids.c).  Returns the id as it will be sent and its key
 -- (equal for ids the server takes for one _id: 1, 1.0, Int64(1)), or nil,
 -- err.
-local id_key = core.id_key
+local core_check_id = core.check_id
 local function check_id(id, i)
-  local t = type(id)
-  if id == nil then return invalid("needs an id", i) end
-  if t == "function" or t == "thread" then
-    return invalid("id may not be a " .. t, i)
-  end
-  if t == "number" and not finite(id) then
-    return invalid("id may not be " .. tostring(id), i)
-  end
-  if t == "table" then -- (the walks below look into tables only)
-    local op = operator_key(id, 0)
-    if op then
-      return invalid(format("id holds the key %q: an id may not look like a " ..
-        "query operator", op), i)
-    end
-    local unordered = unordered_table(id, 0)
-    if unordered then
-      return invalid(format("id holds a table with several keys (%s): the key order of " ..
-        "an _id matters, so build it with mongotx.doc", unordered), i)
-    end
-    local dotted = dotted_key(id, 0)
-    if dotted then
-      return invalid(format("id holds the key %q: keys of an id may not hold dots", dotted), i)
-    end
-  end
-  local ok, key, sent = pcall(id_key, id)
-  if not ok then
-    return invalid("id cannot be encoded: " .. tostring(key):gsub("^mongotx: ", ""), i)
-  end
-  if not key then return invalid(sent, i) end
+  local sent, key = core_check_id(id)
+  if sent == nil then return invalid(key, i) end
   return sent, key
 end
 _M.check_id = check_id
@@ -360,19 +134,6 @@ function _M.check_tid(id)
 end
 
 _M.id_key = stored.id_key
-
-local function check_collection(name, txcoll, i)
-  if type(name) ~= "string" or name == "" then
-    return invalid("needs a collection name", i)
-  end
-  if name:find("[%$%z]") or name:sub(1, 7) == "system." then
-    return invalid(format("bad collection name %q", name), i)
-  end
-  if name == txcoll then
-    return invalid("may not touch the transactions collection", i)
-  end
-  return true
-end
 
 -- The query operators a `where` may use.  Anything else is refused at
 -- begin: an unknown operator would fail every apply until the
@@ -523,93 +284,12 @@ local function check_where(where, owned, i)
   return check_filter(where, owned, i, 0)
 end
 
-local SNAPSHOT_FIELDS = { "update", "undo", "doc", "where" }
-
--- Checks one op and returns its normal form (kind set, undo filled in),
--- its document's key and the BSON of its update, undo and where as the
--- snapshots made it (stored.ops reuses them).  op is the caller's table,
--- read raw; every value kept is a snapshot, except with `built`: then
--- mongotx built op's tables itself from scalars (tm:transfer), so there
--- is no caller table to copy.
-local function normalise_op(op, i, ctx, built)
-  if type(op) ~= "table" then return invalid("must be a table", i) end
-  for k in next, op do
-    if not op_keys[k] then return invalid("unknown key " .. tostring(k), i) end
-  end
-  local collection = rawget(op, "collection")
-  local ok, err = check_collection(collection, ctx.collection, i)
+-- For core.check_ops (csrc/checks.c), which calls back for an op's
+-- where (a snapshot): true and whether it is a floor guard, or nil, err.
+local function check_op_where(where, owned, i)
+  local ok, err = check_where(where, owned, i)
   if not ok then return nil, err end
-  local id, key = check_id(rawget(op, "id"), i)
-  if id == nil then return nil, key end
-  local fields, bytes = {}, {}
-  for _, f in ipairs(SNAPSHOT_FIELDS) do
-    local given = rawget(op, f)
-    local v, b = given, nil
-    if not built then v, b = snapshot(given) end
-    if v == nil and given ~= nil then
-      return invalid(format("%s cannot be stored: %s", f, b), i)
-    end
-    fields[f], bytes[f] = v, b
-  end
-  bytes.doc = nil -- stored as a document, not as BSON in a binary
-  local kind = rawget(op, "kind") or (fields.doc ~= nil and "insert")
-               or (fields.update ~= nil and "update") or nil
-  if not kinds[kind] then
-    return invalid("kind must be update, insert, remove or assert", i)
-  end
-  ok, err = check_where(fields.where, ctx.owned, i)
-  if not ok then return nil, err end
-  local out = { collection = collection, id = id, kind = kind, where = fields.where }
-  if kind == "update" then
-    ok, err = check_update(fields.update, ctx.owned, "update", i)
-    if not ok then return nil, err end
-    local undo = fields.undo
-    if undo == nil then
-      -- the checked update's paths, its numbers negated: nothing more to check
-      undo = inverse_inc(fields.update)
-      if undo == nil then
-        return invalid("an update other than $inc needs an explicit undo", i)
-      end
-    else
-      ok, err = check_update(undo, ctx.owned, "undo", i)
-      if not ok then return nil, err end
-    end
-    out.update, out.undo = fields.update, undo
-    out.effect = update_effect(fields.update, undo)
-  elseif fields.update ~= nil or fields.undo ~= nil then
-    return invalid("only an update op takes update and undo", i)
-  end
-  if kind == "insert" then
-    if type(fields.doc) ~= "table" then return invalid("insert needs a doc", i) end
-    local doc = {}
-    for k, v in pairs(fields.doc) do
-      if type(k) ~= "string" then return invalid("doc keys are strings", i) end
-      if k:sub(1, 1) == "$" then
-        return invalid(format("doc may not hold the key %q", k), i)
-      end
-      for _, field in ipairs(ctx.owned) do
-        if k == field then return invalid("doc may not set " .. field, i) end
-      end
-      doc[k] = v
-    end
-    if doc._id ~= nil and _M.id_key(doc._id) ~= key then
-      return invalid("doc._id differs from the op's id", i)
-    end
-    local op_key = operator_key(doc, 0)
-    if op_key then return invalid(format("doc may not hold the key %q", op_key), i) end
-    local dotted = dotted_key(doc, 0)
-    if dotted then
-      return invalid(format("doc may not hold the key %q (dots are paths)", dotted), i)
-    end
-    local bad = non_finite(doc, 0)
-    if bad then return invalid("doc holds " .. tostring(bad), i) end
-    doc._id = id
-    out.doc = doc
-  elseif fields.doc ~= nil then
-    return invalid("only an insert op takes a doc", i)
-  end
-  out.floor = stored.is_floor(out.where) or nil
-  return out, key, bytes
+  return true, stored.is_floor(where) or nil
 end
 
 -- What a transaction's ops may take of its 16 MiB document, leaving the
@@ -620,37 +300,19 @@ local MAX_OPS_BYTES = 16 * 1024 * 1024 - 64 * 1024
 -- name, owned = { "_id", marker, version } }.  Returns the normalised
 -- list and the ops as the transaction stores them (stored.ops), or nil,
 -- err.  The list and its ops are read raw.  `built`: the ops are
--- mongotx's own, made from checked scalars (normalise_op).
+-- mongotx's own, made from checked scalars (nothing to snapshot).
+local check_ops = core.check_ops
 function _M.ops(ops, ctx, built)
   if type(ops) ~= "table" then error("ops must be a table", 3) end
-  local n = rawlen(ops)
-  if n == 0 then return invalid("a transaction needs at least one op") end
-  for k in next, ops do
-    if type(k) ~= "number" or k < 1 or k > n or not is_integer(k) then
-      return invalid("ops must be a list")
-    end
-  end
-  local out, encoded, seen = {}, {}, {}
-  for i = 1, n do
-    local norm, key, bytes = normalise_op(rawget(ops, i), i, ctx, built)
-    if not norm then return nil, key end
-    key = norm.collection .. "\0" .. key
-    if seen[key] then
-      return invalid(format("document %s of %s is also op %d: one op per " ..
-        "document (the server reads these ids as one)", tostring(norm.id),
-        norm.collection, seen[key]), i)
-    end
-    seen[key] = i
-    out[i], encoded[i] = norm, bytes
+  local out, stored_ops, size = check_ops(ops, ctx.collection, ctx.owned, built, check_op_where)
+  if not out then
+    if type(stored_ops) == "string" then return invalid(stored_ops, size) end
+    return nil, stored_ops -- the where's check made it
   end
   -- Too big for one document is bad content, found here rather than as a
   -- raise from the insert: the stored form (update, undo and where as
   -- BSON in binaries) measured, and room left for the transaction's own
   -- fields.  That form is what the transaction document holds.
-  local ok, stored_ops, size = pcall(stored.ops, out, encoded)
-  if not ok then
-    return invalid("the ops cannot be stored: " .. tostring(stored_ops):gsub("^mongotx: ", ""))
-  end
   if size > MAX_OPS_BYTES then
     return invalid(format("the ops take %d bytes: a transaction is one document of " ..
       "at most 16 MiB", size))
@@ -671,8 +333,8 @@ end
 function _M.update(u, owned, step)
   local sent, why = snapshot(u)
   if sent == nil then return as_step(step, invalid("update cannot be stored: " .. why)) end
-  local ok, err = check_update(sent, owned, "update")
-  if not ok then return as_step(step, nil, err) end
+  local ok, why2 = check_update(sent, owned, "update")
+  if not ok then return as_step(step, invalid(why2)) end
   return sent
 end
 
@@ -703,11 +365,12 @@ end
 
 local function malformed_op(op, ctx)
   if core.type(op) ~= "object" then return "not a document" end
-  local _, err = check_collection(op.collection, ctx.collection)
-  if err then return err.message end
-  local id, bad = check_id(op.id)
-  if id == nil then return bad.message end
-  if type(op.kind) ~= "string" or not kinds[op.kind] then
+  local ok, bad = core.check_collection(op.collection, ctx.collection)
+  if not ok then return bad end
+  local id
+  id, bad = core_check_id(op.id)
+  if id == nil then return bad end
+  if type(op.kind) ~= "string" or not core.op_kinds[op.kind] then
     return "unknown kind " .. tostring(op.kind)
   end
   local parts = {}
@@ -719,10 +382,10 @@ local function malformed_op(op, ctx)
     end
   end
   if op.kind == "update" then
-    _, err = check_update(parts.update, ctx.owned, "update")
-    if err then return err.message end
-    _, err = check_update(parts.undo, ctx.owned, "undo")
-    if err then return err.message end
+    ok, bad = check_update(parts.update, ctx.owned, "update")
+    if not ok then return bad end
+    ok, bad = check_update(parts.undo, ctx.owned, "undo")
+    if not ok then return bad end
   end
   if op.kind == "insert" and core.type(op.doc) ~= "object" then
     return "insert without a doc"
@@ -730,7 +393,7 @@ local function malformed_op(op, ctx)
   if op.effect ~= nil and op.effect ~= "lowers" then
     return "unknown effect " .. tostring(op.effect)
   end
-  _, err = check_where(parts.where, ctx.owned)
+  local _, err = check_where(parts.where, ctx.owned)
   if err then return err.message end
 end
 

@@ -1,0 +1,1330 @@
+/* checks.c: the checks of what callers pass as a transaction's ops
+ * (lua/mongotx/validate.lua, DESIGN.md §8), and their normal form.
+ *
+ * In Lua these checks were more than half of the client CPU of a batched
+ * transfer (issue 13): every line of them ran in the interpreter.  Here
+ * they read the same tables the same way: the caller's op and op list raw
+ * (lua_next, lua_rawget, lua_rawlen: a metatable's __pairs, __index or
+ * __len cannot show a check anything else than what is sent), and every
+ * value kept as the snapshot core.snapshot makes of it, so that the
+ * caller changing its tables after begin changes nothing.  The walks go
+ * over the tables in next() order, so the first fault found, and so the
+ * message, is the one the Lua checks named.
+ *
+ * A fault returns nil and the message (validate.lua makes the `invalid`
+ * error with `op <i>: ` before it); misuse raises.  Only a `where`'s
+ * filter grammar stays in Lua: check_ops calls back for it. */
+#include <math.h>
+#include <string.h>
+
+#include "mongotx.h"
+
+/* The walks stop looking deeper than this (as the Lua walks did), and the
+ * encoder refuses deeper values anyway (MTX_MAX_DEPTH). */
+#define WALK_DEPTH 100
+
+/* The upvalues of every function here: string.format (%q as Lua writes
+ * it, for LuaJIT and 5.4 alike), table.sort, table.concat. */
+#define UP_FORMAT lua_upvalueindex(1)
+#define UP_SORT lua_upvalueindex(2)
+#define UP_CONCAT lua_upvalueindex(3)
+
+/* Pushes string.format(fmt, <the value at idx>). */
+static const char *
+push_format(lua_State *L, const char *fmt, int idx)
+{
+	idx = mtx_absindex(L, idx);
+	lua_pushvalue(L, UP_FORMAT);
+	lua_pushstring(L, fmt);
+	lua_pushvalue(L, idx);
+	lua_call(L, 2, 1);
+	return lua_tostring(L, -1);
+}
+
+/* tostring(v) for the value at idx, pushed. */
+static const char *
+push_tostring(lua_State *L, int idx)
+{
+	return mtx_tolstring(L, idx, NULL);
+}
+
+/* core.type(v) or type(v) for the value at idx, pushed. */
+static const char *
+push_type_name(lua_State *L, int idx)
+{
+	idx = mtx_absindex(L, idx);
+	lua_pushcfunction(L, mtx_l_type);
+	lua_pushvalue(L, idx);
+	lua_call(L, 1, 1);
+	if (lua_isnil(L, -1)) {
+		lua_pop(L, 1);
+		lua_pushstring(L, luaL_typename(L, idx));
+	}
+	return lua_tostring(L, -1);
+}
+
+/* The error's message without the bridge's "mongotx: " (a raise caught by
+ * lua_pcall on top of the stack, replaced). */
+static const char *
+strip_prefix(lua_State *L)
+{
+	const char *msg = push_tostring(L, -1);
+
+	if (strncmp(msg, "mongotx: ", 9) == 0)
+		lua_pushstring(L, msg + 9);
+	else
+		lua_pushvalue(L, -1);
+	lua_replace(L, -3);
+	lua_pop(L, 1);
+	return lua_tostring(L, -1);
+}
+
+/* ---- walks of a value's tables ---- */
+
+static int
+starts_with_dollar(const char *s, size_t n)
+{
+	return n > 0 && s[0] == '$';
+}
+
+static int
+holds_dot(const char *s, size_t n)
+{
+	return memchr(s, '.', n) != NULL;
+}
+
+/* The first string key anywhere in the value at idx for which bad()
+ * holds: pushed, and 1; else 0. */
+static int
+find_key(lua_State *L, int idx, int depth, int (*bad)(const char *, size_t))
+{
+	size_t n;
+	const char *s;
+
+	if (lua_type(L, idx) != LUA_TTABLE || depth > WALK_DEPTH)
+		return 0;
+	idx = mtx_absindex(L, idx);
+	luaL_checkstack(L, 4, "mongotx: a value nested too deep");
+	lua_pushnil(L);
+	while (lua_next(L, idx)) {
+		if (lua_type(L, -2) == LUA_TSTRING) {
+			s = lua_tolstring(L, -2, &n);
+			if (bad(s, n)) {
+				lua_pop(L, 1);
+				return 1;
+			}
+		}
+		if (find_key(L, -1, depth + 1, bad)) {
+			lua_insert(L, -3);
+			lua_pop(L, 2);
+			return 1;
+		}
+		lua_pop(L, 1);
+	}
+	return 0;
+}
+
+/* The first NaN or infinite number in the value at idx: pushed, and 1;
+ * else 0. */
+static int
+find_non_finite(lua_State *L, int idx, int depth)
+{
+	if (lua_type(L, idx) == LUA_TNUMBER) {
+		if (isfinite((double)lua_tonumber(L, idx)))
+			return 0;
+		lua_pushvalue(L, idx);
+		return 1;
+	}
+	if (lua_type(L, idx) != LUA_TTABLE || depth > WALK_DEPTH)
+		return 0;
+	idx = mtx_absindex(L, idx);
+	luaL_checkstack(L, 4, "mongotx: a value nested too deep");
+	lua_pushnil(L);
+	while (lua_next(L, idx)) {
+		if (find_non_finite(L, -1, depth + 1)) {
+			lua_insert(L, -3);
+			lua_pop(L, 2);
+			return 1;
+		}
+		lua_pop(L, 1);
+	}
+	return 0;
+}
+
+/* Has the table at idx a metatable of the bridge (core.doc, decoding),
+ * which keeps its key order? */
+static int
+keeps_order(lua_State *L, int idx)
+{
+	int keeps;
+
+	if (!lua_getmetatable(L, idx))
+		return 0;
+	lua_pushliteral(L, "__mongotx");
+	lua_rawget(L, -2);
+	keeps = lua_toboolean(L, -1);
+	lua_pop(L, 2);
+	return keeps;
+}
+
+/* A plain table with several string keys anywhere in the value at idx
+ * (its keys would encode in whatever order next() gives): its keys,
+ * sorted and joined, pushed, and 1; else 0. */
+static int
+find_unordered(lua_State *L, int idx, int depth)
+{
+	int keys = 0;
+
+	if (lua_type(L, idx) != LUA_TTABLE || depth > WALK_DEPTH)
+		return 0;
+	idx = mtx_absindex(L, idx);
+	luaL_checkstack(L, 6, "mongotx: a value nested too deep");
+	lua_pushnil(L);
+	while (lua_next(L, idx)) {
+		keys += lua_type(L, -2) == LUA_TSTRING;
+		if (find_unordered(L, -1, depth + 1)) {
+			lua_insert(L, -3);
+			lua_pop(L, 2);
+			return 1;
+		}
+		lua_pop(L, 1);
+	}
+	if (keys < 2 || keeps_order(L, idx))
+		return 0;
+	lua_pushvalue(L, UP_CONCAT);
+	lua_newtable(L);
+	keys = 0;
+	lua_pushnil(L);
+	while (lua_next(L, idx)) {
+		lua_pop(L, 1);
+		if (lua_type(L, -1) == LUA_TSTRING) {
+			lua_pushvalue(L, -1);
+			lua_rawseti(L, -3, ++keys);
+		}
+	}
+	lua_pushvalue(L, UP_SORT);
+	lua_pushvalue(L, -2);
+	lua_call(L, 1, 0);
+	lua_pushliteral(L, ", ");
+	lua_call(L, 2, 1);
+	return 1;
+}
+
+/* ---- ids and collections ---- */
+
+/* Checks the id at idx for use in a filter (it must match exactly one
+ * value there; ids.c says which may): pushes the id as sent and its key
+ * (equal for ids the server takes for one _id) and returns 1, or pushes
+ * what is wrong and returns 0. */
+static int
+check_id(lua_State *L, int idx)
+{
+	int t = lua_type(L, idx);
+
+	idx = mtx_absindex(L, idx);
+	switch (t) {
+	case LUA_TNIL:
+		lua_pushliteral(L, "needs an id");
+		return 0;
+	case LUA_TFUNCTION:
+	case LUA_TTHREAD:
+		lua_pushfstring(L, "id may not be a %s", lua_typename(L, t));
+		return 0;
+	case LUA_TNUMBER:
+		if (!isfinite((double)lua_tonumber(L, idx))) {
+			lua_pushfstring(L, "id may not be %s", push_tostring(L, idx));
+			return 0;
+		}
+		break;
+	case LUA_TTABLE: /* what a key would make of the filter */
+		if (find_key(L, idx, 0, starts_with_dollar)) {
+			push_format(L, "id holds the key %q: an id may not look like a "
+				       "query operator", -1);
+			return 0;
+		}
+		if (find_unordered(L, idx, 0)) {
+			lua_pushfstring(L, "id holds a table with several keys (%s): the key "
+					   "order of an _id matters, so build it with mongotx.doc",
+					lua_tostring(L, -1));
+			return 0;
+		}
+		if (find_key(L, idx, 0, holds_dot)) {
+			push_format(L, "id holds the key %q: keys of an id may not hold dots",
+				    -1);
+			return 0;
+		}
+		break;
+	default:
+		break;
+	}
+	lua_pushcfunction(L, mtx_l_id_key);
+	lua_pushvalue(L, idx);
+	/* (the encoder raises only for tables and foreign userdata) */
+	if (t == LUA_TNUMBER || t == LUA_TSTRING || t == LUA_TBOOLEAN || mtx_test_value(L, idx))
+		lua_call(L, 1, 2);
+	else if (lua_pcall(L, 1, 2, 0) != 0) {
+		lua_pushfstring(L, "id cannot be encoded: %s", strip_prefix(L));
+		return 0;
+	}
+	if (lua_isnil(L, -2))
+		return 0; /* the message on top */
+	lua_insert(L, -2); /* sent, key */
+	return 1;
+}
+
+/* Checks the collection name at idx (txcoll: the transactions
+ * collection's name): 1, or the message pushed and 0. */
+static int
+check_collection(lua_State *L, int idx, int txcoll)
+{
+	size_t n;
+	const char *name;
+
+	if (lua_type(L, idx) != LUA_TSTRING || mtx_rawlen(L, idx) == 0) {
+		lua_pushliteral(L, "needs a collection name");
+		return 0;
+	}
+	name = lua_tolstring(L, idx, &n);
+	if (memchr(name, '$', n) || memchr(name, '\0', n) || strncmp(name, "system.", 7) == 0) {
+		push_format(L, "bad collection name %q", idx);
+		return 0;
+	}
+	if (lua_rawequal(L, idx, txcoll)) {
+		lua_pushliteral(L, "may not touch the transactions collection");
+		return 0;
+	}
+	return 1;
+}
+
+/* ---- updates ---- */
+
+/* Does path reach field, or a part of it (a.b touches a, and a touches
+ * a.b)? */
+static int
+touches(const char *path, size_t np, const char *field, size_t nf)
+{
+	if (np == nf)
+		return memcmp(path, field, np) == 0;
+	if (np > nf)
+		return path[nf] == '.' && memcmp(path, field, nf) == 0;
+	return field[np] == '.' && memcmp(path, field, np) == 0;
+}
+
+/* The first field of the list at owned that path (or, for $rename, its
+ * new name `to`) touches: pushed, and 1; else 0. */
+static int
+touched(lua_State *L, int owned, const char *path, size_t np, const char *to, size_t nt)
+{
+	const char *f;
+	size_t nf;
+	int k;
+
+	for (k = 1;; k++) {
+		lua_rawgeti(L, owned, k);
+		if (lua_isnil(L, -1)) {
+			lua_pop(L, 1);
+			return 0;
+		}
+		f = lua_tolstring(L, -1, &nf);
+		if (f && (touches(path, np, f, nf) || (to && touches(to, nt, f, nf))))
+			return 1;
+		lua_pop(L, 1);
+	}
+}
+
+static const char *const update_operators[] = {
+	"$inc", "$set", "$unset", "$push", "$pull", "$addToSet", "$pop", "$min",
+	"$max", "$mul", "$rename", "$currentDate", "$pullAll", "$bit", NULL};
+
+static int
+is_update_operator(const char *s)
+{
+	int k;
+
+	for (k = 0; update_operators[k]; k++)
+		if (strcmp(s, update_operators[k]) == 0)
+			return 1;
+	return 0;
+}
+
+/* A number as $inc and $mul take it: a Lua number, or a boxed one. */
+static int
+is_number(lua_State *L, int idx)
+{
+	const mtx_value *v;
+
+	if (lua_type(L, idx) == LUA_TNUMBER)
+		return 1;
+	v = mtx_test_value(L, idx);
+	return v && (v->v.value_type == BSON_TYPE_INT32 || v->v.value_type == BSON_TYPE_INT64 ||
+		     v->v.value_type == BSON_TYPE_DOUBLE ||
+		     v->v.value_type == BSON_TYPE_DECIMAL128);
+}
+
+/* Is the number at idx the smallest integer, whose negation (the
+ * automatic undo of an $inc, or the inverse of $mul) overflows?  (LuaJIT
+ * has no integers: its numbers negate.) */
+static int
+is_min_integer(lua_State *L, int idx)
+{
+#if MTX_HAS_INTEGERS
+	if (lua_type(L, idx) != LUA_TNUMBER)
+		return 0;
+	if (lua_isinteger(L, idx))
+		return lua_tointeger(L, idx) == LUA_MININTEGER;
+	return lua_tonumber(L, idx) == -9223372036854775808.0;
+#else
+	(void)L, (void)idx;
+	return 0;
+#endif
+}
+
+/* One path of an operator's fields (key at -2, value at -1): 1, or the
+ * message pushed and 0. */
+static int
+check_path(lua_State *L, int owned, const char *what, const char *opname)
+{
+	int numeric = strcmp(opname, "$inc") == 0 || strcmp(opname, "$mul") == 0;
+	int rename = strcmp(opname, "$rename") == 0;
+	const char *path = "", *to = NULL;
+	size_t np = 0, nt = 0;
+
+	if (lua_type(L, -2) == LUA_TSTRING)
+		path = lua_tolstring(L, -2, &np);
+	/* (no dot first or last, no two dots in a row) */
+	if (lua_type(L, -2) != LUA_TSTRING || np == 0 || path[0] == '$' || path[0] == '.' ||
+	    path[np - 1] == '.' || strstr(path, "..")) {
+		lua_pushfstring(L, "%s: %s has a bad field name %s", what, opname,
+				push_tostring(L, -2));
+		return 0;
+	}
+	if (numeric && !is_number(L, -1)) {
+		lua_pushfstring(L, "%s: %s of %s needs a number, not %s", what, opname, path,
+				push_type_name(L, -1));
+		return 0;
+	}
+	if (numeric && is_min_integer(L, -1)) {
+		lua_pushfstring(L, "%s: %s of %s by -9223372036854775808 cannot be undone (its "
+				   "negation overflows)", what, opname, path);
+		return 0;
+	}
+	if (rename) {
+		if (lua_type(L, -1) == LUA_TSTRING)
+			to = lua_tolstring(L, -1, &nt);
+		if (!to || nt == 0 || to[0] == '$') {
+			lua_pushfstring(L, "%s: $rename of %s needs a field name", what, path);
+			return 0;
+		}
+	}
+	if (touched(L, owned, path, np, to, nt)) {
+		lua_pushfstring(L, "%s: %s may not touch %s", what, opname, lua_tostring(L, -1));
+		return 0;
+	}
+	return 1;
+}
+
+/* An update document (the table at u): operators only, none touching _id
+ * or the fields mongotx keeps on documents (the list at owned).  what:
+ * "update" or "undo".  1, or the message pushed and 0. */
+static int
+check_update(lua_State *L, int u, int owned, const char *what)
+{
+	int n = 0, fieldset;
+	const char *opname;
+
+	u = mtx_absindex(L, u);
+	if (lua_type(L, u) != LUA_TTABLE) {
+		lua_pushfstring(L, "%s must be a table", what);
+		return 0;
+	}
+	luaL_checkstack(L, 12, "mongotx: no room to check an update");
+	lua_pushnil(L);
+	while (lua_next(L, u)) {
+		n++;
+		fieldset = lua_gettop(L);
+		if (lua_type(L, -2) != LUA_TSTRING || !is_update_operator(lua_tostring(L, -2))) {
+			lua_pushfstring(L, "%s: %s is not an update operator (an update needs "
+					   "operators such as $inc or $set)", what,
+					push_tostring(L, -2));
+			return 0;
+		}
+		opname = lua_tostring(L, -2);
+		lua_pushnil(L);
+		if (lua_type(L, fieldset) != LUA_TTABLE || !lua_next(L, fieldset)) {
+			lua_pushfstring(L, "%s: %s needs a table of fields", what, opname);
+			return 0;
+		}
+		lua_pop(L, 2);
+		lua_pushnil(L);
+		while (lua_next(L, fieldset)) {
+			if (!check_path(L, owned, what, opname))
+				return 0;
+			lua_pop(L, 1);
+		}
+		lua_pop(L, 1);
+	}
+	if (n == 0) {
+		lua_pushfstring(L, "%s is empty", what);
+		return 0;
+	}
+	if (find_non_finite(L, u, 0)) {
+		lua_pushfstring(L, "%s holds %s", what, push_tostring(L, -1));
+		return 0;
+	}
+	return 1;
+}
+
+/* The sign of the update at u if made only of $inc of Lua numbers of one
+ * sign (1 or -1), else 0. */
+static int
+inc_sign(lua_State *L, int u)
+{
+	int sign = 0, s, top = lua_gettop(L);
+	lua_Number x;
+
+	lua_pushnil(L);
+	if (!lua_next(L, u) || lua_type(L, -2) != LUA_TSTRING ||
+	    strcmp(lua_tostring(L, -2), "$inc") != 0 || lua_type(L, -1) != LUA_TTABLE)
+		goto none;
+	lua_pop(L, 1);
+	if (lua_next(L, u)) /* a second operator */
+		goto none;
+	lua_pushliteral(L, "$inc");
+	lua_rawget(L, u);
+	lua_pushnil(L);
+	while (lua_next(L, -2)) {
+		if (lua_type(L, -1) != LUA_TNUMBER || (x = lua_tonumber(L, -1)) == 0)
+			goto none;
+		s = x > 0 ? 1 : -1;
+		if (sign && s != sign)
+			goto none;
+		sign = s;
+		lua_pop(L, 1);
+	}
+	lua_settop(L, top);
+	return sign;
+none:
+	lua_settop(L, top);
+	return 0;
+}
+
+/* Pushes the automatic undo of the checked update at u when it is made
+ * only of $inc of Lua numbers (the same $inc negated), as a table and as
+ * its BSON, and returns 1; else 0 (nothing pushed). */
+static int
+push_inverse_inc(lua_State *L, int u)
+{
+	int top = lua_gettop(L), inc, src;
+	bson_t doc, fields, *b;
+	const char *field;
+	size_t n;
+	int64_t i;
+	double d;
+
+	lua_pushnil(L);
+	while (lua_next(L, u)) {
+		if (lua_type(L, -2) != LUA_TSTRING || strcmp(lua_tostring(L, -2), "$inc") != 0) {
+			lua_settop(L, top);
+			return 0;
+		}
+		lua_pop(L, 1);
+	}
+	lua_createtable(L, 0, 1); /* the undo */
+	lua_createtable(L, 0, 1); /* its $inc */
+	inc = lua_gettop(L);
+	lua_pushliteral(L, "$inc");
+	lua_pushvalue(L, inc);
+	lua_rawset(L, top + 1);
+	lua_pushliteral(L, "$inc");
+	lua_rawget(L, u);
+	src = lua_gettop(L);
+	lua_pushnil(L);
+	while (lua_next(L, src)) {
+		if (lua_type(L, -1) != LUA_TNUMBER) {
+			lua_settop(L, top);
+			return 0;
+		}
+#if MTX_HAS_INTEGERS
+		if (lua_isinteger(L, -1)) /* not the smallest: check_update refused it */
+			lua_pushinteger(L, (lua_Integer)(0u - (lua_Unsigned)lua_tointeger(L, -1)));
+		else
+#endif
+			lua_pushnumber(L, -lua_tonumber(L, -1));
+		lua_pushvalue(L, -3);
+		lua_insert(L, -2);
+		lua_rawset(L, inc);
+		lua_pop(L, 1);
+	}
+	/* its BSON, from the table just made (no raise until it is freed) */
+	bson_init(&doc);
+	bson_append_document_begin(&doc, "$inc", 4, &fields);
+	lua_pushnil(L);
+	while (lua_next(L, inc)) {
+		field = lua_tolstring(L, -2, &n);
+		switch (mtx_number_kind(L, -1, &i, &d)) { /* as the encoder sends it */
+		case MTX_NUM_INT32: bson_append_int32(&fields, field, (int)n, (int32_t)i); break;
+		case MTX_NUM_INT64: bson_append_int64(&fields, field, (int)n, i); break;
+		case MTX_NUM_DOUBLE: bson_append_double(&fields, field, (int)n, d); break;
+		}
+		lua_pop(L, 1);
+	}
+	bson_append_document_end(&doc, &fields);
+	lua_settop(L, top + 1);
+	if (doc.len > sizeof doc - 2 * sizeof(uint32_t)) {
+		/* beyond what bson_t holds in itself: through the encoder,
+		 * which owns its buffer */
+		bson_destroy(&doc);
+		b = mtx_check_document_reused(L, top + 1);
+
+		lua_pushlstring(L, (const char *)bson_get_data(b), b->len);
+		mtx_scratch_give(L, -2);
+		lua_remove(L, -2);
+		return 1;
+	}
+	lua_pushlstring(L, (const char *)bson_get_data(&doc), doc.len);
+	return 1;
+}
+
+/* ---- one op ---- */
+
+/* The fields of an op, in the order the Lua checks snapshotted them. */
+enum { F_UPDATE, F_UNDO, F_DOC, F_WHERE, N_FIELDS };
+static const char *const snapshot_fields[] = {"update", "undo", "doc", "where"};
+
+static int
+is_op_key(lua_State *L, int idx)
+{
+	static const char *const keys[] = {"collection", "id", "kind", "update",
+					   "doc", "undo", "where", NULL};
+	const char *k;
+	int j;
+
+	if (lua_type(L, idx) != LUA_TSTRING)
+		return 0;
+	k = lua_tostring(L, idx);
+	for (j = 0; keys[j]; j++)
+		if (strcmp(k, keys[j]) == 0)
+			return 1;
+	return 0;
+}
+
+/* Where check_op keeps what it works with: stack slots. */
+typedef struct {
+	int op, txcoll, owned, built, where_check, index;
+	int collection, id, key;
+	int value[N_FIELDS], bytes[N_FIELDS];
+	int kind, out, doc, effect, floor;
+} op_slots;
+
+static void
+push_slot(lua_State *L, int *slot)
+{
+	lua_pushnil(L);
+	*slot = lua_gettop(L);
+}
+
+/* ---- snapshots ---- */
+
+/* How deep quick_snapshot goes before it leaves a value to the encoder. */
+#define QUICK_DEPTH 8
+
+static int quick_fields(lua_State *L, int idx, bson_t *b, int depth);
+
+/* Appends the value at idx to b when it has the quick shape: a boolean, a
+ * number, a string, or a table without a metatable of at most one string
+ * key whose value has the quick shape.  0 when it has not (b is then
+ * left half made). */
+static int
+quick_append(lua_State *L, int idx, bson_t *b, const char *key, int keylen, int depth)
+{
+	bson_t child;
+	size_t len;
+	const char *s;
+	int64_t i;
+	double d;
+
+	switch (lua_type(L, idx)) {
+	case LUA_TBOOLEAN:
+		return bson_append_bool(b, key, keylen, lua_toboolean(L, idx));
+	case LUA_TNUMBER: /* as the encoder sends it (encode_number) */
+		switch (mtx_number_kind(L, idx, &i, &d)) {
+		case MTX_NUM_INT32: return bson_append_int32(b, key, keylen, (int32_t)i);
+		case MTX_NUM_INT64: return bson_append_int64(b, key, keylen, i);
+		case MTX_NUM_DOUBLE: return bson_append_double(b, key, keylen, d);
+		}
+		return 0;
+	case LUA_TSTRING:
+		s = lua_tolstring(L, idx, &len);
+		return len < 64 && bson_append_utf8(b, key, keylen, s, (int)len);
+	case LUA_TTABLE:
+		if (depth >= QUICK_DEPTH)
+			return 0;
+		if (lua_getmetatable(L, idx)) {
+			lua_pop(L, 1);
+			return 0;
+		}
+		return bson_append_document_begin(b, key, keylen, &child) &&
+		       quick_fields(L, idx, &child, depth + 1) &&
+		       bson_append_document_end(b, &child);
+	default:
+		return 0;
+	}
+}
+
+/* The fields of the table at idx (no metatable) into b: at most one, a
+ * key the encoder takes (no NUL, UTF-8) with a value of the quick shape. */
+static int
+quick_fields(lua_State *L, int idx, bson_t *b, int depth)
+{
+	const char *key;
+	size_t len;
+	int ok, top = lua_gettop(L);
+
+	idx = mtx_absindex(L, idx);
+	lua_pushnil(L);
+	if (!lua_next(L, idx))
+		return 1; /* an empty table is an empty document */
+	if (lua_type(L, -2) != LUA_TSTRING) {
+		lua_settop(L, top);
+		return 0;
+	}
+	key = lua_tolstring(L, -2, &len);
+	ok = strlen(key) == len && mtx_utf8_valid(key, len) &&
+	     quick_append(L, lua_gettop(L), b, key, (int)len, depth);
+	lua_pop(L, 1);
+	if (!ok || lua_next(L, idx)) {
+		lua_settop(L, top);
+		return 0;
+	}
+	return 1;
+}
+
+/* Pushes a copy of the value at idx, of the quick shape: what decoding
+ * its BSON gives (a table of one key has no metatable to keep an order). */
+static void
+quick_copy(lua_State *L, int idx)
+{
+	idx = mtx_absindex(L, idx);
+	if (lua_type(L, idx) != LUA_TTABLE) {
+		lua_pushvalue(L, idx);
+		return;
+	}
+	lua_createtable(L, 0, 1);
+	lua_pushnil(L);
+	if (lua_next(L, idx)) {
+		quick_copy(L, -1);
+		lua_remove(L, -2);
+		lua_rawset(L, -3);
+	}
+}
+
+/* core.snapshot without the general encoder and decoder for the small
+ * tables most ops hold ({ ["$inc"] = { balance = -5 } }): pushes the copy
+ * and its BSON and returns 1, or 0 (nothing pushed) for any other value.
+ * The BSON stays in the bson_t's own bytes (no allocation to free if
+ * pushing raises), else it is left to the encoder too. */
+static int
+quick_snapshot(lua_State *L, int idx)
+{
+	bson_t b;
+	int top = lua_gettop(L), ok;
+
+	idx = mtx_absindex(L, idx);
+	if (lua_getmetatable(L, idx)) {
+		lua_pop(L, 1);
+		return 0;
+	}
+	bson_init(&b);
+	/* (bson_t keeps up to 120 bytes in itself, after its flags and
+	 * length, and moves to the heap beyond) */
+	ok = quick_fields(L, idx, &b, 1) && b.len <= sizeof b - 2 * sizeof(uint32_t);
+	lua_settop(L, top);
+	if (!ok) {
+		bson_destroy(&b);
+		return 0;
+	}
+	quick_copy(L, idx);
+	lua_pushlstring(L, (const char *)bson_get_data(&b), b.len);
+	return 1;
+}
+
+/* Snapshots op[f] into its slots (a table as the copy and its BSON, any
+ * other value as it is): 1, or the message pushed and 0. */
+static int
+snapshot_field(lua_State *L, const op_slots *s, int f)
+{
+	lua_pushstring(L, snapshot_fields[f]);
+	lua_rawget(L, s->op);
+	if (lua_type(L, -1) != LUA_TTABLE || s->built) {
+		lua_replace(L, s->value[f]);
+		return 1;
+	}
+	if (quick_snapshot(L, -1)) {
+		lua_replace(L, s->bytes[f]);
+		lua_replace(L, s->value[f]);
+		lua_pop(L, 1);
+		return 1;
+	}
+	lua_pushcfunction(L, mtx_l_snapshot);
+	lua_insert(L, -2);
+	if (lua_pcall(L, 1, 2, 0) != 0) {
+		lua_pushfstring(L, "%s cannot be stored: %s", snapshot_fields[f],
+				strip_prefix(L));
+		return 0;
+	}
+	lua_replace(L, s->bytes[f]);
+	lua_replace(L, s->value[f]);
+	return 1;
+}
+
+/* The kind: op.kind, else insert for an op with a doc, update for one
+ * with an update.  1, or the message pushed and 0. */
+static const char *const kinds[] = {"update", "insert", "remove", "assert", NULL};
+
+static int
+check_kind(lua_State *L, const op_slots *s)
+{
+	const char *k;
+	int j;
+
+	lua_pushliteral(L, "kind");
+	lua_rawget(L, s->op);
+	if (!lua_toboolean(L, -1)) {
+		lua_pop(L, 1);
+		if (!lua_isnil(L, s->value[F_DOC]))
+			lua_pushliteral(L, "insert");
+		else if (!lua_isnil(L, s->value[F_UPDATE]))
+			lua_pushliteral(L, "update");
+		else
+			lua_pushnil(L);
+	}
+	lua_replace(L, s->kind);
+	k = lua_type(L, s->kind) == LUA_TSTRING ? lua_tostring(L, s->kind) : "";
+	for (j = 0; kinds[j]; j++)
+		if (strcmp(k, kinds[j]) == 0)
+			return 1;
+	lua_pushliteral(L, "kind must be update, insert, remove or assert");
+	return 0;
+}
+
+static int
+kind_is(lua_State *L, const op_slots *s, const char *kind)
+{
+	return strcmp(lua_tostring(L, s->kind), kind) == 0;
+}
+
+/* The update and undo of an update op, into out (undo derived for an
+ * update of $inc only), with its effect.  1, or the message pushed and 0. */
+static int
+check_update_op(lua_State *L, const op_slots *s)
+{
+	int top = lua_gettop(L);
+
+	if (!check_update(L, s->value[F_UPDATE], s->owned, "update"))
+		return 0;
+	if (lua_isnil(L, s->value[F_UNDO])) {
+		/* the checked update's paths, its numbers negated: nothing
+		 * more to check */
+		if (!push_inverse_inc(L, s->value[F_UPDATE])) {
+			lua_pushliteral(L, "an update other than $inc needs an explicit undo");
+			return 0;
+		}
+		lua_replace(L, s->bytes[F_UNDO]);
+		lua_replace(L, s->value[F_UNDO]);
+	} else if (!check_update(L, s->value[F_UNDO], s->owned, "undo")) {
+		return 0;
+	}
+	lua_pushvalue(L, s->value[F_UPDATE]);
+	lua_setfield(L, s->out, "update");
+	lua_pushvalue(L, s->value[F_UNDO]);
+	lua_setfield(L, s->out, "undo");
+	/* a debit (only $inc of negative numbers, undone by an $inc of
+	 * positive ones) lowers what a guard reads (csrc/txn.c, "Guards") */
+	if (inc_sign(L, s->value[F_UPDATE]) == -1 &&
+	    lua_type(L, s->value[F_UNDO]) == LUA_TTABLE && inc_sign(L, s->value[F_UNDO]) == 1) {
+		lua_pushliteral(L, "lowers");
+		lua_pushvalue(L, -1);
+		lua_replace(L, s->effect);
+		lua_setfield(L, s->out, "effect");
+	}
+	lua_settop(L, top);
+	return 1;
+}
+
+/* Is the key at idx one of the fields of the list at owned? */
+static int
+touched_exactly(lua_State *L, int owned, int idx)
+{
+	int k, same;
+
+	idx = mtx_absindex(L, idx);
+	for (k = 1;; k++) {
+		lua_rawgeti(L, owned, k);
+		if (lua_isnil(L, -1)) {
+			lua_pop(L, 1);
+			return 0;
+		}
+		same = lua_rawequal(L, -1, idx);
+		lua_pop(L, 1);
+		if (same)
+			return 1;
+	}
+}
+
+/* The doc of an insert op: a copy of its snapshot with the op's id as
+ * _id, into out.  1, or the message pushed and 0. */
+static int
+check_insert_doc(lua_State *L, const op_slots *s)
+{
+	int src = s->value[F_DOC], doc, top = lua_gettop(L);
+
+	if (lua_type(L, src) != LUA_TTABLE) {
+		lua_pushliteral(L, "insert needs a doc");
+		return 0;
+	}
+	lua_newtable(L);
+	doc = lua_gettop(L);
+	lua_pushnil(L);
+	while (lua_next(L, src)) {
+		if (lua_type(L, -2) != LUA_TSTRING) {
+			lua_pushliteral(L, "doc keys are strings");
+			return 0;
+		}
+		if (lua_tostring(L, -2)[0] == '$') {
+			push_format(L, "doc may not hold the key %q", -2);
+			return 0;
+		}
+		if (touched_exactly(L, s->owned, -2)) {
+			lua_pushfstring(L, "doc may not set %s", lua_tostring(L, -2));
+			return 0;
+		}
+		lua_pushvalue(L, -2);
+		lua_insert(L, -2);
+		lua_rawset(L, doc);
+	}
+	lua_getfield(L, doc, "_id");
+	if (!lua_isnil(L, -1)) {
+		lua_pushcfunction(L, mtx_l_id_key);
+		lua_insert(L, -2);
+		lua_call(L, 1, 1);
+		if (!lua_rawequal(L, -1, s->key)) {
+			lua_pushliteral(L, "doc._id differs from the op's id");
+			return 0;
+		}
+	}
+	lua_pop(L, 1);
+	if (find_key(L, doc, 0, starts_with_dollar)) {
+		push_format(L, "doc may not hold the key %q", -1);
+		return 0;
+	}
+	if (find_key(L, doc, 0, holds_dot)) {
+		push_format(L, "doc may not hold the key %q (dots are paths)", -1);
+		return 0;
+	}
+	if (find_non_finite(L, doc, 0)) {
+		lua_pushfstring(L, "doc holds %s", push_tostring(L, -1));
+		return 0;
+	}
+	lua_pushvalue(L, s->id);
+	lua_setfield(L, doc, "_id");
+	lua_pushvalue(L, doc);
+	lua_replace(L, s->doc);
+	lua_setfield(L, s->out, "doc");
+	lua_settop(L, top);
+	return 1;
+}
+
+/* The where of an op: checked by validate.lua's filter grammar (the
+ * function at where_check: where, owned, i -> true, floor | nil, err).
+ * 1, or 0 with the error table pushed. */
+static int
+check_where(lua_State *L, const op_slots *s)
+{
+	if (lua_isnil(L, s->value[F_WHERE]))
+		return 1;
+	lua_pushvalue(L, s->where_check);
+	lua_pushvalue(L, s->value[F_WHERE]);
+	lua_pushvalue(L, s->owned);
+	lua_pushvalue(L, s->index);
+	lua_call(L, 3, 2);
+	if (!lua_toboolean(L, -2))
+		return 0;
+	lua_replace(L, s->floor);
+	lua_pop(L, 1);
+	return 1;
+}
+
+/* Checks the op at s->op (the caller's table, read raw) and fills s->out
+ * with its normal form { collection, id, kind, where, update, undo, doc,
+ * effect, floor }, s->key with its document's key and s->bytes with the
+ * BSON of its update, undo and where, which the stored form reuses.
+ * Returns 1; 0 with the message pushed; -1 with an error table pushed. */
+static int
+check_op(lua_State *L, op_slots *s)
+{
+	if (lua_type(L, s->op) != LUA_TTABLE) {
+		lua_pushliteral(L, "must be a table");
+		return 0;
+	}
+	lua_pushnil(L);
+	while (lua_next(L, s->op)) {
+		lua_pop(L, 1);
+		if (!is_op_key(L, -1)) {
+			lua_pushfstring(L, "unknown key %s", push_tostring(L, -1));
+			return 0;
+		}
+	}
+	lua_pushliteral(L, "collection");
+	lua_rawget(L, s->op);
+	lua_replace(L, s->collection);
+	if (!check_collection(L, s->collection, s->txcoll))
+		return 0;
+	lua_pushliteral(L, "id");
+	lua_rawget(L, s->op);
+	if (!check_id(L, -1))
+		return 0;
+	lua_replace(L, s->key);
+	lua_replace(L, s->id);
+	lua_pop(L, 1);
+	if (!snapshot_field(L, s, F_UPDATE) || !snapshot_field(L, s, F_UNDO) ||
+	    !snapshot_field(L, s, F_DOC) || !snapshot_field(L, s, F_WHERE))
+		return 0;
+	if (!check_kind(L, s))
+		return 0;
+	if (!check_where(L, s))
+		return -1;
+	lua_createtable(L, 0, 8);
+	lua_replace(L, s->out);
+	lua_pushvalue(L, s->collection);
+	lua_setfield(L, s->out, "collection");
+	lua_pushvalue(L, s->id);
+	lua_setfield(L, s->out, "id");
+	lua_pushvalue(L, s->kind);
+	lua_setfield(L, s->out, "kind");
+	lua_pushvalue(L, s->value[F_WHERE]);
+	lua_setfield(L, s->out, "where");
+	if (kind_is(L, s, "update")) {
+		if (!check_update_op(L, s))
+			return 0;
+	} else if (!lua_isnil(L, s->value[F_UPDATE]) || !lua_isnil(L, s->value[F_UNDO])) {
+		lua_pushliteral(L, "only an update op takes update and undo");
+		return 0;
+	}
+	if (kind_is(L, s, "insert")) {
+		if (!check_insert_doc(L, s))
+			return 0;
+	} else if (!lua_isnil(L, s->value[F_DOC])) {
+		lua_pushliteral(L, "only an insert op takes a doc");
+		return 0;
+	}
+	if (lua_toboolean(L, s->floor)) {
+		lua_pushvalue(L, s->floor);
+		lua_setfield(L, s->out, "floor");
+	}
+	return 1;
+}
+
+/* Is the key at idx an integer (LuaJIT: an integral number within
+ * 2^53)? */
+static int
+is_integer_key(lua_State *L, int idx, lua_Integer *k)
+{
+#if MTX_HAS_INTEGERS
+	if (!lua_isinteger(L, idx))
+		return 0;
+	*k = lua_tointeger(L, idx);
+	return 1;
+#else
+	lua_Number n;
+
+	if (lua_type(L, idx) != LUA_TNUMBER)
+		return 0;
+	n = lua_tonumber(L, idx);
+	if (n != floor(n) || n <= -9007199254740992.0 || n >= 9007199254740992.0)
+		return 0;
+	*k = (lua_Integer)n;
+	return 1;
+#endif
+}
+
+/* Refuses an op of the same document as an earlier one (by the key
+ * check_id made, as the server reads ids): seen[collection][key] is the
+ * op that took it.  1, or the message pushed and 0. */
+static int
+check_unique(lua_State *L, const op_slots *s, int seen, int i)
+{
+	lua_pushvalue(L, s->collection);
+	lua_rawget(L, seen);
+	if (lua_isnil(L, -1)) {
+		lua_pop(L, 1);
+		lua_newtable(L);
+		lua_pushvalue(L, s->collection);
+		lua_pushvalue(L, -2);
+		lua_rawset(L, seen);
+	}
+	lua_pushvalue(L, s->key);
+	lua_pushvalue(L, -1);
+	lua_rawget(L, -3);
+	if (!lua_isnil(L, -1)) {
+		int first = (int)lua_tointeger(L, -1);
+
+		lua_pushfstring(L, "document %s of %s is also op %d: one op per document (the "
+				   "server reads these ids as one)",
+				push_tostring(L, s->id), lua_tostring(L, s->collection), first);
+		return 0;
+	}
+	lua_pop(L, 1);
+	lua_pushinteger(L, i);
+	lua_rawset(L, -3);
+	lua_pop(L, 1);
+	return 1;
+}
+
+/* Appends op i, checked, to the stored array arr (csrc/stored.c). */
+static void
+append_stored(lua_State *L, const op_slots *s, bson_t *arr, lua_Integer i)
+{
+	int parts[MTX_SO_N];
+	int f, k;
+	static const int part[N_FIELDS] = {MTX_SO_UPDATE, MTX_SO_UNDO, MTX_SO_DOC, MTX_SO_WHERE};
+
+	parts[MTX_SO_COLLECTION] = s->collection;
+	parts[MTX_SO_ID] = s->id;
+	parts[MTX_SO_KIND] = s->kind;
+	parts[MTX_SO_EFFECT] = s->effect;
+	for (f = 0; f < N_FIELDS; f++) {
+		k = part[f];
+		/* the bytes the snapshot made, else (built) the table */
+		parts[k] = lua_isnil(L, s->bytes[f]) ? s->value[f] : s->bytes[f];
+	}
+	parts[MTX_SO_DOC] = s->doc;
+	mtx_append_stored_op(L, parts, arr, (uint32_t)(i - 1));
+}
+
+/* core.check_ops(ops, txcoll, owned, built, where_check) -> out, stored,
+ * size | nil, message, i | nil, err.  ops: the caller's list (a table),
+ * read raw; txcoll: the transactions collection's name; owned: the
+ * fields mongotx keeps on documents ({ "_id", marker, version }); built:
+ * the ops are mongotx's own, made from checked scalars (nothing to
+ * snapshot); where_check: see check_where.  out[i]: op i's normal form;
+ * stored: the ops as the transaction stores them (what core.stored_ops
+ * makes of out, built here from the snapshots' bytes) and its size.  A
+ * bad op gives its message and index (none for a fault of the whole
+ * list), a bad where the error table its check made. */
+static int
+l_check_ops(lua_State *L)
+{
+	op_slots s;
+	lua_Integer n, i, k;
+	int f, outs, seen, held, base, r, too_big = 0;
+	bson_t *arr;
+
+	lua_settop(L, 5);
+	luaL_checktype(L, 1, LUA_TTABLE);
+	luaL_checktype(L, 3, LUA_TTABLE);
+	s.txcoll = 2, s.owned = 3, s.built = lua_toboolean(L, 4), s.where_check = 5;
+	n = (lua_Integer)mtx_rawlen(L, 1);
+	if (n == 0) {
+		lua_pushnil(L);
+		lua_pushliteral(L, "a transaction needs at least one op");
+		return 2;
+	}
+	lua_pushnil(L);
+	while (lua_next(L, 1)) {
+		lua_pop(L, 1);
+		if (!is_integer_key(L, -1, &k) || k < 1 || k > n) {
+			lua_pushnil(L);
+			lua_pushliteral(L, "ops must be a list");
+			return 2;
+		}
+	}
+	lua_createtable(L, (int)n, 0);
+	outs = lua_gettop(L);
+	lua_newtable(L);
+	seen = lua_gettop(L);
+	arr = mtx_scratch_take(L);
+	held = lua_gettop(L);
+	push_slot(L, &s.op);
+	push_slot(L, &s.index);
+	push_slot(L, &s.collection);
+	push_slot(L, &s.id);
+	push_slot(L, &s.key);
+	for (f = 0; f < N_FIELDS; f++) {
+		push_slot(L, &s.value[f]);
+		push_slot(L, &s.bytes[f]);
+	}
+	push_slot(L, &s.kind);
+	push_slot(L, &s.out);
+	push_slot(L, &s.doc);
+	push_slot(L, &s.effect);
+	push_slot(L, &s.floor);
+	base = lua_gettop(L);
+	for (i = 1; i <= n; i++) {
+		for (f = s.op; f <= base; f++) {
+			lua_pushnil(L);
+			lua_replace(L, f);
+		}
+		lua_rawgeti(L, 1, (int)i);
+		lua_replace(L, s.op);
+		lua_pushinteger(L, i);
+		lua_replace(L, s.index);
+		r = check_op(L, &s);
+		if (r == 1 && !check_unique(L, &s, seen, (int)i))
+			r = 0;
+		if (r != 1)
+			mtx_scratch_give(L, held);
+		if (r == -1)
+			return 2; /* nil, err: the where's check made it */
+		if (r == 0) {
+			lua_pushnil(L);
+			lua_insert(L, -2);
+			lua_pushinteger(L, i);
+			return 3;
+		}
+		lua_settop(L, base);
+		lua_pushvalue(L, s.out);
+		lua_rawseti(L, outs, (int)i);
+		/* too big for one document is bad content, told once every op
+		 * is checked, as core.stored_ops would raise it */
+		if (!too_big) {
+			append_stored(L, &s, arr, i);
+			too_big = arr->len > MTX_MAX_BSON;
+		}
+	}
+	mtx_scratch_give(L, held);
+	if (too_big) {
+		lua_pushnil(L);
+		lua_pushliteral(L, "the ops cannot be stored: the ops take more than 16 MiB");
+		return 2;
+	}
+	lua_pushvalue(L, outs);
+	mtx_push_stored_ops(L, arr);
+	return 3;
+}
+
+/* core.check_id(id) -> sent, key | nil, message: an id (a transaction's,
+ * or a module's document) checked as an op's is. */
+static int
+l_check_id(lua_State *L)
+{
+	lua_settop(L, 1);
+	if (check_id(L, 1))
+		return 2;
+	lua_pushnil(L);
+	lua_insert(L, -2);
+	return 2;
+}
+
+/* core.check_collection(name, txcoll) -> true | nil, message */
+static int
+l_check_collection(lua_State *L)
+{
+	lua_settop(L, 2);
+	if (check_collection(L, 1, 2)) {
+		lua_pushboolean(L, 1);
+		return 1;
+	}
+	lua_pushnil(L);
+	lua_insert(L, -2);
+	return 2;
+}
+
+/* core.check_update(u, owned, what) -> true | nil, message: an update
+ * (a snapshot, or one decoded from a stored transaction) checked as an
+ * op's is; what names it in the message ("update", "undo"). */
+static int
+l_check_update(lua_State *L)
+{
+	const char *what = luaL_checkstring(L, 3);
+
+	luaL_checktype(L, 2, LUA_TTABLE);
+	lua_settop(L, 3);
+	if (check_update(L, 1, 2, what)) {
+		lua_pushboolean(L, 1);
+		return 1;
+	}
+	lua_pushnil(L);
+	lua_insert(L, -2);
+	return 2;
+}
+
+/* core.check_value(snapshot) -> nil | message: what is wrong with a
+ * caller's value (snapshotted) to be stored in a document: a `$` key or a
+ * dotted key (servers read both as operators or paths), or a NaN or
+ * infinite number. */
+static int
+l_check_value(lua_State *L)
+{
+	lua_settop(L, 1);
+	if (find_key(L, 1, 0, starts_with_dollar)) {
+		push_format(L, "it holds the key %q, which looks like an operator", -1);
+		return 1;
+	}
+	if (find_key(L, 1, 0, holds_dot)) {
+		push_format(L, "it holds the key %q (dots are paths)", -1);
+		return 1;
+	}
+	if (find_non_finite(L, 1, 0)) {
+		lua_pushfstring(L, "it holds %s", push_tostring(L, -1));
+		return 1;
+	}
+	return 0;
+}
+
+/* core.operator_key(v) -> the first key starting with `$` anywhere in v,
+ * or nil (a where's values). */
+static int
+l_operator_key(lua_State *L)
+{
+	lua_settop(L, 1);
+	return find_key(L, 1, 0, starts_with_dollar);
+}
+
+/* core.touched(path, owned) -> the first field of owned that path
+ * reaches (or a part of it), or nil (a where's field names). */
+static int
+l_touched(lua_State *L)
+{
+	size_t n;
+	const char *path = luaL_checklstring(L, 1, &n);
+
+	luaL_checktype(L, 2, LUA_TTABLE);
+	lua_settop(L, 2);
+	return touched(L, 2, path, n, NULL, 0);
+}
+
+int
+mtx_open_checks(lua_State *L)
+{
+	static const luaL_Reg funcs[] = {
+		{"check_collection", l_check_collection},
+		{"check_id", l_check_id},
+		{"check_ops", l_check_ops},
+		{"check_update", l_check_update},
+		{"check_value", l_check_value},
+		{"operator_key", l_operator_key},
+		{"touched", l_touched},
+		{NULL, NULL},
+	};
+	const luaL_Reg *r;
+	int k;
+
+	lua_newtable(L); /* core.op_kinds: { update = true, ... } */
+	for (k = 0; kinds[k]; k++) {
+		lua_pushboolean(L, 1);
+		lua_setfield(L, -2, kinds[k]);
+	}
+	lua_setfield(L, -2, "op_kinds");
+	for (r = funcs; r->name; r++) {
+		lua_getglobal(L, "string");
+		lua_getfield(L, -1, "format");
+		lua_remove(L, -2);
+		lua_getglobal(L, "table");
+		lua_getfield(L, -1, "sort");
+		lua_getfield(L, -2, "concat");
+		lua_remove(L, -3);
+		lua_pushcclosure(L, r->func, 3);
+		lua_setfield(L, -2, r->name);
+	}
+	return 0;
+}
