@@ -870,6 +870,67 @@ add { "C core: a server that does not answer", check = core_error(), msg = ".",
         return db:manager{}
       end }
 
+-- Cases the differential check of the C checks (csrc/checks.c) against
+-- the Lua ones they replaced found unpinned: each fault where it hides
+-- (the new name of a $rename, deep in an insert's doc, in an undo), and
+-- the kinds of op that take neither update nor doc ---------------------------
+local function insert(doc) return { collection = "orders", id = "o2", doc = doc } end
+for _, c in ipairs {
+  { "an $inc by the smallest integer (its undo overflows)", "cannot be undone", LUA54,
+    { ["$inc"] = { balance = math.mininteger } } },
+  { "a $mul by the smallest integer", "cannot be undone", LUA54,
+    { ["$mul"] = { balance = math.mininteger } } },
+  { "a $rename onto _id (the new name)", "%$rename may not touch _id", true,
+    { ["$rename"] = { name = "_id.x" } } },
+  { "a $rename onto the marker field (the new name)", "may not touch pendingTransactions", true,
+    { ["$rename"] = { name = "pendingTransactions" } } },
+  { "a $rename to a $ name", "needs a field name", true, { ["$rename"] = { name = "$x" } } },
+  { "a $set holding NaN deep", "holds %-?nan", true, { ["$set"] = { a = { b = { c = NAN } } } } },
+  { "an $inc of a string", "needs a number, not string", true, { ["$inc"] = { balance = "5" } } },
+  { "an $inc of a table", "needs a number, not object", true, { ["$inc"] = { balance = {} } } },
+  { "an operator holding a list of fields", "bad field name 1", true, { ["$set"] = { 1, 2 } } },
+  { "a field name with two dots in a row", "bad field name a%.%.b", true,
+    { ["$set"] = { ["a..b"] = 1 } } },
+  { "a key that is not UTF-8", "cannot be stored", true, { ["$set"] = { ["\255"] = 1 } } },
+} do
+  add { "begin: " .. c[1], code = "invalid", msg = "^op 1: update.*" .. c[2],
+        pending = not c[3] and function() return "LuaJIT has no integers to overflow" end or nil,
+        call = begin({ upd("A", c[4]) }) }
+end
+for _, c in ipairs {
+  { "an undo that unsets the marker", "undo: %$unset may not touch pendingTransactions",
+    upd("A", { ["$set"] = { x = 1 } }, { ["$unset"] = { pendingTransactions = "" } }) },
+  { "an undo that is no update", "undo: x is not an update operator",
+    upd("A", { ["$set"] = { x = 1 } }, { x = 1 }) },
+  { "a remove with an update", "only an update op takes update and undo",
+    { collection = "accounts", id = "A", kind = "remove", update = { ["$inc"] = { balance = 1 } } } },
+  { "an assert with a doc", "only an insert op takes a doc",
+    { collection = "accounts", id = "A", kind = "assert", doc = { x = 1 } } },
+  { "an insert of a list", "doc keys are strings", insert({ 1, 2 }) },
+  { "an insert holding a $ key deep", "doc may not hold the key \"%$x\"",
+    insert({ a = { b = { ["$x"] = 1 } } }) },
+  { "an insert holding a dotted key deep", "dots are paths", insert({ a = { ["b.c"] = 1 } }) },
+  { "an insert holding inf deep", "doc holds inf", insert({ a = { INF } }) },
+  { "an insert setting the marker", "doc may not set pendingTransactions",
+    insert({ pendingTransactions = {} }) },
+  { "an insert setting _id (the op's id is its _id)", "doc may not set _id", insert({ _id = "o2" }) },
+  { "a kind that is no string", "kind must be", { collection = "accounts", id = "A", kind = 1 } },
+  { "an id whose table holds a dotted key deep", "may not hold dots",
+    { collection = "accounts", id = mongotx.doc("a", { ["b.c"] = 1 }), kind = "assert" } },
+  { "an id holding a plain table of two keys deep", "several keys %(a, b%)",
+    { collection = "accounts", id = mongotx.doc("x", { a = 1, b = 2 }), kind = "assert" } },
+} do
+  add { "begin: " .. c[1], code = "invalid", msg = "^op 1: .*" .. c[2], call = begin({ c[3] }) }
+end
+add { "begin: the second op on the document of the first, as Int64 and as an insert",
+      code = "invalid", msg = "op 2: document 7 of orders is also op 1",
+      call = begin({ { collection = "orders", id = 7, kind = "assert" },
+                     { collection = "orders", id = mongotx.Int64(7), doc = { item = "x" } } }) }
+add { "begin: an update hidden behind __pairs is checked as sent", code = "invalid",
+      msg = "op 1: update: %$unset may not touch pendingTransactions",
+      call = begin({ upd("A", setmetatable({ ["$unset"] = { pendingTransactions = "" } },
+                                           { __pairs = function() return next, {} end })) }) }
+
 local function fixture()
   local db = assert(mongotx.connect(helpers.uri(), { database = helpers.db_name() }))
   local tm = assert(db:manager{ application = "app-1" })
