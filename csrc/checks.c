@@ -23,6 +23,11 @@
  * encoder refuses deeper values anyway (MTX_MAX_DEPTH). */
 #define WALK_DEPTH 100
 
+/* The most the quick snapshots and the derived undo make without the
+ * encoder: the bytes are copied out and the bson_t freed before anything
+ * can raise (a child document moves even a small bson_t to the heap). */
+#define QUICK_BYTES 120
+
 /* The upvalues of every function here: string.format (%q as Lua writes
  * it, for LuaJIT and 5.4 alike), table.sort, table.concat. */
 #define UP_FORMAT lua_upvalueindex(1)
@@ -516,6 +521,8 @@ push_inverse_inc(lua_State *L, int u)
 {
 	int top = lua_gettop(L), inc, src;
 	bson_t doc, fields, *b;
+	uint8_t bytes[QUICK_BYTES];
+	uint32_t len;
 	const char *field;
 	size_t n;
 	int64_t i;
@@ -570,18 +577,19 @@ push_inverse_inc(lua_State *L, int u)
 	}
 	bson_append_document_end(&doc, &fields);
 	lua_settop(L, top + 1);
-	if (doc.len > sizeof doc - 2 * sizeof(uint32_t)) {
-		/* beyond what bson_t holds in itself: through the encoder,
-		 * which owns its buffer */
-		bson_destroy(&doc);
-		b = mtx_check_document_reused(L, top + 1);
-
-		lua_pushlstring(L, (const char *)bson_get_data(b), b->len);
-		mtx_scratch_give(L, -2);
-		lua_remove(L, -2);
+	len = doc.len;
+	if (len <= QUICK_BYTES)
+		memcpy(bytes, bson_get_data(&doc), len);
+	bson_destroy(&doc);
+	if (len <= QUICK_BYTES) {
+		lua_pushlstring(L, (const char *)bytes, len);
 		return 1;
 	}
-	lua_pushlstring(L, (const char *)bson_get_data(&doc), doc.len);
+	/* a larger one through the encoder, which owns its buffer */
+	b = mtx_check_document_reused(L, top + 1);
+	lua_pushlstring(L, (const char *)bson_get_data(b), b->len);
+	mtx_scratch_give(L, -2);
+	lua_remove(L, -2);
 	return 1;
 }
 
@@ -720,13 +728,13 @@ quick_copy(lua_State *L, int idx)
 
 /* core.snapshot without the general encoder and decoder for the small
  * tables most ops hold ({ ["$inc"] = { balance = -5 } }): pushes the copy
- * and its BSON and returns 1, or 0 (nothing pushed) for any other value.
- * The BSON stays in the bson_t's own bytes (no allocation to free if
- * pushing raises), else it is left to the encoder too. */
+ * and its BSON and returns 1, or 0 (nothing pushed) for any other value. */
 static int
 quick_snapshot(lua_State *L, int idx)
 {
 	bson_t b;
+	uint8_t bytes[QUICK_BYTES];
+	uint32_t len;
 	int top = lua_gettop(L), ok;
 
 	idx = mtx_absindex(L, idx);
@@ -735,16 +743,16 @@ quick_snapshot(lua_State *L, int idx)
 		return 0;
 	}
 	bson_init(&b);
-	/* (bson_t keeps up to 120 bytes in itself, after its flags and
-	 * length, and moves to the heap beyond) */
-	ok = quick_fields(L, idx, &b, 1) && b.len <= sizeof b - 2 * sizeof(uint32_t);
+	ok = quick_fields(L, idx, &b, 1) && b.len <= QUICK_BYTES;
+	len = b.len;
+	if (ok)
+		memcpy(bytes, bson_get_data(&b), len);
+	bson_destroy(&b);
 	lua_settop(L, top);
-	if (!ok) {
-		bson_destroy(&b);
+	if (!ok)
 		return 0;
-	}
 	quick_copy(L, idx);
-	lua_pushlstring(L, (const char *)bson_get_data(&b), b.len);
+	lua_pushlstring(L, (const char *)bytes, len);
 	return 1;
 }
 
@@ -1024,29 +1032,6 @@ check_op(lua_State *L, op_slots *s)
 	return 1;
 }
 
-/* Is the key at idx an integer (LuaJIT: an integral number within
- * 2^53)? */
-static int
-is_integer_key(lua_State *L, int idx, lua_Integer *k)
-{
-#if MTX_HAS_INTEGERS
-	if (!lua_isinteger(L, idx))
-		return 0;
-	*k = lua_tointeger(L, idx);
-	return 1;
-#else
-	lua_Number n;
-
-	if (lua_type(L, idx) != LUA_TNUMBER)
-		return 0;
-	n = lua_tonumber(L, idx);
-	if (n != floor(n) || n <= -9007199254740992.0 || n >= 9007199254740992.0)
-		return 0;
-	*k = (lua_Integer)n;
-	return 1;
-#endif
-}
-
 /* Refuses an op of the same document as an earlier one (by the key
  * check_id made, as the server reads ids): seen[collection][key] is the
  * op that took it.  1, or the message pushed and 0. */
@@ -1132,7 +1117,7 @@ l_check_ops(lua_State *L)
 	lua_pushnil(L);
 	while (lua_next(L, 1)) {
 		lua_pop(L, 1);
-		if (!is_integer_key(L, -1, &k) || k < 1 || k > n) {
+		if (!mtx_is_integer_key(L, -1, &k) || k < 1 || k > n) {
 			lua_pushnil(L);
 			lua_pushliteral(L, "ops must be a list");
 			return 2;

@@ -96,8 +96,8 @@ encode_number(lua_State *L, int idx, bson_t *b, const char *key, int keylen,
 	}
 }
 
-static int
-is_integer_key(lua_State *L, int idx, lua_Integer *out)
+int
+mtx_is_integer_key(lua_State *L, int idx, lua_Integer *out)
 {
 #if MTX_HAS_INTEGERS
 	if (!lua_isinteger(L, idx))
@@ -155,7 +155,7 @@ plain_is_array(encoder *e, int idx, lua_Integer *n)
 		count++;
 		if (lua_type(L, -1) == LUA_TSTRING)
 			strings++;
-		else if (is_integer_key(L, -1, &k) && k >= 1)
+		else if (mtx_is_integer_key(L, -1, &k) && k >= 1)
 			max = k > max ? k : max;
 		else
 			others++;
@@ -334,7 +334,7 @@ encode_table_body(encoder *e, int idx, bson_t *b)
 			while (lua_next(L, idx)) {
 				lua_pop(L, 1);
 				count++;
-				if (!is_integer_key(L, -1, &k) || k < 1 || k > n)
+				if (!mtx_is_integer_key(L, -1, &k) || k < 1 || k > n)
 					encode_fail(e, "an array with a key that is not 1..n");
 			}
 			if (count != n)

@@ -101,6 +101,9 @@ MTX_HIDDEN void mtx_append_value(lua_State *L, int idx, bson_t *b,
 enum mtx_numkind { MTX_NUM_INT32, MTX_NUM_INT64, MTX_NUM_DOUBLE };
 MTX_HIDDEN enum mtx_numkind mtx_number_kind(lua_State *L, int idx, int64_t *i,
 					    double *d);
+/* Is the key at idx an integer (LuaJIT: an integral number within 2^53)?
+ * Sets *out when it is. */
+MTX_HIDDEN int mtx_is_integer_key(lua_State *L, int idx, lua_Integer *out);
 /* Is s (len bytes) valid UTF-8?  ASCII without asking libbson. */
 MTX_HIDDEN int mtx_utf8_valid(const char *s, size_t len);
 /* The __mongotx kind ("document"/"array") of the table at idx, with its
