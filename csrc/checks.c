@@ -826,11 +826,11 @@ kind_is(lua_State *L, const op_slots *s, const char *kind)
 static int
 check_update_op(lua_State *L, const op_slots *s)
 {
-	int top = lua_gettop(L);
+	int top = lua_gettop(L), derived = lua_isnil(L, s->value[F_UNDO]);
 
 	if (!check_update(L, s->value[F_UPDATE], s->owned, "update"))
 		return 0;
-	if (lua_isnil(L, s->value[F_UNDO])) {
+	if (derived) {
 		/* the checked update's paths, its numbers negated: nothing
 		 * more to check */
 		if (!push_inverse_inc(L, s->value[F_UPDATE])) {
@@ -847,9 +847,10 @@ check_update_op(lua_State *L, const op_slots *s)
 	lua_pushvalue(L, s->value[F_UNDO]);
 	lua_setfield(L, s->out, "undo");
 	/* a debit (only $inc of negative numbers, undone by an $inc of
-	 * positive ones) lowers what a guard reads (csrc/txn.c, "Guards") */
+	 * positive ones) lowers what a guard reads (csrc/txn.c, "Guards");
+	 * a derived undo negates the update's numbers, none 0 there */
 	if (inc_sign(L, s->value[F_UPDATE]) == -1 &&
-	    lua_type(L, s->value[F_UNDO]) == LUA_TTABLE && inc_sign(L, s->value[F_UNDO]) == 1) {
+	    (derived || inc_sign(L, s->value[F_UNDO]) == 1)) {
 		lua_pushliteral(L, "lowers");
 		lua_pushvalue(L, -1);
 		lua_replace(L, s->effect);
