@@ -525,8 +525,6 @@ push_inverse_inc(lua_State *L, int u)
 	uint32_t len;
 	const char *field;
 	size_t n;
-	int64_t i;
-	double d;
 
 	lua_pushnil(L);
 	while (lua_next(L, u)) {
@@ -568,11 +566,7 @@ push_inverse_inc(lua_State *L, int u)
 	lua_pushnil(L);
 	while (lua_next(L, inc)) {
 		field = lua_tolstring(L, -2, &n);
-		switch (mtx_number_kind(L, -1, &i, &d)) { /* as the encoder sends it */
-		case MTX_NUM_INT32: bson_append_int32(&fields, field, (int)n, (int32_t)i); break;
-		case MTX_NUM_INT64: bson_append_int64(&fields, field, (int)n, i); break;
-		case MTX_NUM_DOUBLE: bson_append_double(&fields, field, (int)n, d); break;
-		}
+		mtx_append_number(L, -1, &fields, field, (int)n, MTX_HINT_NONE);
 		lua_pop(L, 1);
 	}
 	bson_append_document_end(&doc, &fields);
@@ -648,19 +642,13 @@ quick_append(lua_State *L, int idx, bson_t *b, const char *key, int keylen, int 
 	bson_t child;
 	size_t len;
 	const char *s;
-	int64_t i;
-	double d;
 
 	switch (lua_type(L, idx)) {
 	case LUA_TBOOLEAN:
 		return bson_append_bool(b, key, keylen, lua_toboolean(L, idx));
-	case LUA_TNUMBER: /* as the encoder sends it (encode_number) */
-		switch (mtx_number_kind(L, idx, &i, &d)) {
-		case MTX_NUM_INT32: return bson_append_int32(b, key, keylen, (int32_t)i);
-		case MTX_NUM_INT64: return bson_append_int64(b, key, keylen, i);
-		case MTX_NUM_DOUBLE: return bson_append_double(b, key, keylen, d);
-		}
-		return 0;
+	case LUA_TNUMBER:
+		mtx_append_number(L, idx, b, key, keylen, MTX_HINT_NONE);
+		return 1;
 	case LUA_TSTRING:
 		s = lua_tolstring(L, idx, &len);
 		return len < 64 && bson_append_utf8(b, key, keylen, s, (int)len);
@@ -1201,18 +1189,26 @@ l_check_id(lua_State *L)
 	return 2;
 }
 
-/* core.check_collection(name, txcoll) -> true | nil, message */
+/* What the core.check_* functions return for a check's result: true,
+ * or nil and the message the check pushed. */
 static int
-l_check_collection(lua_State *L)
+verdict(lua_State *L, int ok)
 {
-	lua_settop(L, 2);
-	if (check_collection(L, 1, 2)) {
+	if (ok) {
 		lua_pushboolean(L, 1);
 		return 1;
 	}
 	lua_pushnil(L);
 	lua_insert(L, -2);
 	return 2;
+}
+
+/* core.check_collection(name, txcoll) -> true | nil, message */
+static int
+l_check_collection(lua_State *L)
+{
+	lua_settop(L, 2);
+	return verdict(L, check_collection(L, 1, 2));
 }
 
 /* core.check_update(u, owned, what) -> true | nil, message: an update
@@ -1225,13 +1221,7 @@ l_check_update(lua_State *L)
 
 	luaL_checktype(L, 2, LUA_TTABLE);
 	lua_settop(L, 3);
-	if (check_update(L, 1, 2, what)) {
-		lua_pushboolean(L, 1);
-		return 1;
-	}
-	lua_pushnil(L);
-	lua_insert(L, -2);
-	return 2;
+	return verdict(L, check_update(L, 1, 2, what));
 }
 
 /* core.check_value(snapshot) -> nil | message: what is wrong with a

@@ -77,9 +77,9 @@ mtx_number_kind(lua_State *L, int idx, int64_t *i, double *d)
 #endif
 }
 
-static void
-encode_number(lua_State *L, int idx, bson_t *b, const char *key, int keylen,
-	      enum mtx_hint hint)
+void
+mtx_append_number(lua_State *L, int idx, bson_t *b, const char *key, int keylen,
+		  enum mtx_hint hint)
 {
 	int64_t i = 0;
 	double d;
@@ -407,7 +407,7 @@ encode_value(encoder *e, int idx, bson_t *b, const char *key, int keylen,
 		bson_append_bool(b, key, keylen, lua_toboolean(L, idx));
 		break;
 	case LUA_TNUMBER:
-		encode_number(L, idx, b, key, keylen, hint);
+		mtx_append_number(L, idx, b, key, keylen, hint);
 		break;
 	case LUA_TSTRING:
 		s = lua_tolstring(L, idx, &len);

@@ -101,6 +101,10 @@ MTX_HIDDEN void mtx_append_value(lua_State *L, int idx, bson_t *b,
 enum mtx_numkind { MTX_NUM_INT32, MTX_NUM_INT64, MTX_NUM_DOUBLE };
 MTX_HIDDEN enum mtx_numkind mtx_number_kind(lua_State *L, int idx, int64_t *i,
 					    double *d);
+/* Appends the number at idx as the encoder sends it (hint: MTX_HINT_NONE,
+ * or the type a decoded table remembers). */
+MTX_HIDDEN void mtx_append_number(lua_State *L, int idx, bson_t *b, const char *key,
+				  int keylen, enum mtx_hint hint);
 /* Is the key at idx an integer (LuaJIT: an integral number within 2^53)?
  * Sets *out when it is. */
 MTX_HIDDEN int mtx_is_integer_key(lua_State *L, int idx, lua_Integer *out);

@@ -18,8 +18,6 @@ append_plain(lua_State *L, int idx, bson_t *out, const char *key)
 {
 	size_t len;
 	const char *s;
-	int64_t i;
-	double d;
 
 	switch (lua_type(L, idx)) {
 	case LUA_TNIL:
@@ -32,12 +30,8 @@ append_plain(lua_State *L, int idx, bson_t *out, const char *key)
 		}
 		break;
 	case LUA_TNUMBER:
-		switch (mtx_number_kind(L, idx, &i, &d)) {
-		case MTX_NUM_INT32: bson_append_int32(out, key, -1, (int32_t)i); return;
-		case MTX_NUM_INT64: bson_append_int64(out, key, -1, i); return;
-		case MTX_NUM_DOUBLE: break;
-		}
-		break;
+		mtx_append_number(L, idx, out, key, -1, MTX_HINT_NONE);
+		return;
 	default:
 		break;
 	}
