@@ -1451,3 +1451,69 @@ describe("#server recovery with malformed transaction documents", function()
     helpers.assert_dump_unchanged(before, e.db.client, e.db.name)
   end)
 end)
+
+-- Values whose walk could take the process down: a table holding itself
+-- under two keys, or a chain of tables each holding the next twice, is
+-- small to build but has 2^depth paths; a walk along every path hangs,
+-- and an encoder that writes every path before it measures asks libbson
+-- for more than 2 GiB and aborts.  A separate process runs them so a
+-- hang or an abort fails this spec instead of the suite: each must end
+-- in nil, err invalid soon, nothing written.
+describe("#server hostile values that must not hang or abort the process", function()
+  local WORKER = [[
+    package.path = "./lua/?.lua;./lua/?/init.lua;./?.lua;" .. package.path
+    local cpath = os.getenv("MONGOTX_CPATH")
+    if cpath then package.cpath = cpath .. ";" .. package.cpath end
+    local mongotx = require "mongotx"
+    local db = assert(mongotx.connect(arg[1], { database = arg[2] }))
+    local tm = assert(db:manager{ application = "app-1" })
+    local function shared(depth)   -- 2^depth paths, depth + 1 tables
+      local t = { leaf = 1 }
+      for _ = 1, depth do local c = t; t = mongotx.doc("a", c, "b", c) end
+      return t
+    end
+    local twice = {}
+    twice.a, twice.b = twice, twice
+    local cases = {
+      { "op id holding itself twice", { { collection = "accounts", id = twice, kind = "assert" } } },
+      { "op id of shared tables 40 deep",
+        { { collection = "accounts", id = shared(40), kind = "assert" } } },
+      { "update value of shared tables 40 deep",
+        { { collection = "accounts", id = "A", update = { ["$set"] = { x = shared(40) } },
+            undo = { ["$unset"] = { x = "" } } } } },
+      { "insert doc of shared tables 40 deep",
+        { { collection = "orders", id = "o9", doc = { x = shared(40) } } } },
+      { "transaction id holding itself twice", { { collection = "accounts", id = "A", kind = "assert" } },
+        { id = twice } },
+    }
+    for _, c in ipairs(cases) do
+      local t, err = tm:begin(c[2], c[3])
+      print(c[1] .. ": " .. (t and "begun" or tostring(err and err.code)))
+      io.stdout:flush()
+    end
+    print("exit")
+  ]]
+
+  it("ids, updates and docs of tables shared along 2^40 paths, or holding themselves twice", function()
+    local db = assert(mongotx.connect(helpers.uri(), { database = helpers.db_name() }))
+    assert(db:manager{ application = "app-1" }) -- its collection and indexes made here
+    assert(db:collection("accounts"):insert_one({ _id = "A", balance = 1 }, {}))
+    local before = helpers.db_dump(db.client, db.name)
+    local pid, out, script = helpers.spawn_script(WORKER, helpers.uri(), db.name)
+    local ended = helpers.wait_exit(pid, 60)
+    if not ended then helpers.signal(pid, "KILL") end
+    local output = helpers.read_file(out)
+    os.remove(out)
+    os.remove(script)
+    assert.is_true(ended, "the process still walks after 60 s:\n" .. output)
+    for _, name in ipairs { "op id holding itself twice", "op id of shared tables 40 deep",
+                            "update value of shared tables 40 deep",
+                            "insert doc of shared tables 40 deep",
+                            "transaction id holding itself twice" } do
+      assert.matches(name:gsub("%p", "%%%0") .. ": invalid\n", output)
+    end
+    assert.matches("\nexit\n", output)
+    helpers.assert_dump_unchanged(before, db.client, db.name)
+    db:close()
+  end)
+end)
