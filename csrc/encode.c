@@ -20,6 +20,13 @@ typedef struct {
 		lua_Integer index;
 	} path[MTX_MAX_DEPTH + 1];
 	const void *tables[MTX_MAX_DEPTH + 1]; /* open tables, for cycles */
+	/* The bytes this encoder wrote outside the container being filled
+	 * (its open parents, less what the top one held before): with its
+	 * own length, what the value takes so far.  A table holding one
+	 * child twice, that child the next twice and so on is small, but
+	 * 2^depth bytes long: it must fail at 16 MiB, not ask libbson for
+	 * more than 2 GiB (which aborts the process). */
+	int64_t outer;
 } encoder;
 
 static void encode_value(encoder *e, int idx, bson_t *b, const char *key,
@@ -359,6 +366,7 @@ encode_child(encoder *e, int idx, bson_t *b, const char *key, int keylen)
 	const char *kind;
 	bson_t child;
 	int i, array;
+	int64_t outer = e->outer;
 
 	for (i = 0; i <= e->depth; i++)
 		if (e->tables[i] == p)
@@ -382,7 +390,9 @@ encode_child(encoder *e, int idx, bson_t *b, const char *key, int keylen)
 	e->tables[e->depth] = p;
 	e->path[e->depth].key = NULL;
 	e->path[e->depth].index = 0;
+	e->outer = outer + b->len;
 	encode_table_body(e, idx, &child);
+	e->outer = outer;
 	e->depth--;
 	if (array)
 		bson_append_array_end(b, &child);
@@ -432,6 +442,8 @@ encode_value(encoder *e, int idx, bson_t *b, const char *key, int keylen,
 	default:
 		encode_fail(e, lua_typename(L, lua_type(L, idx)));
 	}
+	if (e->outer + b->len > MTX_MAX_BSON)
+		encode_fail(e, "a document that exceeds the 16 MiB limit");
 }
 
 static bson_t *
@@ -454,6 +466,7 @@ check_document(lua_State *L, int idx, int with_id, int reused)
 	e.depth = 0;
 	e.tables[0] = lua_topointer(L, idx);
 	e.path[0].key = "top level";
+	e.outer = 0;
 	if (with_id) {
 		lua_getfield(L, idx, "_id");
 		if (lua_isnil(L, -1)) {
@@ -528,6 +541,7 @@ mtx_append_value(lua_State *L, int idx, bson_t *b, const char *key)
 	e.depth = 0;
 	e.tables[0] = NULL;
 	e.path[0].key = key;
+	e.outer = -(int64_t)b->len; /* what b held before is not the value's */
 	encode_value(&e, mtx_absindex(L, idx), b, key, -1, MTX_HINT_NONE);
 }
 
@@ -540,6 +554,7 @@ mtx_plain_is_array(lua_State *L, int idx)
 	e.L = L;
 	e.depth = 0;
 	e.path[0].key = "top level";
+	e.outer = 0;
 	return plain_is_array(&e, idx, &n);
 }
 
