@@ -217,6 +217,30 @@ find_unordered(lua_State *L, int idx, int depth)
 
 /* ---- ids and collections ---- */
 
+/* What is wrong with the keys of the table id at idx (a key would make
+ * the filter an operator, a path or an order the server reads another
+ * way): the message pushed and 1; else 0. */
+static int
+bad_id_keys(lua_State *L, int idx)
+{
+	if (find_key(L, idx, 0, starts_with_dollar)) {
+		push_format(L, "id holds the key %q: an id may not look like a "
+			       "query operator", -1);
+		return 1;
+	}
+	if (find_unordered(L, idx, 0)) {
+		lua_pushfstring(L, "id holds a table with several keys (%s): the key "
+				   "order of an _id matters, so build it with mongotx.doc",
+				lua_tostring(L, -1));
+		return 1;
+	}
+	if (find_key(L, idx, 0, holds_dot)) {
+		push_format(L, "id holds the key %q: keys of an id may not hold dots", -1);
+		return 1;
+	}
+	return 0;
+}
+
 /* Checks the id at idx for use in a filter (it must match exactly one
  * value there; ids.c says which may): pushes the id as sent and its key
  * (equal for ids the server takes for one _id) and returns 1, or pushes
@@ -224,7 +248,7 @@ find_unordered(lua_State *L, int idx, int depth)
 static int
 check_id(lua_State *L, int idx)
 {
-	int t = lua_type(L, idx);
+	int t = lua_type(L, idx), top;
 
 	idx = mtx_absindex(L, idx);
 	switch (t) {
@@ -241,27 +265,10 @@ check_id(lua_State *L, int idx)
 			return 0;
 		}
 		break;
-	case LUA_TTABLE: /* what a key would make of the filter */
-		if (find_key(L, idx, 0, starts_with_dollar)) {
-			push_format(L, "id holds the key %q: an id may not look like a "
-				       "query operator", -1);
-			return 0;
-		}
-		if (find_unordered(L, idx, 0)) {
-			lua_pushfstring(L, "id holds a table with several keys (%s): the key "
-					   "order of an _id matters, so build it with mongotx.doc",
-					lua_tostring(L, -1));
-			return 0;
-		}
-		if (find_key(L, idx, 0, holds_dot)) {
-			push_format(L, "id holds the key %q: keys of an id may not hold dots",
-				    -1);
-			return 0;
-		}
-		break;
 	default:
 		break;
 	}
+	top = lua_gettop(L);
 	lua_pushcfunction(L, mtx_l_id_key);
 	lua_pushvalue(L, idx);
 	/* (the encoder raises only for tables and foreign userdata) */
@@ -269,6 +276,15 @@ check_id(lua_State *L, int idx)
 		lua_call(L, 1, 2);
 	else if (lua_pcall(L, 1, 2, 0) != 0) {
 		lua_pushfstring(L, "id cannot be encoded: %s", strip_prefix(L));
+		return 0;
+	}
+	/* A table's keys are walked only now: the walks follow every path,
+	 * and a table holding itself, or one child twice and that child the
+	 * next twice, has 2^depth of them; the encoder (cycles, 100 levels,
+	 * 16 MiB) has bounded them by what it wrote. */
+	if (t == LUA_TTABLE && bad_id_keys(L, idx)) {
+		lua_replace(L, top + 1);
+		lua_settop(L, top + 1);
 		return 0;
 	}
 	if (lua_isnil(L, -2))
