@@ -254,6 +254,11 @@ local cases = {
     call = begin({ inc("A", 1, "acc\0ounts") }) },
   { "begin: a system collection", code = "invalid", msg = "bad collection name",
     call = begin({ inc("A", 1, "system.users") }) },
+  -- (both went into a stored transaction: a name no server can hold)
+  { "begin: a collection name that is not UTF-8", code = "invalid", msg = "bad collection name",
+    call = begin({ inc("A", 1, "acc\255ounts") }) },
+  { "begin: a collection name starting with a dot", code = "invalid", msg = "bad collection name",
+    call = begin({ inc("A", 1, ".accounts") }) },
   { "begin: an empty collection name", code = "invalid", msg = "needs a collection name",
     call = begin({ inc("A", 1, "") }) },
   { "begin: a collection that is not a string", code = "invalid", msg = "needs a collection name",
