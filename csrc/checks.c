@@ -306,7 +306,10 @@ check_collection(lua_State *L, int idx, int txcoll)
 		return 0;
 	}
 	name = lua_tolstring(L, idx, &n);
-	if (memchr(name, '$', n) || memchr(name, '\0', n) || strncmp(name, "system.", 7) == 0) {
+	/* (a name a server would refuse only at the first write of the
+	 * transaction, once it is stored: not UTF-8, or db..name) */
+	if (memchr(name, '$', n) || memchr(name, '\0', n) || strncmp(name, "system.", 7) == 0 ||
+	    name[0] == '.' || !mtx_utf8_valid(name, n)) {
 		push_format(L, "bad collection name %q", idx);
 		return 0;
 	}
