@@ -1115,6 +1115,11 @@ l_check_ops(lua_State *L)
 	lua_settop(L, 5);
 	luaL_checktype(L, 1, LUA_TTABLE);
 	luaL_checktype(L, 3, LUA_TTABLE);
+	/* A C function may push LUA_MINSTACK (20) values unasked; the list,
+	 * the scratch and the slots below take 21, and check_op pushes up to
+	 * ~35 more (a quick snapshot 3 a level, 8 levels) before anything
+	 * grows the stack: room for them all, asked once. */
+	luaL_checkstack(L, 64, "mongotx: no room to check the ops");
 	s.txcoll = 2, s.owned = 3, s.built = lua_toboolean(L, 4), s.where_check = 5;
 	n = (lua_Integer)mtx_rawlen(L, 1);
 	if (n == 0) {
