@@ -885,6 +885,11 @@ for _, c in ipairs {
     { ["$inc"] = { balance = math.mininteger } } },
   { "a $mul by the smallest integer", "cannot be undone", LUA54,
     { ["$mul"] = { balance = math.mininteger } } },
+  -- (LuaJIT's counterpart of math.mininteger: the same number, boxed)
+  { "an $inc by the smallest Int64", "cannot be undone", true,
+    { ["$inc"] = { balance = mongotx.Int64("-9223372036854775808") } } },
+  { "a $mul by the smallest Int64", "cannot be undone", true,
+    { ["$mul"] = { balance = mongotx.Int64("-9223372036854775808") } } },
   { "a $rename onto _id (the new name)", "%$rename may not touch _id", true,
     { ["$rename"] = { name = "_id.x" } } },
   { "a $rename onto the marker field (the new name)", "may not touch pendingTransactions", true,
