@@ -386,11 +386,17 @@ is_number(lua_State *L, int idx)
 }
 
 /* Is the number at idx the smallest integer, whose negation (the
- * automatic undo of an $inc, or the inverse of $mul) overflows?  (LuaJIT
- * has no integers: its numbers negate.) */
+ * automatic undo of an $inc, or the inverse of $mul) overflows?  A Lua
+ * integer, a float of that value (5.4), or a boxed Int64: LuaJIT has no
+ * integers, so its only way to send it, which 5.4 decodes to an integer,
+ * is the box; both runtimes refuse it alike. */
 static int
 is_min_integer(lua_State *L, int idx)
 {
+	const mtx_value *v = mtx_test_value(L, idx);
+
+	if (v)
+		return v->v.value_type == BSON_TYPE_INT64 && v->v.value.v_int64 == INT64_MIN;
 #if MTX_HAS_INTEGERS
 	if (lua_type(L, idx) != LUA_TNUMBER)
 		return 0;
@@ -398,7 +404,6 @@ is_min_integer(lua_State *L, int idx)
 		return lua_tointeger(L, idx) == LUA_MININTEGER;
 	return lua_tonumber(L, idx) == -9223372036854775808.0;
 #else
-	(void)L, (void)idx;
 	return 0;
 #endif
 }
