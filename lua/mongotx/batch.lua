@@ -40,8 +40,9 @@ local _M = {}
 
 -- Entries: { T = <the transaction, ops as tables>, doc = <its own fields
 -- as stored: _id, ops (core.stored_ops), meta and the caller's extra>,
--- err = <why it failed>, slow = <needs the one-at-a-time steps> }.  The
--- fields all transactions of a batch share are sent once (`common`).
+-- err = <why it failed>, slow = <needs the one-at-a-time steps>, key =
+-- <its id's key while the engine holds it (Engine:hold)> }.  The fields
+-- all transactions of a batch share are sent once (`common`).
 
 local function fail(e, err) e.err = e.err or err end
 
@@ -202,7 +203,7 @@ local function commit(eng, entries)
     end
   end
   for _, e in ipairs(entries) do
-    eng:hold(e.T._id, nil) -- past the commit point: nothing to fence
+    eng:hold(e.T._id, nil, e.key) -- past the commit point: nothing to fence
     if e.T.state == "applied" then eng:event_id("commit", e.T._id) end
   end
 end
@@ -317,7 +318,10 @@ function _M.run(eng, specs)
                 lease = eng.policy.lease, deadline = deadline, meta = spec.meta,
                 lastModified = stamp }
     local doc = { _id = id, ops = spec.stored or stored.ops(spec.ops), meta = spec.meta }
-    for k, v in pairs(spec.extra or {}) do T[k], doc[k] = v, v end
+    local extra = spec.extra
+    if extra then
+      for k, v in pairs(extra) do T[k], doc[k] = v, v end
+    end
     entries[i] = { T = T, doc = doc, err = not now and err or nil }
   end
   local versions
@@ -345,7 +349,7 @@ function _M.run(eng, specs)
   local todo = live()
   if #todo > 0 then create(eng, todo, common) end
   local created, vs = live(function(e) return e.created end)
-  for _, e in ipairs(created) do eng:hold(e.T._id, 1) end
+  for _, e in ipairs(created) do e.key = eng:hold(e.T._id, 1) end
   if #created > 0 then apply(eng, created, deadline, vs) end
   local ready = live()
   if #ready > 0 then commit(eng, ready) end

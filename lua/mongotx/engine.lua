@@ -175,8 +175,12 @@ function Engine:use(tx)
 end
 
 -- Marks T (its id) as held by this engine at `epoch`, or not (nil).
-function Engine:hold(id, epoch)
-  self.held[key(id)] = epoch
+-- Returns the id's key, which a later hold of the same id may pass as
+-- `k` (a batch holds and releases each of its transactions: one key).
+function Engine:hold(id, epoch, k)
+  k = k or key(id)
+  self.held[k] = epoch
+  return k
 end
 
 -- The server's clock in ms, estimated (mongotx.clock): only the length of
