@@ -116,17 +116,41 @@ append_removing(bson_t *update, const char *op, const fields *f,
 	bson_append_document_end(update, &sub);
 }
 
-/* Appends the conditions of where (NULL: none) to filter: flattened, or
- * with a deadline (stack index, 0 for none) $and: [where, {$expr: {$lt:
- * ["$$NOW", deadline]}}], so that neither can shadow a key of the
- * other. */
-static void
-append_conditions(lua_State *L, const bson_t *where, int deadline, bson_t *filter)
+/* The fence of an apply by its owner's deadline (stack index, 0 for
+ * none; a date): {$expr: {$lt: ["$$NOW", deadline]}} into cond, or NULL.
+ * Made once for all the applies of a batch.  Its fixed 50 bytes stay in
+ * the bson_t's own storage: nothing to free, whatever raises later. */
+static const bson_t *
+deadline_condition(lua_State *L, int deadline, bson_t *cond)
 {
-	bson_t and, elem, expr, lt;
+	const mtx_value *d;
+	bson_t expr, lt;
+
+	if (!deadline)
+		return NULL;
+	d = mtx_test_value(L, deadline);
+	luaL_argcheck(L, d && d->v.value_type == BSON_TYPE_DATE_TIME, deadline,
+		      "a deadline is a date");
+	bson_init(cond);
+	bson_append_document_begin(cond, "$expr", 5, &expr);
+	bson_append_array_begin(&expr, "$lt", 3, &lt);
+	BSON_APPEND_UTF8(&lt, "0", "$$NOW");
+	BSON_APPEND_DATE_TIME(&lt, "1", d->v.value.v_datetime);
+	bson_append_array_end(&expr, &lt);
+	bson_append_document_end(cond, &expr);
+	return cond;
+}
+
+/* Appends the conditions of where (NULL: none) to filter: flattened, or
+ * with a deadline's condition (deadline_condition; NULL for none) $and:
+ * [where, before], so that neither can shadow a key of the other. */
+static void
+append_conditions(const bson_t *where, const bson_t *before, bson_t *filter)
+{
+	bson_t and;
 	bson_iter_t it;
 
-	if (!deadline) {
+	if (!before) {
 		if (where && bson_iter_init(&it, where))
 			while (bson_iter_next(&it))
 				bson_append_iter(filter, NULL, 0, &it);
@@ -135,14 +159,7 @@ append_conditions(lua_State *L, const bson_t *where, int deadline, bson_t *filte
 	bson_append_array_begin(filter, "$and", 4, &and);
 	if (where)
 		BSON_APPEND_DOCUMENT(&and, "0", where);
-	bson_append_document_begin(&and, where ? "1" : "0", 1, &elem);
-	bson_append_document_begin(&elem, "$expr", 5, &expr);
-	bson_append_array_begin(&expr, "$lt", 3, &lt);
-	BSON_APPEND_UTF8(&lt, "0", "$$NOW");
-	mtx_append_value(L, deadline, &lt, "1");
-	bson_append_array_end(&expr, &lt);
-	bson_append_document_end(&elem, &expr);
-	bson_append_document_end(&and, &elem);
+	BSON_APPEND_DOCUMENT(&and, where ? "1" : "0", before);
 	bson_append_array_end(filter, &and);
 }
 
@@ -507,19 +524,19 @@ op_parts_stored(lua_State *L, int op, int kind, const bson_value_t *ops, int i,
 /* The apply of an update/remove/assert op: filter {_id, where...,
  * marker: {$ne: tid}} fenced by the version the owner read (stack index
  * `version`; nil means the document had none, false that the owner read
- * none) and, when `deadline` (a stack index, 0 for none) is given, by the
- * server's clock being before it; update: op.update (update kind only) + $push marker +
+ * none) and, when `before` (deadline_condition) is given, by the server's
+ * clock being before the deadline; update: op.update (update kind only) + $push marker +
  * $inc version (and the `held` array; see "Guards", like the condition a
  * guarded op adds). */
 static void
 build_apply(lua_State *L, const op_parts *p, const bson_t *tid, int version,
-	    int deadline, const fields *f, bson_t *filter, bson_t *update)
+	    const bson_t *before, const fields *f, bson_t *filter, bson_t *update)
 {
 	if (p->id_idx)
 		mtx_append_value(L, p->id_idx, filter, "_id");
 	else
 		bson_append_iter(filter, "_id", 3, &p->id_it);
-	append_conditions(L, p->where, deadline, filter);
+	append_conditions(p->where, before, filter);
 	if (p->where)
 		append_unheld(L, filter, p->floor ? f->held : f->marker);
 	append_marker_ne(filter, f, tid);
@@ -544,7 +561,7 @@ l_apply(lua_State *L)
 	mtx_steps *s = check_steps(L);
 	mongoc_collection_t *coll = arg_collection(L, 2);
 	const bson_t *opts = s->wopts;
-	bson_t *tid, *filter, *update;
+	bson_t *tid, *filter, *update, cond;
 	op_parts parts;
 	int64_t n = 0;
 	int kind, rc;
@@ -572,7 +589,8 @@ l_apply(lua_State *L)
 	filter = mtx_scratch(L);
 	update = mtx_scratch(L);
 	op_parts_table(L, 4, kind, &parts);
-	build_apply(L, &parts, tid, 5, lua_isnil(L, 6) ? 0 : 6, &s->f, filter, update);
+	build_apply(L, &parts, tid, 5, deadline_condition(L, lua_isnil(L, 6) ? 0 : 6, &cond),
+		    &s->f, filter, update);
 	if ((rc = run_update(L, "apply", coll, filter, update, opts, 0, &n)))
 		return rc;
 	return push_bool_result(L, "applied", n);
@@ -615,7 +633,7 @@ check_added(lua_State *L, bool ok, int i, const bson_error_t *err)
 }
 
 /* A batch of ops of one collection, as apply_many and finish_many take
- * it: (steps, coll, items), items[i] = { tid, op, ... }. */
+ * it: (steps, coll, items [, deadline]), items[i] = { tid, op, ... }. */
 typedef struct {
 	mongoc_bulk_operation_t *bulk;
 	bson_t *tid, *filter, *update; /* reused for every item */
@@ -630,7 +648,7 @@ op_batch_open(lua_State *L, op_batch *b)
 	mtx_steps *s = check_steps(L);
 	mongoc_collection_t *coll = arg_collection(L, 2);
 
-	lua_settop(L, 3);
+	lua_settop(L, 4); /* apply_many's deadline keeps its slot */
 	luaL_checktype(L, 3, LUA_TTABLE);
 	b->f = s->f;
 	b->req = s->built_req;
@@ -676,11 +694,13 @@ item_op_parts(lua_State *L, int item, int op, int kind, op_parts *p)
 	op_parts_table(L, op, kind, p);
 }
 
-/* steps:apply_many(coll, items) -> bulk result (see coll:bulk_write; as
- * for every batch of the steps, its items list only the requests that
- * failed or upserted: MTX_BULK_FAILURES) or nil, err.  items[i] = { tid,
- * op, version, deadline [, stored, i] }: apply's writes for many ops of
- * one collection in one unordered bulk write; an op's id, update and where
+/* steps:apply_many(coll, items [, deadline]) -> bulk result (see
+ * coll:bulk_write; as for every batch of the steps, its items list only
+ * the requests that failed or upserted: MTX_BULK_FAILURES) or nil, err.
+ * items[i] = { tid, op, version [, stored, i] }: apply's writes for many
+ * ops of one collection in one unordered bulk write, all fenced by the
+ * same deadline (when given; its condition is built once); an op's id,
+ * update and where
  * are read from `stored` (op i of the transaction's stored ops) when
  * given, rather than encoded from the op's tables again.  MongoDB counts
  * matches for the whole batch only: when `matched + inserted` falls
@@ -691,9 +711,12 @@ l_apply_many(lua_State *L)
 	op_batch b;
 	bson_error_t err;
 	op_parts parts;
+	bson_t cond;
+	const bson_t *before;
 	int i;
 
 	op_batch_open(L, &b);
+	before = deadline_condition(L, lua_isnil(L, 4) ? 0 : 4, &cond);
 	for (i = 1; i <= b.n; i++) {
 		int top = lua_gettop(L), op = op_batch_item(L, &b, i), kind = op_kind(L, op);
 		bool ok;
@@ -703,10 +726,8 @@ l_apply_many(lua_State *L)
 				b.bulk, build_insert(L, op, b.tid, &b.f), NULL, &err);
 		} else {
 			lua_getfield(L, op - 1, "version");
-			lua_getfield(L, op - 1, "deadline");
 			item_op_parts(L, op - 1, op, kind, &parts);
-			build_apply(L, &parts, b.tid, op + 1, lua_isnil(L, op + 2) ? 0 : op + 2,
-				    &b.f, b.filter, b.update);
+			build_apply(L, &parts, b.tid, op + 1, before, &b.f, b.filter, b.update);
 			ok = mongoc_bulk_operation_update_one_with_opts(
 				b.bulk, b.filter, b.update, NULL, &err);
 		}

@@ -80,13 +80,14 @@ local function create(eng, entries, common)
   end
 end
 
--- Step 2: apply's writes for items { tid, op, version, deadline, entry,
--- i }, one bulk write per collection.  When a collection's writes matched
--- fewer documents than sent, its markers say which ops applied.
-local function apply_items(eng, by_coll, order)
+-- Step 2: apply's writes for items { tid, op, version, entry, i }, one
+-- bulk write per collection, all fenced by the same deadline (or none).
+-- When a collection's writes matched fewer documents than sent, its
+-- markers say which ops applied.
+local function apply_items(eng, by_coll, order, deadline)
   for _, name in ipairs(order) do
     local items, coll = by_coll[name], eng:coll(name)
-    local res, err = eng:many("apply", coll, items)
+    local res, err = eng:many("apply", coll, items, deadline)
     if not res then
       for _, item in ipairs(items) do fail(item.entry, err) end
     elseif res.ok and res.matched + res.inserted == #items then
@@ -152,14 +153,13 @@ local function apply(eng, entries, deadline, versions)
             if v then version = v.version end
             -- stored: the ops as the create sent them, which the C step
             -- reads the op's filter and update from (recovery's have none)
-            items[#items + 1] = { tid = e.T._id, op = op, deadline = deadline,
-                                  version = version, entry = e, i = i,
-                                  stored = e.doc and e.doc.ops }
+            items[#items + 1] = { tid = e.T._id, op = op, version = version, entry = e,
+                                  i = i, stored = e.doc and e.doc.ops }
           end
         end
       end
     end
-    apply_items(eng, by_coll, order)
+    apply_items(eng, by_coll, order, deadline)
   end
   if #entries > 1 then
     phase(true)
