@@ -632,8 +632,9 @@ check_added(lua_State *L, bool ok, int i, const bson_error_t *err)
 		luaL_error(L, "mongotx: batch item %d: %s", i, err->message);
 }
 
-/* A batch of ops of one collection, as apply_many and finish_many take
- * it: (steps, coll, items [, deadline]), items[i] = { tid, op, ... }. */
+/* A batch of ops of one collection: (steps, coll, items [, deadline]),
+ * items[i] = { tid, op, ... } (apply_many, undo_many, fence_many), or
+ * (steps, coll, transactions, name) for finish_many. */
 typedef struct {
 	mongoc_bulk_operation_t *bulk;
 	bson_t *tid, *filter, *update; /* reused for every item */
@@ -648,7 +649,7 @@ op_batch_open(lua_State *L, op_batch *b)
 	mtx_steps *s = check_steps(L);
 	mongoc_collection_t *coll = arg_collection(L, 2);
 
-	lua_settop(L, 4); /* apply_many's deadline keeps its slot */
+	lua_settop(L, 4); /* apply_many's deadline, finish_many's name */
 	luaL_checktype(L, 3, LUA_TTABLE);
 	b->f = s->f;
 	b->req = s->built_req;
@@ -807,14 +808,31 @@ l_finish(lua_State *L)
 typedef int (*op_builder)(lua_State *L, int op, const bson_t *tid, const fields *f,
 			  bson_t *filter, bson_t *update);
 
+/* Adds the write `build` makes of op (stack index) to b's bulk as its
+ * request i; `req`: the options of an update that is not an upsert
+ * (b->req when every update is built here, see "Built here"). */
+static void
+op_batch_add(lua_State *L, op_batch *b, op_builder build, int op, int i,
+	     const bson_t *upsert, const bson_t *req)
+{
+	int how = build(L, op, b->tid, &b->f, b->filter, b->update);
+	bson_error_t err;
+	bool ok;
+
+	if (how == OP_DELETE)
+		ok = mongoc_bulk_operation_remove_one_with_opts(b->bulk, b->filter, NULL, &err);
+	else
+		ok = mongoc_bulk_operation_update_one_with_opts(
+			b->bulk, b->filter, b->update, how == OP_UPSERT ? upsert : req, &err);
+	check_added(L, ok, i, &err);
+}
+
 /* The writes `build` makes of a batch of ops of one collection (steps,
- * coll, items), in one unordered bulk write at crash point `point`;
- * `built`: every update is built here (see "Built here"). */
+ * coll, items), in one unordered bulk write at crash point `point`. */
 static int
-op_batch_run(lua_State *L, op_builder build, const char *point, int built)
+op_batch_run(lua_State *L, op_builder build, const char *point)
 {
 	op_batch b;
-	bson_error_t err;
 	bson_t *upsert;
 	int i;
 
@@ -822,30 +840,56 @@ op_batch_run(lua_State *L, op_builder build, const char *point, int built)
 	upsert = mtx_scratch(L);
 	BSON_APPEND_BOOL(upsert, "upsert", true);
 	for (i = 1; i <= b.n; i++) {
-		int top = lua_gettop(L), op = op_batch_item(L, &b, i);
-		int how = build(L, op, b.tid, &b.f, b.filter, b.update);
-		bool ok;
+		int top = lua_gettop(L);
 
-		if (how == OP_DELETE)
-			ok = mongoc_bulk_operation_remove_one_with_opts(b.bulk, b.filter,
-									NULL, &err);
-		else
-			ok = mongoc_bulk_operation_update_one_with_opts(
-				b.bulk, b.filter, b.update,
-				how == OP_UPSERT ? upsert : built ? b.req : NULL, &err);
-		check_added(L, ok, i, &err);
+		op_batch_add(L, &b, build, op_batch_item(L, &b, i), i, upsert, NULL);
 		lua_settop(L, top);
 	}
 	return mtx_bulk_execute(L, step_owner(L), b.bulk, point, b.n, MTX_BULK_FAILURES);
 }
 
-/* steps:finish_many(coll, items) -> bulk result or nil, err.
- * items[i] = { tid, op }: finish's writes for many ops of one collection
- * in one unordered bulk write. */
+/* steps:finish_many(coll, list, name) -> bulk result or nil, err.
+ * list[t] = a committed transaction { _id, ops }: finish's writes for
+ * every op of those transactions in collection `name` (the collection
+ * coll), in one unordered bulk write, in the order of the list and of
+ * each one's ops.  Read from the transactions themselves: no table per op
+ * to make, and each transaction id encoded once. */
 static int
 l_finish_many(lua_State *L)
 {
-	return op_batch_run(L, build_finish, "finish", 1);
+	op_batch b;
+	const char *name;
+	int t, n = 0;
+
+	op_batch_open(L, &b);
+	name = luaL_checkstring(L, 4);
+	for (t = 1; t <= b.n; t++) {
+		int top = lua_gettop(L), T = batch_item(L, 3, t), ops, k, nops;
+
+		lua_getfield(L, T, "_id");
+		if (lua_isnil(L, -1))
+			luaL_error(L, "mongotx: batch item %d has no _id", t);
+		bson_reinit(b.tid);
+		mtx_append_value(L, -1, b.tid, "t");
+		lua_getfield(L, T, "ops");
+		luaL_argcheck(L, lua_istable(L, -1), 3, "a transaction without ops");
+		ops = lua_gettop(L);
+		nops = (int)mtx_rawlen(L, ops);
+		for (k = 1; k <= nops; k++) {
+			int op = batch_item(L, ops, k);
+
+			lua_getfield(L, op, "collection");
+			if (lua_type(L, -1) == LUA_TSTRING && strcmp(lua_tostring(L, -1), name) == 0) {
+				bson_reinit(b.filter);
+				bson_reinit(b.update);
+				op_batch_add(L, &b, build_finish, op, ++n, NULL, b.req);
+			}
+			lua_settop(L, ops);
+		}
+		lua_settop(L, top);
+	}
+	luaL_argcheck(L, n > 0, 4, "no op in this collection");
+	return mtx_bulk_execute(L, step_owner(L), b.bulk, "finish", n, MTX_BULK_FAILURES);
 }
 
 /* The undo of op: filter {_id, marker: tid}; update op.undo (update
@@ -908,7 +952,7 @@ l_undo(lua_State *L)
 static int
 l_undo_many(lua_State *L)
 {
-	return op_batch_run(L, build_undo, "undo", 0);
+	return op_batch_run(L, build_undo, "undo");
 }
 
 /* The fence of op: filter {_id, marker: {$ne: tid}}; update $inc version,
@@ -970,7 +1014,7 @@ l_fence(lua_State *L)
 static int
 l_fence_many(lua_State *L)
 {
-	return op_batch_run(L, build_fence, "fence", 0);
+	return op_batch_run(L, build_fence, "fence");
 }
 
 /* Runs findAndModify(query, update) returning the new document, at crash

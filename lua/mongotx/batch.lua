@@ -214,20 +214,18 @@ end
 -- finishes them).
 function _M.finish(eng, list)
   if #list == 0 then return 0 end
-  local by_coll, order, ids = {}, {}, {}
+  -- the collections, in the order first named; finish_many reads each
+  -- transaction's ops in one of them
+  local seen, order, ids = {}, {}, {}
   for t, T in ipairs(list) do
     ids[t] = T._id
     for _, op in ipairs(T.ops) do
-      local items = by_coll[op.collection]
-      if not items then
-        items = {}
-        by_coll[op.collection], order[#order + 1] = items, op.collection
-      end
-      items[#items + 1] = { tid = T._id, op = op }
+      local name = op.collection
+      if not seen[name] then seen[name], order[#order + 1] = true, name end
     end
   end
   for _, name in ipairs(order) do
-    local res, err = eng:many("finish", eng:coll(name), by_coll[name])
+    local res, err = eng:many("finish", eng:coll(name), list, name)
     if not res then return nil, err end
   end
   local res, err = eng:many("done", eng.tx, ids)
