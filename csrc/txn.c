@@ -102,6 +102,18 @@ step_opts(lua_State *L, const mtx_steps *s)
 	return opts;
 }
 
+/* A step's filter and update (or query and update): two scratch documents
+ * in one userdata. */
+static void
+scratch_pair(lua_State *L, bson_t **filter, bson_t **update)
+{
+	bson_t *docs[2];
+
+	mtx_scratches(L, 2, docs);
+	*filter = docs[0];
+	*update = docs[1];
+}
+
 /* Appends {op: {removing: value}} ($set of the tid, or $unset). */
 static void
 append_removing(bson_t *update, const char *op, const fields *f,
@@ -586,8 +598,7 @@ l_apply(lua_State *L)
 		}
 		return push_bool_result(L, "applied", 1);
 	}
-	filter = mtx_scratch(L);
-	update = mtx_scratch(L);
+	scratch_pair(L, &filter, &update);
 	op_parts_table(L, 4, kind, &parts);
 	build_apply(L, &parts, tid, 5, deadline_condition(L, lua_isnil(L, 6) ? 0 : 6, &cond),
 		    &s->f, filter, update);
@@ -648,6 +659,7 @@ op_batch_open(lua_State *L, op_batch *b)
 {
 	mtx_steps *s = check_steps(L);
 	mongoc_collection_t *coll = arg_collection(L, 2);
+	bson_t *docs[3];
 
 	lua_settop(L, 4); /* apply_many's deadline, finish_many's name */
 	luaL_checktype(L, 3, LUA_TTABLE);
@@ -655,9 +667,10 @@ op_batch_open(lua_State *L, op_batch *b)
 	b->req = s->built_req;
 	b->n = (int)mtx_rawlen(L, 3);
 	b->bulk = new_bulk(L, coll, batch_opts(L, s, b->n));
-	b->tid = mtx_scratch(L);
-	b->filter = mtx_scratch(L);
-	b->update = mtx_scratch(L);
+	mtx_scratches(L, 3, docs);
+	b->tid = docs[0];
+	b->filter = docs[1];
+	b->update = docs[2];
 }
 
 /* Pushes item i and its op; loads its tid and empties filter and update.
@@ -792,8 +805,7 @@ l_finish(lua_State *L)
 	int rc;
 
 	coll = op_step_args(L, &tid, &f, &opts);
-	filter = mtx_scratch(L);
-	update = mtx_scratch(L);
+	scratch_pair(L, &filter, &update);
 	if (build_finish(L, OP_ARG, tid, &f, filter, update) == OP_DELETE)
 		rc = run_delete(L, "finish", coll, filter, opts, &n);
 	else
@@ -933,8 +945,7 @@ l_undo(lua_State *L)
 	int rc;
 
 	coll = op_step_args(L, &tid, &f, &opts);
-	filter = mtx_scratch(L);
-	update = mtx_scratch(L);
+	scratch_pair(L, &filter, &update);
 	if (build_undo(L, OP_ARG, tid, &f, filter, update) == OP_DELETE)
 		rc = run_delete(L, "undo", coll, filter, opts, &n);
 	else
@@ -997,8 +1008,7 @@ l_fence(lua_State *L)
 	int rc;
 
 	coll = op_step_args(L, &tid, &f, &opts);
-	filter = mtx_scratch(L);
-	update = mtx_scratch(L);
+	scratch_pair(L, &filter, &update);
 	if (build_fence(L, OP_ARG, tid, &f, filter, update) == OP_UPSERT)
 		BSON_APPEND_BOOL(opts, "upsert", true);
 	if ((rc = run_update(L, "fence", coll, filter, update, opts, 0, &n)))
@@ -1109,9 +1119,10 @@ move(lua_State *L, const mtx_steps *s, const char *from, const char *to, int epo
      const char *key, int value)
 {
 	mongoc_collection_t *coll = arg_collection(L, 2);
-	bson_t *tid = check_tid(L, 3), *filter = mtx_scratch(L), *update = mtx_scratch(L);
+	bson_t *tid = check_tid(L, 3), *filter, *update;
 	bson_iter_t it;
 
+	scratch_pair(L, &filter, &update);
 	bson_iter_init_find(&it, tid, "t");
 	bson_append_iter(filter, "_id", 3, &it);
 	build_transition(L, from, to, epoch, key, value, filter, update);
@@ -1130,11 +1141,10 @@ move_many(lua_State *L, const mtx_steps *s, const char *from, const char *to, in
 
 	luaL_checktype(L, 3, LUA_TTABLE);
 	luaL_argcheck(L, mtx_rawlen(L, 3) > 0, 3, "at least one id");
-	filter = mtx_scratch(L);
+	scratch_pair(L, &filter, &update);
 	bson_append_document_begin(filter, "_id", 3, &id);
 	mtx_append_value(L, 3, &id, "$in"); /* a sequence: an array */
 	bson_append_document_end(filter, &id);
-	update = mtx_scratch(L);
 	build_transition(L, from, to, epoch, NULL, 0, filter, update);
 	if ((rc = run_update(L, transition_point(to), coll, filter, update,
 			     s->built_wopts, 1, &n)))
@@ -1283,8 +1293,7 @@ l_create(lua_State *L)
 	luaL_checktype(L, 3, LUA_TTABLE);
 	opts = step_opts(L, s);
 	BSON_APPEND_BOOL(opts, "upsert", true);
-	filter = mtx_scratch(L);
-	update = mtx_scratch(L);
+	scratch_pair(L, &filter, &update);
 	point = build_create(L, 3, filter, update);
 	reply = mtx_scratch(L);
 	sent = write_begin(L, point);
@@ -1378,8 +1387,7 @@ l_claim(lua_State *L)
 
 	lua_settop(L, 5);
 	tid = check_tid(L, 3);
-	query = mtx_scratch(L);
-	update = mtx_scratch(L);
+	scratch_pair(L, &query, &update);
 	build_claim(L, tid, 4, 5, query, update);
 	return find_and_modify(L, "claim", coll, query, update, s->wopts);
 }
@@ -1395,7 +1403,7 @@ l_claim_many(lua_State *L)
 	mtx_steps *s = check_steps(L);
 	mongoc_collection_t *coll = arg_collection(L, 2);
 	mongoc_bulk_operation_t *bulk;
-	bson_t *tid, *query, *update;
+	bson_t *tid, *query, *update, *docs[3];
 	bson_error_t err;
 	int i, n;
 
@@ -1403,9 +1411,10 @@ l_claim_many(lua_State *L)
 	luaL_checktype(L, 3, LUA_TTABLE);
 	n = (int)mtx_rawlen(L, 3);
 	bulk = new_bulk(L, coll, batch_opts(L, s, n));
-	tid = mtx_scratch(L);
-	query = mtx_scratch(L);
-	update = mtx_scratch(L);
+	mtx_scratches(L, 3, docs);
+	tid = docs[0];
+	query = docs[1];
+	update = docs[2];
 	for (i = 1; i <= n; i++) {
 		int top = lua_gettop(L), item = batch_item(L, 3, i);
 
