@@ -320,7 +320,9 @@ function _M.run(eng, specs)
     if extra then
       for k, v in pairs(extra) do T[k], doc[k] = v, v end
     end
-    entries[i] = { T = T, doc = doc, err = not now and err or nil }
+    -- every field an entry may get, so that none makes its table grow
+    entries[i] = { T = T, doc = doc, err = not now and err or nil, slow = false,
+                   created = false, applied = false, key = false }
   end
   local versions
   if now and not deadline then
