@@ -62,14 +62,14 @@ local function create(eng, entries, common)
   for _, item in pairs(res and res.items or {}) do
     if not item.ok then oks = oks - 1 end
   end
-  local sure = res and res.inserted == oks
+  local sure, loud = res and res.inserted == oks, eng:listening()
   for i, e in ipairs(entries) do
     local item = res and (res.items[i] or OK)
     if not item then
       fail(e, err)
     elseif item.ok and sure then
       e.created = true
-      eng:event_id("create", e.T._id)
+      if loud then eng:event_id("create", e.T._id) end
     elseif item.ok or item.server_code == 11000 then
       -- exists, or not known: settle it alone
       e.slow = "create"
@@ -167,12 +167,13 @@ local function apply(eng, entries, deadline, versions)
   else
     phase(nil)
   end
+  local loud = eng:listening()
   for _, e in ipairs(entries) do
     if not e.err then
       for i in ipairs(e.T.ops) do
         if not e.applied[i] then e.slow = "apply" end
       end
-      if not e.slow then eng:event_id("apply", e.T._id) end
+      if loud and not e.slow then eng:event_id("apply", e.T._id) end
     end
   end
 end
@@ -202,9 +203,10 @@ local function commit(eng, entries)
       end
     end
   end
+  local loud = eng:listening()
   for _, e in ipairs(entries) do
     eng:hold(e.T._id, nil, e.key) -- past the commit point: nothing to fence
-    if e.T.state == "applied" then eng:event_id("commit", e.T._id) end
+    if loud and e.T.state == "applied" then eng:event_id("commit", e.T._id) end
   end
 end
 
@@ -230,10 +232,13 @@ function _M.finish(eng, list)
   end
   local res, err = eng:many("done", eng.tx, ids)
   if not res then return nil, err end
+  local loud = eng:listening()
   for _, T in ipairs(list) do
     T.state = "done"
-    eng:event_id("finish", T._id)
-    eng:event_id("done", T._id)
+    if loud then
+      eng:event_id("finish", T._id)
+      eng:event_id("done", T._id)
+    end
   end
   return #list
 end

@@ -100,6 +100,12 @@ function Engine:event(name, info)
   pcall(self.policy.on_event, name, info)
 end
 
+-- Does anyone listen (policy.on_event other than the default)?  A batch
+-- asks once, not at each of its transactions' five events.
+function Engine:listening()
+  return self.policy.on_event ~= quiet
+end
+
 -- event(name, { id = id }), when anyone listens.
 function Engine:event_id(name, id)
   local on_event = self.policy.on_event
