@@ -126,13 +126,16 @@ end
 -- batch-mate's uncommitted credit (floor guards over the same accounts
 -- stack instead of waiting for each other; csrc/txn.c, "Guards"), and a
 -- transaction whose guard fails has nothing to undo.  One more round trip
--- when a batch has both kinds of ops; a batch of one sends all at once.
+-- when a batch has both kinds of ops; a batch of one, or one without
+-- guards, sends all at once.
 local function apply(eng, entries, deadline, versions)
+  local guards = false
   for t, e in ipairs(entries) do
     e.applied = {}
-    for i in ipairs(e.T.ops) do
+    for i, op in ipairs(e.T.ops) do
       local v = versions and versions[t][i]
       if v and v.marked then e.applied[i] = true end
+      if op.where then guards = true end
     end
   end
   -- guarded: true for the guarded ops only, false for the others of the
@@ -161,7 +164,7 @@ local function apply(eng, entries, deadline, versions)
     end
     apply_items(eng, by_coll, order, deadline)
   end
-  if #entries > 1 then
+  if guards and #entries > 1 then
     phase(true)
     phase(false)
   else
