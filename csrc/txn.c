@@ -792,33 +792,46 @@ build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	return OP_UPDATE;
 }
 
+/* Builds an op's write into filter and update (build_finish, build_undo,
+ * build_fence); returns one of the enum above. */
+typedef int (*op_builder)(lua_State *L, int op, const bson_t *tid, const fields *f,
+			  bson_t *filter, bson_t *update);
+
+/* The single-op steps (finish, undo, fence): steps:<point>(coll, tid, op)
+ * runs the write `build` makes of op and returns { [result] = whether it
+ * matched a document }. */
+static int
+op_step_run(lua_State *L, op_builder build, const char *point, const char *result)
+{
+	mongoc_collection_t *coll;
+	bson_t *tid, *filter, *update, *opts;
+	fields f;
+	int64_t n = 0;
+	int how, rc;
+
+	coll = op_step_args(L, &tid, &f, &opts);
+	scratch_pair(L, &filter, &update);
+	how = build(L, OP_ARG, tid, &f, filter, update);
+	if (how == OP_DELETE) {
+		rc = run_delete(L, point, coll, filter, opts, &n);
+	} else {
+		if (how == OP_UPSERT)
+			BSON_APPEND_BOOL(opts, "upsert", true);
+		rc = run_update(L, point, coll, filter, update, opts, 0, &n);
+	}
+	if (rc)
+		return rc;
+	return push_bool_result(L, result, n);
+}
+
 /* steps:finish(coll, tid, op) -> { finished = bool }
  * remove: delete_one {_id, marker: tid}; others: $pull marker and $inc
  * version where the marker is. */
 static int
 l_finish(lua_State *L)
 {
-	mongoc_collection_t *coll;
-	bson_t *tid, *filter, *update, *opts;
-	fields f;
-	int64_t n = 0;
-	int rc;
-
-	coll = op_step_args(L, &tid, &f, &opts);
-	scratch_pair(L, &filter, &update);
-	if (build_finish(L, OP_ARG, tid, &f, filter, update) == OP_DELETE)
-		rc = run_delete(L, "finish", coll, filter, opts, &n);
-	else
-		rc = run_update(L, "finish", coll, filter, update, opts, 0, &n);
-	if (rc)
-		return rc;
-	return push_bool_result(L, "finished", n);
+	return op_step_run(L, build_finish, "finish", "finished");
 }
-
-/* Builds an op's write into filter and update (build_finish, build_undo,
- * build_fence); returns one of the enum above. */
-typedef int (*op_builder)(lua_State *L, int op, const bson_t *tid, const fields *f,
-			  bson_t *filter, bson_t *update);
 
 /* Adds the write `build` makes of op (stack index) to b's bulk as its
  * request i; `req`: the options of an update that is not an upsert
@@ -938,21 +951,7 @@ build_undo(lua_State *L, int op, const bson_t *tid, const fields *f,
 static int
 l_undo(lua_State *L)
 {
-	mongoc_collection_t *coll;
-	bson_t *tid, *filter, *update, *opts;
-	fields f;
-	int64_t n = 0;
-	int rc;
-
-	coll = op_step_args(L, &tid, &f, &opts);
-	scratch_pair(L, &filter, &update);
-	if (build_undo(L, OP_ARG, tid, &f, filter, update) == OP_DELETE)
-		rc = run_delete(L, "undo", coll, filter, opts, &n);
-	else
-		rc = run_update(L, "undo", coll, filter, update, opts, 0, &n);
-	if (rc)
-		return rc;
-	return push_bool_result(L, "undone", n);
+	return op_step_run(L, build_undo, "undo", "undone");
 }
 
 /* steps:undo_many(coll, items) -> bulk result or nil, err.
@@ -1001,19 +1000,7 @@ build_fence(lua_State *L, int op, const bson_t *tid, const fields *f,
 static int
 l_fence(lua_State *L)
 {
-	mongoc_collection_t *coll;
-	bson_t *tid, *filter, *update, *opts;
-	fields f;
-	int64_t n = 0;
-	int rc;
-
-	coll = op_step_args(L, &tid, &f, &opts);
-	scratch_pair(L, &filter, &update);
-	if (build_fence(L, OP_ARG, tid, &f, filter, update) == OP_UPSERT)
-		BSON_APPEND_BOOL(opts, "upsert", true);
-	if ((rc = run_update(L, "fence", coll, filter, update, opts, 0, &n)))
-		return rc;
-	return push_bool_result(L, "fenced", n);
+	return op_step_run(L, build_fence, "fence", "fenced");
 }
 
 /* steps:fence_many(coll, items) -> bulk result or nil, err.
