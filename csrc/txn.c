@@ -130,8 +130,10 @@ append_removing(bson_t *update, const char *op, const fields *f,
 
 /* The fence of an apply by its owner's deadline (stack index, 0 for
  * none; a date): {$expr: {$lt: ["$$NOW", deadline]}} into cond, or NULL.
- * Made once for all the applies of a batch.  Its fixed 50 bytes stay in
- * the bson_t's own storage: nothing to free, whatever raises later. */
+ * Made once for all the applies of a batch.  Built inside out and copied
+ * up (no child document open: libbson moves a document with an open child
+ * to the heap), its 50 bytes stay in each bson_t's own storage: nothing
+ * to free, whatever raises later. */
 static const bson_t *
 deadline_condition(lua_State *L, int deadline, bson_t *cond)
 {
@@ -143,13 +145,13 @@ deadline_condition(lua_State *L, int deadline, bson_t *cond)
 	d = mtx_test_value(L, deadline);
 	luaL_argcheck(L, d && d->v.value_type == BSON_TYPE_DATE_TIME, deadline,
 		      "a deadline is a date");
-	bson_init(cond);
-	bson_append_document_begin(cond, "$expr", 5, &expr);
-	bson_append_array_begin(&expr, "$lt", 3, &lt);
+	bson_init(&lt);
 	BSON_APPEND_UTF8(&lt, "0", "$$NOW");
 	BSON_APPEND_DATE_TIME(&lt, "1", d->v.value.v_datetime);
-	bson_append_array_end(&expr, &lt);
-	bson_append_document_end(cond, &expr);
+	bson_init(&expr);
+	BSON_APPEND_ARRAY(&expr, "$lt", &lt);
+	bson_init(cond);
+	BSON_APPEND_DOCUMENT(cond, "$expr", &expr);
 	return cond;
 }
 
