@@ -52,19 +52,21 @@ typedef struct {
  * writer that follows the tutorial's recipe. */
 enum { E_RAISES, E_LOWERS };
 
-/* Built here.  libmongoc validates every update it sends (bson_validate:
- * UTF-8 of every key and string, no empty key; then every top-level key
- * an operator), 5 000 instructions a request.  The updates of commit and
- * done (move_many) and of finish (finish_many) need none of it: their
- * keys are the operators written below and the manager's field names,
- * which core.steps checks once (not empty, UTF-8; options.lua refuses
- * `$` first and dots), and their only string values are the state names
- * below and the transaction id, an id that was inserted (validated) or
- * read back from the server before it can be finished.  So those go out
- * with validate: false (s->built_wopts, s->built_req).  Apply, undo and
- * fence carry the caller's update or undo, and create the caller's meta,
- * whose string values no check of ours reads as UTF-8: libmongoc still
- * validates them (bench/README.md, "Per command in libmongoc"). */
+/* Checked here.  libmongoc validates every document a write sends
+ * (bson_validate: no empty key, and for an insert, in some versions, no
+ * `$` first or dot in a key; then every top-level key of an update an
+ * operator), 5 000 instructions a request.  Everything the steps send is
+ * either built below (operators, the manager's field names, which
+ * core.steps checks once: not empty, UTF-8, no `$` first, no dot; state
+ * names; ids that went through core.id_key) or the caller's content that
+ * csrc/checks.c refused at begin if it held any such key (an update or
+ * undo, an inserted doc, meta; spec/04 and spec/30 pin them).  A refusal
+ * by libmongoc at this point would be worse than useless: it raises after
+ * the transaction is stored, on every attempt, where the server's refusal
+ * of a write is an op that failed and is handled.  So the writes go out
+ * with validate: false (s->checked_wopts, s->checked_req); only the
+ * findAndModify steps (claim, the single transition) keep s->wopts, as
+ * that command takes no such option. */
 
 /* A manager's steps (core.steps{...}): the field names and the write
  * options bound once, so that each step takes only what varies: (coll,
@@ -74,9 +76,9 @@ typedef struct {
 	fields f;      /* the names, copies owned by the object */
 	bson_t *wopts; /* {writeConcern: ...}; NULL until set up */
 	bson_t *bopts; /* wopts and ordered: false, for the batches */
-	/* What libmongoc need not validate ("Built here", below): wopts
+	/* What libmongoc need not validate ("Checked here", below): wopts
 	 * with validate: false, and a bulk request's {validate: false}. */
-	bson_t *built_wopts, *built_req;
+	bson_t *checked_wopts, *checked_req;
 } mtx_steps;
 
 #define MTX_STEPS_MT "mongotx.Steps"
@@ -91,14 +93,14 @@ check_steps(lua_State *L)
 }
 
 /* A step's write options to add to (upsert): a copy of the bound ones.
- * A step that adds nothing passes s->wopts itself, which libmongoc only
+ * A step that adds nothing passes s->checked_wopts itself, which libmongoc only
  * reads: the copy, a scratch document, was about 3 000 instructions. */
 static bson_t *
 step_opts(lua_State *L, const mtx_steps *s)
 {
 	bson_t *opts = mtx_scratch(L);
 
-	bson_concat(opts, s->wopts);
+	bson_concat(opts, s->checked_wopts);
 	return opts;
 }
 
@@ -574,7 +576,7 @@ l_apply(lua_State *L)
 {
 	mtx_steps *s = check_steps(L);
 	mongoc_collection_t *coll = arg_collection(L, 2);
-	const bson_t *opts = s->wopts;
+	const bson_t *opts = s->checked_wopts;
 	bson_t *tid, *filter, *update, cond;
 	op_parts parts;
 	int64_t n = 0;
@@ -651,7 +653,7 @@ check_added(lua_State *L, bool ok, int i, const bson_error_t *err)
 typedef struct {
 	mongoc_bulk_operation_t *bulk;
 	bson_t *tid, *filter, *update; /* reused for every item */
-	const bson_t *req;	       /* s->built_req */
+	const bson_t *req;	       /* s->checked_req */
 	fields f;
 	int n;
 } op_batch;
@@ -666,7 +668,7 @@ op_batch_open(lua_State *L, op_batch *b)
 	lua_settop(L, 4); /* apply_many's deadline, finish_many's name */
 	luaL_checktype(L, 3, LUA_TTABLE);
 	b->f = s->f;
-	b->req = s->built_req;
+	b->req = s->checked_req;
 	b->n = (int)mtx_rawlen(L, 3);
 	b->bulk = new_bulk(L, coll, batch_opts(L, s, b->n));
 	mtx_scratches(L, 3, docs);
@@ -739,13 +741,13 @@ l_apply_many(lua_State *L)
 
 		if (kind == K_INSERT) {
 			ok = mongoc_bulk_operation_insert_with_opts(
-				b.bulk, build_insert(L, op, b.tid, &b.f), NULL, &err);
+				b.bulk, build_insert(L, op, b.tid, &b.f), b.req, &err);
 		} else {
 			lua_getfield(L, op - 1, "version");
 			item_op_parts(L, op - 1, op, kind, &parts);
 			build_apply(L, &parts, b.tid, op + 1, before, &b.f, b.filter, b.update);
 			ok = mongoc_bulk_operation_update_one_with_opts(
-				b.bulk, b.filter, b.update, NULL, &err);
+				b.bulk, b.filter, b.update, b.req, &err);
 		}
 		check_added(L, ok, i, &err);
 		lua_settop(L, top);
@@ -815,7 +817,8 @@ op_step_run(lua_State *L, op_builder build, const char *point, const char *resul
 	scratch_pair(L, &filter, &update);
 	how = build(L, OP_ARG, tid, &f, filter, update);
 	if (how == OP_DELETE) {
-		rc = run_delete(L, point, coll, filter, opts, &n);
+		/* (a delete takes no validate option: libmongoc would send it on) */
+		rc = run_delete(L, point, coll, filter, check_steps(L)->wopts, &n);
 	} else {
 		if (how == OP_UPSERT)
 			BSON_APPEND_BOOL(opts, "upsert", true);
@@ -866,10 +869,11 @@ op_batch_run(lua_State *L, op_builder build, const char *point)
 	op_batch_open(L, &b);
 	upsert = mtx_scratch(L);
 	BSON_APPEND_BOOL(upsert, "upsert", true);
+	BSON_APPEND_BOOL(upsert, "validate", false);
 	for (i = 1; i <= b.n; i++) {
 		int top = lua_gettop(L);
 
-		op_batch_add(L, &b, build, op_batch_item(L, &b, i), i, upsert, NULL);
+		op_batch_add(L, &b, build, op_batch_item(L, &b, i), i, upsert, b.req);
 		lua_settop(L, top);
 	}
 	return mtx_bulk_execute(L, step_owner(L), b.bulk, point, b.n, MTX_BULK_FAILURES);
@@ -1136,7 +1140,7 @@ move_many(lua_State *L, const mtx_steps *s, const char *from, const char *to, in
 	bson_append_document_end(filter, &id);
 	build_transition(L, from, to, epoch, NULL, 0, filter, update);
 	if ((rc = run_update(L, transition_point(to), coll, filter, update,
-			     s->built_wopts, 1, &n)))
+			     s->checked_wopts, 1, &n)))
 		return rc;
 	lua_createtable(L, 0, 1);
 	lua_pushinteger(L, (lua_Integer)n);
@@ -1330,7 +1334,8 @@ l_create_many(lua_State *L)
 			luaL_error(L, "mongotx: transaction %d exceeds the 16 MiB limit", i);
 		if (!bson_has_field(doc, "_id") || !bson_has_field(doc, "lastModified"))
 			luaL_error(L, "mongotx: transaction %d needs an _id and lastModified", i);
-		check_added(L, mongoc_bulk_operation_insert_with_opts(bulk, doc, NULL, &err),
+		check_added(L, mongoc_bulk_operation_insert_with_opts(bulk, doc, s->checked_req,
+								      &err),
 			    i, &err);
 		mtx_scratch_give(L, -1); /* the bulk holds a copy */
 		lua_settop(L, top);
@@ -1414,7 +1419,7 @@ l_claim_many(lua_State *L)
 		bson_reinit(update);
 		build_claim(L, tid, item + 1, item + 2, query, update);
 		check_added(L, mongoc_bulk_operation_update_one_with_opts(bulk, query, update,
-									  NULL, &err),
+									  s->checked_req, &err),
 			    i, &err);
 		lua_settop(L, top);
 	}
@@ -1463,10 +1468,10 @@ l_steps_gc(lua_State *L)
 		bson_destroy(s->wopts);
 	if (s->bopts)
 		bson_destroy(s->bopts);
-	if (s->built_wopts)
-		bson_destroy(s->built_wopts);
-	if (s->built_req)
-		bson_destroy(s->built_req);
+	if (s->checked_wopts)
+		bson_destroy(s->checked_wopts);
+	if (s->checked_req)
+		bson_destroy(s->checked_req);
 	memset(s, 0, sizeof *s);
 	return 0;
 }
@@ -1509,9 +1514,9 @@ l_new_steps(lua_State *L)
 	s->f.held = bson_strdup(field[3]);
 	s->f.placeholder = bson_strdup(field[4]);
 	s->wopts = bson_copy(opts);
-	s->built_wopts = bson_copy(opts);
-	BSON_APPEND_BOOL(s->built_wopts, "validate", false);
-	s->built_req = BCON_NEW("validate", BCON_BOOL(false));
+	s->checked_wopts = bson_copy(opts);
+	BSON_APPEND_BOOL(s->checked_wopts, "validate", false);
+	s->checked_req = BCON_NEW("validate", BCON_BOOL(false));
 	BSON_APPEND_BOOL(opts, "ordered", false);
 	s->bopts = bson_copy(opts);
 	return 1;
