@@ -98,6 +98,16 @@ holds_dot(const char *s, size_t n)
 	return memchr(s, '.', n) != NULL;
 }
 
+/* An empty key: libmongoc refuses it in an update or an inserted document
+ * when the write is already under way (after the transaction is stored),
+ * so it is refused here, before anything is written. */
+static int
+is_empty(const char *s, size_t n)
+{
+	(void)s;
+	return n == 0;
+}
+
 /* The first string key anywhere in the value at idx for which bad()
  * holds: pushed, and 1; else 0. */
 static int
@@ -236,6 +246,10 @@ bad_id_keys(lua_State *L, int idx)
 	}
 	if (find_key(L, idx, 0, holds_dot)) {
 		push_format(L, "id holds the key %q: keys of an id may not hold dots", -1);
+		return 1;
+	}
+	if (find_key(L, idx, 0, is_empty)) {
+		lua_pushliteral(L, "id holds an empty key");
 		return 1;
 	}
 	return 0;
@@ -498,6 +512,10 @@ check_update(lua_State *L, int u, int owned, const char *what)
 	}
 	if (find_non_finite(L, u, 0)) {
 		lua_pushfstring(L, "%s holds %s", what, push_tostring(L, -1));
+		return 0;
+	}
+	if (find_key(L, u, 0, is_empty)) {
+		lua_pushfstring(L, "%s holds an empty key", what);
 		return 0;
 	}
 	return 1;
@@ -942,6 +960,10 @@ check_insert_doc(lua_State *L, const op_slots *s)
 		push_format(L, "doc may not hold the key %q (dots are paths)", -1);
 		return 0;
 	}
+	if (find_key(L, doc, 0, is_empty)) {
+		lua_pushliteral(L, "doc may not hold an empty key");
+		return 0;
+	}
 	if (find_non_finite(L, doc, 0)) {
 		lua_pushfstring(L, "doc holds %s", push_tostring(L, -1));
 		return 0;
@@ -1255,8 +1277,8 @@ l_check_update(lua_State *L)
 
 /* core.check_value(snapshot) -> nil | message: what is wrong with a
  * caller's value (snapshotted) to be stored in a document: a `$` key or a
- * dotted key (servers read both as operators or paths), or a NaN or
- * infinite number. */
+ * dotted key (servers read both as operators or paths), an empty key
+ * (libmongoc refuses it), or a NaN or infinite number. */
 static int
 l_check_value(lua_State *L)
 {
@@ -1267,6 +1289,10 @@ l_check_value(lua_State *L)
 	}
 	if (find_key(L, 1, 0, holds_dot)) {
 		push_format(L, "it holds the key %q (dots are paths)", -1);
+		return 1;
+	}
+	if (find_key(L, 1, 0, is_empty)) {
+		lua_pushliteral(L, "it holds an empty key");
 		return 1;
 	}
 	if (find_non_finite(L, 1, 0)) {

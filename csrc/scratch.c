@@ -13,28 +13,48 @@ typedef struct {
 } guard;
 
 /* bson_t asks for 128-byte alignment, more than a userdata's: the
- * document sits at the first aligned address inside a larger block. */
+ * documents sit from the first aligned address inside a larger block,
+ * after their count. */
 static bson_t *
 aligned(void *raw)
 {
-	return (bson_t *)(((uintptr_t)raw + 127) & ~(uintptr_t)127);
+	return (bson_t *)(((uintptr_t)raw + sizeof(int) + 127) & ~(uintptr_t)127);
 }
 
 static int
 scratch_gc(lua_State *L)
 {
-	bson_destroy(aligned(lua_touserdata(L, 1)));
+	void *raw = lua_touserdata(L, 1);
+	bson_t *docs = aligned(raw);
+	int k;
+
+	for (k = 0; k < *(int *)raw; k++)
+		bson_destroy(&docs[k]);
 	return 0;
+}
+
+void
+mtx_scratches(lua_State *L, int n, bson_t **out)
+{
+	void *raw = lua_newuserdata(L, sizeof(int) + 127 + (size_t)n * sizeof(bson_t));
+	bson_t *docs = aligned(raw);
+	int k;
+
+	*(int *)raw = n;
+	for (k = 0; k < n; k++) {
+		bson_init(&docs[k]);
+		out[k] = &docs[k];
+	}
+	luaL_getmetatable(L, MTX_SCRATCH_MT);
+	lua_setmetatable(L, -2);
 }
 
 bson_t *
 mtx_scratch(lua_State *L)
 {
-	bson_t *b = aligned(lua_newuserdata(L, sizeof(bson_t) + 127));
+	bson_t *b;
 
-	bson_init(b);
-	luaL_getmetatable(L, MTX_SCRATCH_MT);
-	lua_setmetatable(L, -2);
+	mtx_scratches(L, 1, &b);
 	return b;
 }
 

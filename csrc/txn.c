@@ -52,19 +52,21 @@ typedef struct {
  * writer that follows the tutorial's recipe. */
 enum { E_RAISES, E_LOWERS };
 
-/* Built here.  libmongoc validates every update it sends (bson_validate:
- * UTF-8 of every key and string, no empty key; then every top-level key
- * an operator), 5 000 instructions a request.  The updates of commit and
- * done (move_many) and of finish (finish_many) need none of it: their
- * keys are the operators written below and the manager's field names,
- * which core.steps checks once (not empty, UTF-8; options.lua refuses
- * `$` first and dots), and their only string values are the state names
- * below and the transaction id, an id that was inserted (validated) or
- * read back from the server before it can be finished.  So those go out
- * with validate: false (s->built_wopts, s->built_req).  Apply, undo and
- * fence carry the caller's update or undo, and create the caller's meta,
- * whose string values no check of ours reads as UTF-8: libmongoc still
- * validates them (bench/README.md, "Per command in libmongoc"). */
+/* Checked here.  libmongoc validates every document a write sends
+ * (bson_validate: no empty key, and for an insert, in some versions, no
+ * `$` first or dot in a key; then every top-level key of an update an
+ * operator), 5 000 instructions a request.  Everything the steps send is
+ * either built below (operators, the manager's field names, which
+ * core.steps checks once: not empty, UTF-8, no `$` first, no dot; state
+ * names; ids that went through core.id_key) or the caller's content that
+ * csrc/checks.c refused at begin if it held any such key (an update or
+ * undo, an inserted doc, meta; spec/04 and spec/30 pin them).  A refusal
+ * by libmongoc at this point would be worse than useless: it raises after
+ * the transaction is stored, on every attempt, where the server's refusal
+ * of a write is an op that failed and is handled.  So the writes go out
+ * with validate: false (s->checked_wopts, s->checked_req); only the
+ * findAndModify steps (claim, the single transition) keep s->wopts, as
+ * that command takes no such option. */
 
 /* A manager's steps (core.steps{...}): the field names and the write
  * options bound once, so that each step takes only what varies: (coll,
@@ -74,9 +76,9 @@ typedef struct {
 	fields f;      /* the names, copies owned by the object */
 	bson_t *wopts; /* {writeConcern: ...}; NULL until set up */
 	bson_t *bopts; /* wopts and ordered: false, for the batches */
-	/* What libmongoc need not validate ("Built here", below): wopts
+	/* What libmongoc need not validate ("Checked here", below): wopts
 	 * with validate: false, and a bulk request's {validate: false}. */
-	bson_t *built_wopts, *built_req;
+	bson_t *checked_wopts, *checked_req;
 } mtx_steps;
 
 #define MTX_STEPS_MT "mongotx.Steps"
@@ -91,15 +93,27 @@ check_steps(lua_State *L)
 }
 
 /* A step's write options to add to (upsert): a copy of the bound ones.
- * A step that adds nothing passes s->wopts itself, which libmongoc only
+ * A step that adds nothing passes s->checked_wopts itself, which libmongoc only
  * reads: the copy, a scratch document, was about 3 000 instructions. */
 static bson_t *
 step_opts(lua_State *L, const mtx_steps *s)
 {
 	bson_t *opts = mtx_scratch(L);
 
-	bson_concat(opts, s->wopts);
+	bson_concat(opts, s->checked_wopts);
 	return opts;
+}
+
+/* A step's filter and update (or query and update): two scratch documents
+ * in one userdata. */
+static void
+scratch_pair(lua_State *L, bson_t **filter, bson_t **update)
+{
+	bson_t *docs[2];
+
+	mtx_scratches(L, 2, docs);
+	*filter = docs[0];
+	*update = docs[1];
 }
 
 /* Appends {op: {removing: value}} ($set of the tid, or $unset). */
@@ -116,17 +130,43 @@ append_removing(bson_t *update, const char *op, const fields *f,
 	bson_append_document_end(update, &sub);
 }
 
-/* Appends the conditions of where (NULL: none) to filter: flattened, or
- * with a deadline (stack index, 0 for none) $and: [where, {$expr: {$lt:
- * ["$$NOW", deadline]}}], so that neither can shadow a key of the
- * other. */
-static void
-append_conditions(lua_State *L, const bson_t *where, int deadline, bson_t *filter)
+/* The fence of an apply by its owner's deadline (stack index, 0 for
+ * none; a date): {$expr: {$lt: ["$$NOW", deadline]}} into cond, or NULL.
+ * Made once for all the applies of a batch.  Built inside out and copied
+ * up (no child document open: libbson moves a document with an open child
+ * to the heap), its 50 bytes stay in each bson_t's own storage: nothing
+ * to free, whatever raises later. */
+static const bson_t *
+deadline_condition(lua_State *L, int deadline, bson_t *cond)
 {
-	bson_t and, elem, expr, lt;
+	const mtx_value *d;
+	bson_t expr, lt;
+
+	if (!deadline)
+		return NULL;
+	d = mtx_test_value(L, deadline);
+	luaL_argcheck(L, d && d->v.value_type == BSON_TYPE_DATE_TIME, deadline,
+		      "a deadline is a date");
+	bson_init(&lt);
+	BSON_APPEND_UTF8(&lt, "0", "$$NOW");
+	BSON_APPEND_DATE_TIME(&lt, "1", d->v.value.v_datetime);
+	bson_init(&expr);
+	BSON_APPEND_ARRAY(&expr, "$lt", &lt);
+	bson_init(cond);
+	BSON_APPEND_DOCUMENT(cond, "$expr", &expr);
+	return cond;
+}
+
+/* Appends the conditions of where (NULL: none) to filter: flattened, or
+ * with a deadline's condition (deadline_condition; NULL for none) $and:
+ * [where, before], so that neither can shadow a key of the other. */
+static void
+append_conditions(const bson_t *where, const bson_t *before, bson_t *filter)
+{
+	bson_t and;
 	bson_iter_t it;
 
-	if (!deadline) {
+	if (!before) {
 		if (where && bson_iter_init(&it, where))
 			while (bson_iter_next(&it))
 				bson_append_iter(filter, NULL, 0, &it);
@@ -135,14 +175,7 @@ append_conditions(lua_State *L, const bson_t *where, int deadline, bson_t *filte
 	bson_append_array_begin(filter, "$and", 4, &and);
 	if (where)
 		BSON_APPEND_DOCUMENT(&and, "0", where);
-	bson_append_document_begin(&and, where ? "1" : "0", 1, &elem);
-	bson_append_document_begin(&elem, "$expr", 5, &expr);
-	bson_append_array_begin(&expr, "$lt", 3, &lt);
-	BSON_APPEND_UTF8(&lt, "0", "$$NOW");
-	mtx_append_value(L, deadline, &lt, "1");
-	bson_append_array_end(&expr, &lt);
-	bson_append_document_end(&elem, &expr);
-	bson_append_document_end(&and, &elem);
+	BSON_APPEND_DOCUMENT(&and, where ? "1" : "0", before);
 	bson_append_array_end(filter, &and);
 }
 
@@ -507,19 +540,19 @@ op_parts_stored(lua_State *L, int op, int kind, const bson_value_t *ops, int i,
 /* The apply of an update/remove/assert op: filter {_id, where...,
  * marker: {$ne: tid}} fenced by the version the owner read (stack index
  * `version`; nil means the document had none, false that the owner read
- * none) and, when `deadline` (a stack index, 0 for none) is given, by the
- * server's clock being before it; update: op.update (update kind only) + $push marker +
+ * none) and, when `before` (deadline_condition) is given, by the server's
+ * clock being before the deadline; update: op.update (update kind only) + $push marker +
  * $inc version (and the `held` array; see "Guards", like the condition a
  * guarded op adds). */
 static void
 build_apply(lua_State *L, const op_parts *p, const bson_t *tid, int version,
-	    int deadline, const fields *f, bson_t *filter, bson_t *update)
+	    const bson_t *before, const fields *f, bson_t *filter, bson_t *update)
 {
 	if (p->id_idx)
 		mtx_append_value(L, p->id_idx, filter, "_id");
 	else
 		bson_append_iter(filter, "_id", 3, &p->id_it);
-	append_conditions(L, p->where, deadline, filter);
+	append_conditions(p->where, before, filter);
 	if (p->where)
 		append_unheld(L, filter, p->floor ? f->held : f->marker);
 	append_marker_ne(filter, f, tid);
@@ -543,8 +576,8 @@ l_apply(lua_State *L)
 {
 	mtx_steps *s = check_steps(L);
 	mongoc_collection_t *coll = arg_collection(L, 2);
-	const bson_t *opts = s->wopts;
-	bson_t *tid, *filter, *update;
+	const bson_t *opts = s->checked_wopts;
+	bson_t *tid, *filter, *update, cond;
 	op_parts parts;
 	int64_t n = 0;
 	int kind, rc;
@@ -569,10 +602,10 @@ l_apply(lua_State *L)
 		}
 		return push_bool_result(L, "applied", 1);
 	}
-	filter = mtx_scratch(L);
-	update = mtx_scratch(L);
+	scratch_pair(L, &filter, &update);
 	op_parts_table(L, 4, kind, &parts);
-	build_apply(L, &parts, tid, 5, lua_isnil(L, 6) ? 0 : 6, &s->f, filter, update);
+	build_apply(L, &parts, tid, 5, deadline_condition(L, lua_isnil(L, 6) ? 0 : 6, &cond),
+		    &s->f, filter, update);
 	if ((rc = run_update(L, "apply", coll, filter, update, opts, 0, &n)))
 		return rc;
 	return push_bool_result(L, "applied", n);
@@ -614,12 +647,13 @@ check_added(lua_State *L, bool ok, int i, const bson_error_t *err)
 		luaL_error(L, "mongotx: batch item %d: %s", i, err->message);
 }
 
-/* A batch of ops of one collection, as apply_many and finish_many take
- * it: (steps, coll, items), items[i] = { tid, op, ... }. */
+/* A batch of ops of one collection: (steps, coll, items [, deadline]),
+ * items[i] = { tid, op, ... } (apply_many, undo_many, fence_many), or
+ * (steps, coll, transactions, name) for finish_many. */
 typedef struct {
 	mongoc_bulk_operation_t *bulk;
 	bson_t *tid, *filter, *update; /* reused for every item */
-	const bson_t *req;	       /* s->built_req */
+	const bson_t *req;	       /* s->checked_req */
 	fields f;
 	int n;
 } op_batch;
@@ -629,16 +663,18 @@ op_batch_open(lua_State *L, op_batch *b)
 {
 	mtx_steps *s = check_steps(L);
 	mongoc_collection_t *coll = arg_collection(L, 2);
+	bson_t *docs[3];
 
-	lua_settop(L, 3);
+	lua_settop(L, 4); /* apply_many's deadline, finish_many's name */
 	luaL_checktype(L, 3, LUA_TTABLE);
 	b->f = s->f;
-	b->req = s->built_req;
+	b->req = s->checked_req;
 	b->n = (int)mtx_rawlen(L, 3);
 	b->bulk = new_bulk(L, coll, batch_opts(L, s, b->n));
-	b->tid = mtx_scratch(L);
-	b->filter = mtx_scratch(L);
-	b->update = mtx_scratch(L);
+	mtx_scratches(L, 3, docs);
+	b->tid = docs[0];
+	b->filter = docs[1];
+	b->update = docs[2];
 }
 
 /* Pushes item i and its op; loads its tid and empties filter and update.
@@ -676,11 +712,13 @@ item_op_parts(lua_State *L, int item, int op, int kind, op_parts *p)
 	op_parts_table(L, op, kind, p);
 }
 
-/* steps:apply_many(coll, items) -> bulk result (see coll:bulk_write; as
- * for every batch of the steps, its items list only the requests that
- * failed or upserted: MTX_BULK_FAILURES) or nil, err.  items[i] = { tid,
- * op, version, deadline [, stored, i] }: apply's writes for many ops of
- * one collection in one unordered bulk write; an op's id, update and where
+/* steps:apply_many(coll, items [, deadline]) -> bulk result (see
+ * coll:bulk_write; as for every batch of the steps, its items list only
+ * the requests that failed or upserted: MTX_BULK_FAILURES) or nil, err.
+ * items[i] = { tid, op, version [, stored, i] }: apply's writes for many
+ * ops of one collection in one unordered bulk write, all fenced by the
+ * same deadline (when given; its condition is built once); an op's id,
+ * update and where
  * are read from `stored` (op i of the transaction's stored ops) when
  * given, rather than encoded from the op's tables again.  MongoDB counts
  * matches for the whole batch only: when `matched + inserted` falls
@@ -691,24 +729,25 @@ l_apply_many(lua_State *L)
 	op_batch b;
 	bson_error_t err;
 	op_parts parts;
+	bson_t cond;
+	const bson_t *before;
 	int i;
 
 	op_batch_open(L, &b);
+	before = deadline_condition(L, lua_isnil(L, 4) ? 0 : 4, &cond);
 	for (i = 1; i <= b.n; i++) {
 		int top = lua_gettop(L), op = op_batch_item(L, &b, i), kind = op_kind(L, op);
 		bool ok;
 
 		if (kind == K_INSERT) {
 			ok = mongoc_bulk_operation_insert_with_opts(
-				b.bulk, build_insert(L, op, b.tid, &b.f), NULL, &err);
+				b.bulk, build_insert(L, op, b.tid, &b.f), b.req, &err);
 		} else {
 			lua_getfield(L, op - 1, "version");
-			lua_getfield(L, op - 1, "deadline");
 			item_op_parts(L, op - 1, op, kind, &parts);
-			build_apply(L, &parts, b.tid, op + 1, lua_isnil(L, op + 2) ? 0 : op + 2,
-				    &b.f, b.filter, b.update);
+			build_apply(L, &parts, b.tid, op + 1, before, &b.f, b.filter, b.update);
 			ok = mongoc_bulk_operation_update_one_with_opts(
-				b.bulk, b.filter, b.update, NULL, &err);
+				b.bulk, b.filter, b.update, b.req, &err);
 		}
 		check_added(L, ok, i, &err);
 		lua_settop(L, top);
@@ -775,11 +814,11 @@ op_step_run(lua_State *L, op_builder build, const char *point, const char *resul
 	int how, rc;
 
 	coll = op_step_args(L, &tid, &f, &opts);
-	filter = mtx_scratch(L);
-	update = mtx_scratch(L);
+	scratch_pair(L, &filter, &update);
 	how = build(L, OP_ARG, tid, &f, filter, update);
 	if (how == OP_DELETE) {
-		rc = run_delete(L, point, coll, filter, opts, &n);
+		/* (a delete takes no validate option: libmongoc would send it on) */
+		rc = run_delete(L, point, coll, filter, check_steps(L)->wopts, &n);
 	} else {
 		if (how == OP_UPSERT)
 			BSON_APPEND_BOOL(opts, "upsert", true);
@@ -799,45 +838,89 @@ l_finish(lua_State *L)
 	return op_step_run(L, build_finish, "finish", "finished");
 }
 
+/* Adds the write `build` makes of op (stack index) to b's bulk as its
+ * request i; `req`: the options of an update that is not an upsert
+ * (b->req when every update is built here, see "Built here"). */
+static void
+op_batch_add(lua_State *L, op_batch *b, op_builder build, int op, int i,
+	     const bson_t *upsert, const bson_t *req)
+{
+	int how = build(L, op, b->tid, &b->f, b->filter, b->update);
+	bson_error_t err;
+	bool ok;
+
+	if (how == OP_DELETE)
+		ok = mongoc_bulk_operation_remove_one_with_opts(b->bulk, b->filter, NULL, &err);
+	else
+		ok = mongoc_bulk_operation_update_one_with_opts(
+			b->bulk, b->filter, b->update, how == OP_UPSERT ? upsert : req, &err);
+	check_added(L, ok, i, &err);
+}
+
 /* The writes `build` makes of a batch of ops of one collection (steps,
- * coll, items), in one unordered bulk write at crash point `point`;
- * `built`: every update is built here (see "Built here"). */
+ * coll, items), in one unordered bulk write at crash point `point`. */
 static int
-op_batch_run(lua_State *L, op_builder build, const char *point, int built)
+op_batch_run(lua_State *L, op_builder build, const char *point)
 {
 	op_batch b;
-	bson_error_t err;
 	bson_t *upsert;
 	int i;
 
 	op_batch_open(L, &b);
 	upsert = mtx_scratch(L);
 	BSON_APPEND_BOOL(upsert, "upsert", true);
+	BSON_APPEND_BOOL(upsert, "validate", false);
 	for (i = 1; i <= b.n; i++) {
-		int top = lua_gettop(L), op = op_batch_item(L, &b, i);
-		int how = build(L, op, b.tid, &b.f, b.filter, b.update);
-		bool ok;
+		int top = lua_gettop(L);
 
-		if (how == OP_DELETE)
-			ok = mongoc_bulk_operation_remove_one_with_opts(b.bulk, b.filter,
-									NULL, &err);
-		else
-			ok = mongoc_bulk_operation_update_one_with_opts(
-				b.bulk, b.filter, b.update,
-				how == OP_UPSERT ? upsert : built ? b.req : NULL, &err);
-		check_added(L, ok, i, &err);
+		op_batch_add(L, &b, build, op_batch_item(L, &b, i), i, upsert, b.req);
 		lua_settop(L, top);
 	}
 	return mtx_bulk_execute(L, step_owner(L), b.bulk, point, b.n, MTX_BULK_FAILURES);
 }
 
-/* steps:finish_many(coll, items) -> bulk result or nil, err.
- * items[i] = { tid, op }: finish's writes for many ops of one collection
- * in one unordered bulk write. */
+/* steps:finish_many(coll, list, name) -> bulk result or nil, err.
+ * list[t] = a committed transaction { _id, ops }: finish's writes for
+ * every op of those transactions in collection `name` (the collection
+ * coll), in one unordered bulk write, in the order of the list and of
+ * each one's ops.  Read from the transactions themselves: no table per op
+ * to make, and each transaction id encoded once. */
 static int
 l_finish_many(lua_State *L)
 {
-	return op_batch_run(L, build_finish, "finish", 1);
+	op_batch b;
+	const char *name;
+	int t, n = 0;
+
+	op_batch_open(L, &b);
+	name = luaL_checkstring(L, 4);
+	for (t = 1; t <= b.n; t++) {
+		int top = lua_gettop(L), T = batch_item(L, 3, t), ops, k, nops;
+
+		lua_getfield(L, T, "_id");
+		if (lua_isnil(L, -1))
+			luaL_error(L, "mongotx: batch item %d has no _id", t);
+		bson_reinit(b.tid);
+		mtx_append_value(L, -1, b.tid, "t");
+		lua_getfield(L, T, "ops");
+		luaL_argcheck(L, lua_istable(L, -1), 3, "a transaction without ops");
+		ops = lua_gettop(L);
+		nops = (int)mtx_rawlen(L, ops);
+		for (k = 1; k <= nops; k++) {
+			int op = batch_item(L, ops, k);
+
+			lua_getfield(L, op, "collection");
+			if (lua_type(L, -1) == LUA_TSTRING && strcmp(lua_tostring(L, -1), name) == 0) {
+				bson_reinit(b.filter);
+				bson_reinit(b.update);
+				op_batch_add(L, &b, build_finish, op, ++n, NULL, b.req);
+			}
+			lua_settop(L, ops);
+		}
+		lua_settop(L, top);
+	}
+	luaL_argcheck(L, n > 0, 4, "no op in this collection");
+	return mtx_bulk_execute(L, step_owner(L), b.bulk, "finish", n, MTX_BULK_FAILURES);
 }
 
 /* The undo of op: filter {_id, marker: tid}; update op.undo (update
@@ -885,7 +968,7 @@ l_undo(lua_State *L)
 static int
 l_undo_many(lua_State *L)
 {
-	return op_batch_run(L, build_undo, "undo", 0);
+	return op_batch_run(L, build_undo, "undo");
 }
 
 /* The fence of op: filter {_id, marker: {$ne: tid}}; update $inc version,
@@ -934,7 +1017,7 @@ l_fence(lua_State *L)
 static int
 l_fence_many(lua_State *L)
 {
-	return op_batch_run(L, build_fence, "fence", 0);
+	return op_batch_run(L, build_fence, "fence");
 }
 
 /* Runs findAndModify(query, update) returning the new document, at crash
@@ -1029,9 +1112,10 @@ move(lua_State *L, const mtx_steps *s, const char *from, const char *to, int epo
      const char *key, int value)
 {
 	mongoc_collection_t *coll = arg_collection(L, 2);
-	bson_t *tid = check_tid(L, 3), *filter = mtx_scratch(L), *update = mtx_scratch(L);
+	bson_t *tid = check_tid(L, 3), *filter, *update;
 	bson_iter_t it;
 
+	scratch_pair(L, &filter, &update);
 	bson_iter_init_find(&it, tid, "t");
 	bson_append_iter(filter, "_id", 3, &it);
 	build_transition(L, from, to, epoch, key, value, filter, update);
@@ -1050,14 +1134,13 @@ move_many(lua_State *L, const mtx_steps *s, const char *from, const char *to, in
 
 	luaL_checktype(L, 3, LUA_TTABLE);
 	luaL_argcheck(L, mtx_rawlen(L, 3) > 0, 3, "at least one id");
-	filter = mtx_scratch(L);
+	scratch_pair(L, &filter, &update);
 	bson_append_document_begin(filter, "_id", 3, &id);
 	mtx_append_value(L, 3, &id, "$in"); /* a sequence: an array */
 	bson_append_document_end(filter, &id);
-	update = mtx_scratch(L);
 	build_transition(L, from, to, epoch, NULL, 0, filter, update);
 	if ((rc = run_update(L, transition_point(to), coll, filter, update,
-			     s->built_wopts, 1, &n)))
+			     s->checked_wopts, 1, &n)))
 		return rc;
 	lua_createtable(L, 0, 1);
 	lua_pushinteger(L, (lua_Integer)n);
@@ -1203,8 +1286,7 @@ l_create(lua_State *L)
 	luaL_checktype(L, 3, LUA_TTABLE);
 	opts = step_opts(L, s);
 	BSON_APPEND_BOOL(opts, "upsert", true);
-	filter = mtx_scratch(L);
-	update = mtx_scratch(L);
+	scratch_pair(L, &filter, &update);
 	point = build_create(L, 3, filter, update);
 	reply = mtx_scratch(L);
 	sent = write_begin(L, point);
@@ -1252,7 +1334,8 @@ l_create_many(lua_State *L)
 			luaL_error(L, "mongotx: transaction %d exceeds the 16 MiB limit", i);
 		if (!bson_has_field(doc, "_id") || !bson_has_field(doc, "lastModified"))
 			luaL_error(L, "mongotx: transaction %d needs an _id and lastModified", i);
-		check_added(L, mongoc_bulk_operation_insert_with_opts(bulk, doc, NULL, &err),
+		check_added(L, mongoc_bulk_operation_insert_with_opts(bulk, doc, s->checked_req,
+								      &err),
 			    i, &err);
 		mtx_scratch_give(L, -1); /* the bulk holds a copy */
 		lua_settop(L, top);
@@ -1298,8 +1381,7 @@ l_claim(lua_State *L)
 
 	lua_settop(L, 5);
 	tid = check_tid(L, 3);
-	query = mtx_scratch(L);
-	update = mtx_scratch(L);
+	scratch_pair(L, &query, &update);
 	build_claim(L, tid, 4, 5, query, update);
 	return find_and_modify(L, "claim", coll, query, update, s->wopts);
 }
@@ -1315,7 +1397,7 @@ l_claim_many(lua_State *L)
 	mtx_steps *s = check_steps(L);
 	mongoc_collection_t *coll = arg_collection(L, 2);
 	mongoc_bulk_operation_t *bulk;
-	bson_t *tid, *query, *update;
+	bson_t *tid, *query, *update, *docs[3];
 	bson_error_t err;
 	int i, n;
 
@@ -1323,9 +1405,10 @@ l_claim_many(lua_State *L)
 	luaL_checktype(L, 3, LUA_TTABLE);
 	n = (int)mtx_rawlen(L, 3);
 	bulk = new_bulk(L, coll, batch_opts(L, s, n));
-	tid = mtx_scratch(L);
-	query = mtx_scratch(L);
-	update = mtx_scratch(L);
+	mtx_scratches(L, 3, docs);
+	tid = docs[0];
+	query = docs[1];
+	update = docs[2];
 	for (i = 1; i <= n; i++) {
 		int top = lua_gettop(L), item = batch_item(L, 3, i);
 
@@ -1336,7 +1419,7 @@ l_claim_many(lua_State *L)
 		bson_reinit(update);
 		build_claim(L, tid, item + 1, item + 2, query, update);
 		check_added(L, mongoc_bulk_operation_update_one_with_opts(bulk, query, update,
-									  NULL, &err),
+									  s->checked_req, &err),
 			    i, &err);
 		lua_settop(L, top);
 	}
@@ -1385,10 +1468,10 @@ l_steps_gc(lua_State *L)
 		bson_destroy(s->wopts);
 	if (s->bopts)
 		bson_destroy(s->bopts);
-	if (s->built_wopts)
-		bson_destroy(s->built_wopts);
-	if (s->built_req)
-		bson_destroy(s->built_req);
+	if (s->checked_wopts)
+		bson_destroy(s->checked_wopts);
+	if (s->checked_req)
+		bson_destroy(s->checked_req);
 	memset(s, 0, sizeof *s);
 	return 0;
 }
@@ -1431,9 +1514,9 @@ l_new_steps(lua_State *L)
 	s->f.held = bson_strdup(field[3]);
 	s->f.placeholder = bson_strdup(field[4]);
 	s->wopts = bson_copy(opts);
-	s->built_wopts = bson_copy(opts);
-	BSON_APPEND_BOOL(s->built_wopts, "validate", false);
-	s->built_req = BCON_NEW("validate", BCON_BOOL(false));
+	s->checked_wopts = bson_copy(opts);
+	BSON_APPEND_BOOL(s->checked_wopts, "validate", false);
+	s->checked_req = BCON_NEW("validate", BCON_BOOL(false));
 	BSON_APPEND_BOOL(opts, "ordered", false);
 	s->bopts = bson_copy(opts);
 	return 1;

@@ -320,6 +320,42 @@ describe("errors", function()
       assert.are.equal(0, db:collection("transactions"):count({}))
     end)
 
+    -- libmongoc refuses an empty key in an update or an inserted document
+    -- when the write is sent: after the transaction is stored, the op
+    -- would fail on every apply (or undo) and the transaction would stay
+    -- pending.  So it is bad content, refused before anything is written.
+    it("an empty key anywhere in what is stored is nil, invalid, nothing written", function()
+      local function run(op) return tm:run({ op }) end
+      invalid(function()
+        return run { collection = "accounts", id = "B", update = { ["$set"] = { name = { [""] = 1 } } },
+                     undo = { ["$unset"] = { name = "" } } }
+      end, "op 1: update holds an empty key", "begin")
+      invalid(function()
+        return run { collection = "accounts", id = "B", update = { ["$push"] = { list = { [""] = 1 } } },
+                     undo = { ["$pop"] = { list = 1 } } }
+      end, "op 1: update holds an empty key", "begin")
+      invalid(function()
+        return run { collection = "accounts", id = "B", update = { ["$unset"] = { name = "" } },
+                     undo = { ["$set"] = { name = { deep = { [""] = 1 } } } } }
+      end, "op 1: undo holds an empty key", "begin")
+      invalid(function()
+        return run { collection = "accounts", id = "C", doc = { a = { [""] = 1 } } }
+      end, "op 1: doc may not hold an empty key", "begin")
+      invalid(function()
+        return run { collection = "accounts", id = "C", doc = { [""] = 1 } }
+      end, "op 1: doc may not hold an empty key", "begin")
+      invalid(function()
+        return run { collection = "accounts", id = { [""] = 1 }, doc = { a = 1 } }
+      end, "op 1: id holds an empty key", "begin")
+      invalid(function() return tm:run(ops, { meta = { x = { [""] = 1 } } }) end,
+        "meta cannot be stored: it holds an empty key", "run")
+      invalid(function() return tm:begin(ops, { meta = { ["$x"] = 1 } }) end,
+        "meta cannot be stored: it holds the key \"$x\"", "begin")
+      invalid(function() return tm:transfer("accounts", "A", "B", 1, { meta = { ["a.b"] = 1 } }) end,
+        "meta cannot be stored: it holds the key \"a.b\"", "transfer")
+      assert.are.equal(0, db:collection("transactions"):count({}))
+    end)
+
     it("meta and ops over 16 MiB together are nil, invalid", function()
       local meta = { s = ("x"):rep(16 * 1024 * 1024 - 32 * 1024) }
       invalid(function() return tm:begin(ops, { meta = meta }) end,

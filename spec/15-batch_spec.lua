@@ -212,6 +212,42 @@ describe("#server transactions run at once", function()
       for i = 1, 10 do assert.are.equal(1000, b["A" .. i]) end
     end)
 
+    it("finishes each op in its own collection, where two collections share ids", function()
+      -- finish_many reads a collection's ops from the transactions: an op
+      -- sent to the other collection would match a document of the same id
+      -- there, or nothing
+      local savings = db:collection("savings")
+      local docs = {}
+      for i = 1, 10 do docs[i] = { _id = "A" .. i, balance = 50 } end
+      assert(savings:insert_many(docs))
+      local tm = assert(db:manager {})
+      local list = {}
+      for i = 1, 10 do
+        list[i] = {
+          { collection = "accounts", id = "A" .. i, update = { ["$inc"] = { balance = -i } } },
+          { collection = "savings", id = "A" .. i, update = { ["$inc"] = { balance = i } } },
+        }
+      end
+      db.client:reset_counters()
+      local results, errs = tm:commit_many(list)
+      for i = 1, 10 do
+        assert.is_false(errs[i])
+        assert.are.equal("done", results[i].state)
+      end
+      -- 10 creates, 20 applies, the commit, 20 finishes (one per op, each
+      -- sent to its own collection once), done
+      assert.are.equal(52, db.client:counters().writes)
+      assert.are.same({ done = 10 }, states(tm))
+      for _, c in ipairs { { accounts, 1000, -1 }, { savings, 50, 1 } } do
+        for _, doc in ipairs(helpers.dump(c[1])) do
+          local i = tonumber(doc._id:sub(2))
+          assert.are.equal(c[2] + c[3] * i, doc.balance)
+          assert.are.same({}, doc.pendingTransactions, doc._id)
+          assert.are.equal(2, doc.txVersion, doc._id) -- the apply's and the finish's
+        end
+      end
+    end)
+
     it("an op that cannot apply cancels only its own transaction", function()
       local tm = assert(db:manager {})
       local results, errs = tm:transfer_many {

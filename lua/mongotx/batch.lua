@@ -40,8 +40,9 @@ local _M = {}
 
 -- Entries: { T = <the transaction, ops as tables>, doc = <its own fields
 -- as stored: _id, ops (core.stored_ops), meta and the caller's extra>,
--- err = <why it failed>, slow = <needs the one-at-a-time steps> }.  The
--- fields all transactions of a batch share are sent once (`common`).
+-- err = <why it failed>, slow = <needs the one-at-a-time steps>, key =
+-- <its id's key while the engine holds it (Engine:hold)> }.  The fields
+-- all transactions of a batch share are sent once (`common`).
 
 local function fail(e, err) e.err = e.err or err end
 
@@ -61,14 +62,14 @@ local function create(eng, entries, common)
   for _, item in pairs(res and res.items or {}) do
     if not item.ok then oks = oks - 1 end
   end
-  local sure = res and res.inserted == oks
+  local sure, loud = res and res.inserted == oks, eng:listening()
   for i, e in ipairs(entries) do
     local item = res and (res.items[i] or OK)
     if not item then
       fail(e, err)
     elseif item.ok and sure then
       e.created = true
-      eng:event_id("create", e.T._id)
+      if loud then eng:event_id("create", e.T._id) end
     elseif item.ok or item.server_code == 11000 then
       -- exists, or not known: settle it alone
       e.slow = "create"
@@ -79,13 +80,14 @@ local function create(eng, entries, common)
   end
 end
 
--- Step 2: apply's writes for items { tid, op, version, deadline, entry,
--- i }, one bulk write per collection.  When a collection's writes matched
--- fewer documents than sent, its markers say which ops applied.
-local function apply_items(eng, by_coll, order)
+-- Step 2: apply's writes for items { tid, op, version, entry, i }, one
+-- bulk write per collection, all fenced by the same deadline (or none).
+-- When a collection's writes matched fewer documents than sent, its
+-- markers say which ops applied.
+local function apply_items(eng, by_coll, order, deadline)
   for _, name in ipairs(order) do
     local items, coll = by_coll[name], eng:coll(name)
-    local res, err = eng:many("apply", coll, items)
+    local res, err = eng:many("apply", coll, items, deadline)
     if not res then
       for _, item in ipairs(items) do fail(item.entry, err) end
     elseif res.ok and res.matched + res.inserted == #items then
@@ -124,13 +126,16 @@ end
 -- batch-mate's uncommitted credit (floor guards over the same accounts
 -- stack instead of waiting for each other; csrc/txn.c, "Guards"), and a
 -- transaction whose guard fails has nothing to undo.  One more round trip
--- when a batch has both kinds of ops; a batch of one sends all at once.
+-- when a batch has both kinds of ops; a batch of one, or one without
+-- guards, sends all at once.
 local function apply(eng, entries, deadline, versions)
+  local guards = false
   for t, e in ipairs(entries) do
     e.applied = {}
-    for i in ipairs(e.T.ops) do
+    for i, op in ipairs(e.T.ops) do
       local v = versions and versions[t][i]
       if v and v.marked then e.applied[i] = true end
+      if op.where then guards = true end
     end
   end
   -- guarded: true for the guarded ops only, false for the others of the
@@ -151,27 +156,27 @@ local function apply(eng, entries, deadline, versions)
             if v then version = v.version end
             -- stored: the ops as the create sent them, which the C step
             -- reads the op's filter and update from (recovery's have none)
-            items[#items + 1] = { tid = e.T._id, op = op, deadline = deadline,
-                                  version = version, entry = e, i = i,
-                                  stored = e.doc and e.doc.ops }
+            items[#items + 1] = { tid = e.T._id, op = op, version = version, entry = e,
+                                  i = i, stored = e.doc and e.doc.ops }
           end
         end
       end
     end
-    apply_items(eng, by_coll, order)
+    apply_items(eng, by_coll, order, deadline)
   end
-  if #entries > 1 then
+  if guards and #entries > 1 then
     phase(true)
     phase(false)
   else
     phase(nil)
   end
+  local loud = eng:listening()
   for _, e in ipairs(entries) do
     if not e.err then
       for i in ipairs(e.T.ops) do
         if not e.applied[i] then e.slow = "apply" end
       end
-      if not e.slow then eng:event_id("apply", e.T._id) end
+      if loud and not e.slow then eng:event_id("apply", e.T._id) end
     end
   end
 end
@@ -201,9 +206,10 @@ local function commit(eng, entries)
       end
     end
   end
+  local loud = eng:listening()
   for _, e in ipairs(entries) do
-    eng:hold(e.T._id, nil) -- past the commit point: nothing to fence
-    if e.T.state == "applied" then eng:event_id("commit", e.T._id) end
+    eng:hold(e.T._id, nil, e.key) -- past the commit point: nothing to fence
+    if loud and e.T.state == "applied" then eng:event_id("commit", e.T._id) end
   end
 end
 
@@ -213,28 +219,29 @@ end
 -- finishes them).
 function _M.finish(eng, list)
   if #list == 0 then return 0 end
-  local by_coll, order, ids = {}, {}, {}
+  -- the collections, in the order first named; finish_many reads each
+  -- transaction's ops in one of them
+  local seen, order, ids = {}, {}, {}
   for t, T in ipairs(list) do
     ids[t] = T._id
     for _, op in ipairs(T.ops) do
-      local items = by_coll[op.collection]
-      if not items then
-        items = {}
-        by_coll[op.collection], order[#order + 1] = items, op.collection
-      end
-      items[#items + 1] = { tid = T._id, op = op }
+      local name = op.collection
+      if not seen[name] then seen[name], order[#order + 1] = true, name end
     end
   end
   for _, name in ipairs(order) do
-    local res, err = eng:many("finish", eng:coll(name), by_coll[name])
+    local res, err = eng:many("finish", eng:coll(name), list, name)
     if not res then return nil, err end
   end
   local res, err = eng:many("done", eng.tx, ids)
   if not res then return nil, err end
+  local loud = eng:listening()
   for _, T in ipairs(list) do
     T.state = "done"
-    eng:event_id("finish", T._id)
-    eng:event_id("done", T._id)
+    if loud then
+      eng:event_id("finish", T._id)
+      eng:event_id("done", T._id)
+    end
   end
   return #list
 end
@@ -317,8 +324,13 @@ function _M.run(eng, specs)
                 lease = eng.policy.lease, deadline = deadline, meta = spec.meta,
                 lastModified = stamp }
     local doc = { _id = id, ops = spec.stored or stored.ops(spec.ops), meta = spec.meta }
-    for k, v in pairs(spec.extra or {}) do T[k], doc[k] = v, v end
-    entries[i] = { T = T, doc = doc, err = not now and err or nil }
+    local extra = spec.extra
+    if extra then
+      for k, v in pairs(extra) do T[k], doc[k] = v, v end
+    end
+    -- every field an entry may get, so that none makes its table grow
+    entries[i] = { T = T, doc = doc, err = not now and err or nil, slow = false,
+                   created = false, applied = false, key = false }
   end
   local versions
   if now and not deadline then
@@ -345,7 +357,7 @@ function _M.run(eng, specs)
   local todo = live()
   if #todo > 0 then create(eng, todo, common) end
   local created, vs = live(function(e) return e.created end)
-  for _, e in ipairs(created) do eng:hold(e.T._id, 1) end
+  for _, e in ipairs(created) do e.key = eng:hold(e.T._id, 1) end
   if #created > 0 then apply(eng, created, deadline, vs) end
   local ready = live()
   if #ready > 0 then commit(eng, ready) end

@@ -100,6 +100,12 @@ function Engine:event(name, info)
   pcall(self.policy.on_event, name, info)
 end
 
+-- Does anyone listen (policy.on_event other than the default)?  A batch
+-- asks once, not at each of its transactions' five events.
+function Engine:listening()
+  return self.policy.on_event ~= quiet
+end
+
 -- event(name, { id = id }), when anyone listens.
 function Engine:event_id(name, id)
   local on_event = self.policy.on_event
@@ -175,8 +181,12 @@ function Engine:use(tx)
 end
 
 -- Marks T (its id) as held by this engine at `epoch`, or not (nil).
-function Engine:hold(id, epoch)
-  self.held[key(id)] = epoch
+-- Returns the id's key, which a later hold of the same id may pass as
+-- `k` (a batch holds and releases each of its transactions: one key).
+function Engine:hold(id, epoch, k)
+  k = k or key(id)
+  self.held[k] = epoch
+  return k
 end
 
 -- The server's clock in ms, estimated (mongotx.clock): only the length of

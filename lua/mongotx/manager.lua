@@ -199,22 +199,26 @@ local CHUNK = 100
 -- Runs specs as batches of at most CHUNK; the i-th result, or false and
 -- its error.
 function Manager:_run_batch(specs, errs)
-  local results = {}
-  for i = 1, #errs do results[i] = false end
-  local todo, where = {}, {}
+  local results, todo, where, m = {}, {}, {}, 0
   local function run()
     local res, bad, committed = batch.run(self.engine, todo)
-    for k, i in ipairs(where) do results[i], errs[i] = res[k], bad[k] end
+    for k = 1, m do
+      local i = where[k]
+      results[i], errs[i] = res[k], bad[k]
+    end
     self:_finish_committed(committed)
-    todo, where = {}, {}
+    todo, where, m = {}, {}, 0
   end
   for i = 1, #errs do
-    if specs[i] then
-      todo[#todo + 1], where[#todo + 1] = specs[i], i
-      if #todo == CHUNK then run() end
+    results[i] = false
+    local spec = specs[i]
+    if spec then
+      m = m + 1
+      todo[m], where[m] = spec, i
+      if m == CHUNK then run() end
     end
   end
-  if #todo > 0 then run() end
+  if m > 0 then run() end
   return results, errs
 end
 

@@ -263,11 +263,17 @@ _M.MAX_REASON = MAX_CONTENT
 
 -- The content of `meta` (already a table) next to the ops as stored
 -- (validate.ops' second result): it must encode (no table containing
--- itself, at most 100 levels, only values BSON has) and fit in the
--- transaction with them.  Returns true, or nil and an `invalid` error;
--- `what` is the call (the error's step).
+-- itself, at most 100 levels, only values BSON has), hold no key the
+-- driver refuses in a stored document (`$` first, a dot, empty) nor a NaN
+-- or infinite number (core.check_value, as for a job's details), and fit
+-- in the transaction with them.  Returns true, or nil and an `invalid`
+-- error; `what` is the call (the error's step).
 function _M.meta(meta, stored_ops, what)
   local ok, bytes = pcall(core.encode, { ops = stored_ops, meta = meta })
+  if ok then
+    local why = core.check_value(meta)
+    if why then ok, bytes = false, why end
+  end
   if not ok then
     return nil, errors.new("invalid", "meta cannot be stored: " ..
       tostring(bytes):gsub("^mongotx: ", ""), { step = what })
