@@ -941,17 +941,7 @@ check_insert_doc(lua_State *L, const op_slots *s)
 		lua_insert(L, -2);
 		lua_rawset(L, doc);
 	}
-	lua_getfield(L, doc, "_id");
-	if (!lua_isnil(L, -1)) {
-		lua_pushcfunction(L, mtx_l_id_key);
-		lua_insert(L, -2);
-		lua_call(L, 1, 1);
-		if (!lua_rawequal(L, -1, s->key)) {
-			lua_pushliteral(L, "doc._id differs from the op's id");
-			return 0;
-		}
-	}
-	lua_pop(L, 1);
+	/* (_id is one of the owned fields: the op's id becomes it, below) */
 	if (find_key(L, doc, 0, starts_with_dollar)) {
 		push_format(L, "doc may not hold the key %q", -1);
 		return 0;
