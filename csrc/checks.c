@@ -308,9 +308,10 @@ check_id(lua_State *L, int idx)
 }
 
 /* Checks the collection name at idx (txcoll: the transactions
- * collection's name): 1, or the message pushed and 0. */
+ * collection's name; name_max: the most bytes it may have, or -1 for no
+ * limit): 1, or the message pushed and 0. */
 static int
-check_collection(lua_State *L, int idx, int txcoll)
+check_collection(lua_State *L, int idx, int txcoll, lua_Integer name_max)
 {
 	size_t n;
 	const char *name;
@@ -325,6 +326,12 @@ check_collection(lua_State *L, int idx, int txcoll)
 	if (memchr(name, '$', n) || memchr(name, '\0', n) || strncmp(name, "system.", 7) == 0 ||
 	    name[0] == '.' || !mtx_utf8_valid(name, n)) {
 		push_format(L, "bad collection name %q", idx);
+		return 0;
+	}
+	if (name_max >= 0 && (lua_Integer)n > name_max) {
+		lua_pushfstring(L, "collection name of %d bytes: at most %d here (its namespace, "
+				   "<database>.<collection>, is limited to %d bytes)",
+				(int)n, (int)name_max, MTX_MAX_NAMESPACE);
 		return 0;
 	}
 	if (lua_rawequal(L, idx, txcoll)) {
@@ -658,6 +665,7 @@ typedef struct {
 	int collection, id, key;
 	int value[N_FIELDS], bytes[N_FIELDS];
 	int kind, out, doc, effect, floor;
+	lua_Integer name_max;
 } op_slots;
 
 static void
@@ -1010,7 +1018,7 @@ check_op(lua_State *L, op_slots *s)
 	lua_pushliteral(L, "collection");
 	lua_rawget(L, s->op);
 	lua_replace(L, s->collection);
-	if (!check_collection(L, s->collection, s->txcoll))
+	if (!check_collection(L, s->collection, s->txcoll, s->name_max))
 		return 0;
 	lua_pushliteral(L, "id");
 	lua_rawget(L, s->op);
@@ -1111,12 +1119,13 @@ append_stored(lua_State *L, const op_slots *s, bson_t *arr, lua_Integer i)
 	mtx_append_stored_op(L, parts, arr, (uint32_t)(i - 1));
 }
 
-/* core.check_ops(ops, txcoll, owned, built, where_check) -> out, stored,
- * size | nil, message, i | nil, err.  ops: the caller's list (a table),
- * read raw; txcoll: the transactions collection's name; owned: the
+/* core.check_ops(ops, txcoll, owned, built, where_check, name_max) -> out,
+ * stored, size | nil, message, i | nil, err.  ops: the caller's list (a
+ * table), read raw; txcoll: the transactions collection's name; owned: the
  * fields mongotx keeps on documents ({ "_id", marker, version }); built:
  * the ops are mongotx's own, made from checked scalars (nothing to
- * snapshot); where_check: see check_where.  out[i]: op i's normal form;
+ * snapshot); where_check: see check_where; name_max: the most bytes a
+ * collection name may have (nil: no limit).  out[i]: op i's normal form;
  * stored: the ops as the transaction stores them (what core.stored_ops
  * makes of out, built here from the snapshots' bytes) and its size.  A
  * bad op gives its message and index (none for a fault of the whole
@@ -1129,9 +1138,10 @@ l_check_ops(lua_State *L)
 	int f, outs, seen, held, base, r, too_big = 0;
 	bson_t *arr;
 
-	lua_settop(L, 5);
+	lua_settop(L, 6);
 	luaL_checktype(L, 1, LUA_TTABLE);
 	luaL_checktype(L, 3, LUA_TTABLE);
+	s.name_max = luaL_optinteger(L, 6, -1);
 	/* A C function may push LUA_MINSTACK (20) values unasked; the list,
 	 * the scratch and the slots below take 21, and check_op pushes up to
 	 * ~35 more (a quick snapshot 3 a level, 8 levels) before anything
@@ -1244,12 +1254,12 @@ verdict(lua_State *L, int ok)
 	return 2;
 }
 
-/* core.check_collection(name, txcoll) -> true | nil, message */
+/* core.check_collection(name, txcoll[, name_max]) -> true | nil, message */
 static int
 l_check_collection(lua_State *L)
 {
-	lua_settop(L, 2);
-	return verdict(L, check_collection(L, 1, 2));
+	lua_settop(L, 3);
+	return verdict(L, check_collection(L, 1, 2, luaL_optinteger(L, 3, -1)));
 }
 
 /* core.check_update(u, owned, what) -> true | nil, message: an update

@@ -31,6 +31,8 @@ luaopen_mongotx_core(lua_State *L)
 	lua_newtable(L);
 	lua_pushliteral(L, MONGOTX_VERSION);
 	lua_setfield(L, -2, "_VERSION");
+	lua_pushinteger(L, MTX_MAX_NAMESPACE);
+	lua_setfield(L, -2, "MAX_NAMESPACE");
 	mtx_open_scratch(L);
 	mtx_open_error(L);
 	mtx_open_bson(L);

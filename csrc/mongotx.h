@@ -24,6 +24,12 @@
 #define MTX_MAX_BSON (16 * 1024 * 1024)
 /* Deepest nesting the bridge encodes or decodes (MongoDB stores 100). */
 #define MTX_MAX_DEPTH 100
+/* Longest namespace (<database>.<collection>, in bytes) every server
+ * mongotx supports takes: MongoDB before 4.4 stores at most 120 bytes
+ * (255 from 4.4), mongo-java-server 128.  A transaction's op on a longer
+ * one would be refused only at its apply, once the transaction is stored
+ * (core.MAX_NAMESPACE; core.check_ops refuses it first). */
+#define MTX_MAX_NAMESPACE 120
 
 /* ---- scratch.c: Lua-owned temporaries ---- */
 

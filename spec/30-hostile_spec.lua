@@ -259,6 +259,17 @@ local cases = {
     call = begin({ inc("A", 1, "acc\255ounts") }) },
   { "begin: a collection name starting with a dot", code = "invalid", msg = "bad collection name",
     call = begin({ inc("A", 1, ".accounts") }) },
+  -- (a namespace over 120 bytes: stored, then refused by the server at
+  -- the apply, which left the transaction pending)
+  { "begin: a collection name longer than a namespace holds", code = "invalid",
+    msg = "collection name of 300 bytes: at most",
+    call = begin({ inc("A", 1, ("c"):rep(300)) }) },
+  { "transfer: a collection name longer than a namespace holds", code = "invalid",
+    msg = "namespace, <database>.<collection>, is limited to 120 bytes",
+    call = function(e) return e.tm:transfer(("c"):rep(200), "A", "B", 1) end },
+  { "commit_many: a collection name longer than a namespace holds", code = "invalid",
+    msg = "collection name of 130 bytes", batch = true,
+    call = function(e) return e.tm:commit_many({ { inc("A", -1, ("c"):rep(130)), inc("B", 1) } }) end },
   { "begin: an empty collection name", code = "invalid", msg = "needs a collection name",
     call = begin({ inc("A", 1, "") }) },
   { "begin: a collection that is not a string", code = "invalid", msg = "needs a collection name",
@@ -1127,6 +1138,21 @@ describe("#server what hostile-input checks still allow", function()
     assert.are.same({}, one.pendingTransactions)
     local b = helpers.balances(accounts)
     assert.are.same({ 995, 1010 }, { b.A, b.B })
+  end)
+
+  it("takes a collection name as long as the namespace limit allows", function()
+    local name = ("c"):rep(mongotx.core.MAX_NAMESPACE - #e.db.name - 1)
+    assert(e.db:collection(name):insert_many({ { _id = "L", balance = 5 }, { _id = "M", balance = 5 } }))
+    local T = assert(e.tm:transfer(name, "L", "M", 2))
+    assert.are.equal("done", T.state)
+    for id, want in pairs({ L = 3, M = 7 }) do
+      local doc = assert(e.db:collection(name):find_one({ _id = id }))
+      assert.are.equal(want, doc.balance)
+      assert.are.equal(0, #doc.pendingTransactions)
+    end
+    local _, err = e.tm:transfer(name .. "c", "L", "M", 2)
+    assert.are.equal("invalid", err.code)
+    assert.are.equal(1, assert(e.db:collection("transactions"):count({})))
   end)
 
   it("accepts every known query operator in a where", function()

@@ -55,8 +55,9 @@ local PLACEHOLDER = "txPlaceholder"
 -- ("auto", "deadline" or "version") }.  The engine adds `instance` (this engine's owner id),
 -- `fields` (the names of the fields mongotx keeps on documents), `steps`
 -- (the C core's steps bound to those names and the write concern), `vctx`
--- (what validate needs: the transactions collection and the fields ops
--- may not touch) and `wopts` (the write options of its other writes); all
+-- (what validate needs: the transactions collection, the fields ops
+-- may not touch and the longest collection name an op may name in this
+-- database: core.MAX_NAMESPACE) and `wopts` (the write options of its other writes); all
 -- of these are read-only for its users.
 function _M.new(ctx)
   local self = setmetatable({
@@ -71,7 +72,8 @@ function _M.new(ctx)
     fields = { marker = ctx.marker, version = ctx.version_field, removing = REMOVING,
                held = HELD, placeholder = PLACEHOLDER },
     vctx = { collection = ctx.collection,
-             owned = { "_id", ctx.marker, ctx.version_field, REMOVING, HELD, PLACEHOLDER } },
+             owned = { "_id", ctx.marker, ctx.version_field, REMOVING, HELD, PLACEHOLDER },
+             name_max = math.max(0, core.MAX_NAMESPACE - #ctx.db.name - 1) },
     wopts = { write_concern = ctx.write_concern },
     steps = core.steps { marker = ctx.marker, version = ctx.version_field,
                          removing = REMOVING, held = HELD, placeholder = PLACEHOLDER,

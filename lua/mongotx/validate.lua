@@ -297,14 +297,16 @@ end
 local MAX_OPS_BYTES = 16 * 1024 * 1024 - 64 * 1024
 
 -- ops: the caller's op list; ctx: { collection = transactions collection
--- name, owned = { "_id", marker, version } }.  Returns the normalised
+-- name, owned = { "_id", marker, version }, name_max = the most bytes of
+-- an op's collection name (nil: no limit) }.  Returns the normalised
 -- list and the ops as the transaction stores them (stored.ops), or nil,
 -- err.  The list and its ops are read raw.  `built`: the ops are
 -- mongotx's own, made from checked scalars (nothing to snapshot).
 local check_ops = core.check_ops
 function _M.ops(ops, ctx, built)
   if type(ops) ~= "table" then error("ops must be a table", 3) end
-  local out, stored_ops, size = check_ops(ops, ctx.collection, ctx.owned, built, check_op_where)
+  local out, stored_ops, size = check_ops(ops, ctx.collection, ctx.owned, built, check_op_where,
+    ctx.name_max)
   if not out then
     if type(stored_ops) == "string" then return invalid(stored_ops, size) end
     return nil, stored_ops -- the where's check made it
