@@ -473,6 +473,80 @@ check_path(lua_State *L, int owned, const char *what, const char *opname)
 	return 1;
 }
 
+/* The $-keys an operator's value may start with ($push's modifiers and
+ * the like); the other keys of an update's values are stored as field
+ * names, which FerretDB and MongoDB before 5.0 refuse when they start with
+ * $ -- at the apply, once the transaction is stored. */
+static const char *const push_modifiers[] = {"$each", "$slice", "$sort", "$position", NULL};
+static const char *const add_to_set_modifiers[] = {"$each", NULL};
+static const char *const current_date_modifiers[] = {"$type", NULL};
+
+static int
+is_listed(const char *s, const char *const *list)
+{
+	for (; list && *list; list++)
+		if (strcmp(s, *list) == 0)
+			return 1;
+	return 0;
+}
+
+/* The first key starting with $ that the update at u would store: pushed,
+ * its operator's name copied into opname, and 1; else 0.  $pull's values
+ * are conditions (query operators are its grammar), so they are left to
+ * the server. */
+static int
+find_stored_dollar(lua_State *L, int u, char opname[16])
+{
+	const char *const *modifiers;
+	const char *name, *k;
+	size_t n;
+	int top = lua_gettop(L), fieldset, value;
+
+	u = mtx_absindex(L, u);
+	luaL_checkstack(L, 12, "mongotx: no room to check an update");
+	lua_pushnil(L);
+	while (lua_next(L, u)) {
+		fieldset = lua_gettop(L);
+		name = lua_tostring(L, -2);
+		if (strcmp(name, "$pull") == 0) {
+			lua_pop(L, 1);
+			continue;
+		}
+		modifiers = strcmp(name, "$push") == 0		  ? push_modifiers
+			    : strcmp(name, "$addToSet") == 0	  ? add_to_set_modifiers
+			    : strcmp(name, "$currentDate") == 0 ? current_date_modifiers
+								  : NULL;
+		lua_pushnil(L);
+		while (lua_next(L, fieldset)) {
+			value = lua_gettop(L);
+			if (lua_type(L, value) == LUA_TTABLE) {
+				lua_pushnil(L);
+				while (lua_next(L, value)) {
+					if (lua_type(L, -2) == LUA_TSTRING) {
+						k = lua_tolstring(L, -2, &n);
+						if (starts_with_dollar(k, n) && !is_listed(k, modifiers)) {
+							lua_pushvalue(L, -2);
+							goto found;
+						}
+					}
+					if (find_key(L, -1, 2, starts_with_dollar))
+						goto found;
+					lua_pop(L, 1);
+				}
+			}
+			lua_pop(L, 1);
+		}
+		lua_pop(L, 1);
+	}
+	return 0;
+found:
+	strncpy(opname, lua_tostring(L, fieldset - 1), 15);
+	opname[15] = '\0';
+	lua_replace(L, top + 1);
+	lua_settop(L, top + 1);
+	return 1;
+}
+
 /* An update document (the table at u): operators only, none touching _id
  * or the fields mongotx keeps on documents (the list at owned).  what:
  * "update" or "undo".  1, or the message pushed and 0. */
@@ -481,6 +555,7 @@ check_update(lua_State *L, int u, int owned, const char *what)
 {
 	int n = 0, fieldset;
 	const char *opname;
+	char name[16];
 
 	u = mtx_absindex(L, u);
 	if (lua_type(L, u) != LUA_TTABLE) {
@@ -523,6 +598,12 @@ check_update(lua_State *L, int u, int owned, const char *what)
 	}
 	if (find_key(L, u, 0, is_empty)) {
 		lua_pushfstring(L, "%s holds an empty key", what);
+		return 0;
+	}
+	if (find_stored_dollar(L, u, name)) {
+		lua_pushfstring(L, "%s: %s may not store the field name %s (a server refuses a "
+				   "stored field name starting with $)",
+				what, name, push_format(L, "%q", -1));
 		return 0;
 	}
 	return 1;
