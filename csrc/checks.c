@@ -429,6 +429,26 @@ is_min_integer(lua_State *L, int idx)
 #endif
 }
 
+/* Has the path a part after a dot that starts with $ and is not the
+ * positional "$" or "$[]"?  ("a.$x" would be stored as the field name
+ * "$x", which FerretDB refuses at the apply, once the transaction is
+ * stored; "$[<id>]" needs arrayFilters, which no op sends.) */
+static int
+has_dollar_part(const char *path, size_t n)
+{
+	const char *p = path, *end = path + n, *dot;
+	size_t len;
+
+	while ((dot = memchr(p, '.', (size_t)(end - p))) != NULL) {
+		p = dot + 1;
+		dot = memchr(p, '.', (size_t)(end - p));
+		len = (size_t)((dot ? dot : end) - p);
+		if (len > 0 && p[0] == '$' && !(len == 1 || (len == 3 && memcmp(p, "$[]", 3) == 0)))
+			return 1;
+	}
+	return 0;
+}
+
 /* One path of an operator's fields (key at -2, value at -1): 1, or the
  * message pushed and 0. */
 static int
@@ -443,7 +463,7 @@ check_path(lua_State *L, int owned, const char *what, const char *opname)
 		path = lua_tolstring(L, -2, &np);
 	/* (no dot first or last, no two dots in a row) */
 	if (lua_type(L, -2) != LUA_TSTRING || np == 0 || path[0] == '$' || path[0] == '.' ||
-	    path[np - 1] == '.' || strstr(path, "..")) {
+	    path[np - 1] == '.' || strstr(path, "..") || has_dollar_part(path, np)) {
 		lua_pushfstring(L, "%s: %s has a bad field name %s", what, opname,
 				push_tostring(L, -2));
 		return 0;
@@ -461,7 +481,7 @@ check_path(lua_State *L, int owned, const char *what, const char *opname)
 	if (rename) {
 		if (lua_type(L, -1) == LUA_TSTRING)
 			to = lua_tolstring(L, -1, &nt);
-		if (!to || nt == 0 || to[0] == '$') {
+		if (!to || nt == 0 || to[0] == '$' || has_dollar_part(to, nt)) {
 			lua_pushfstring(L, "%s: $rename of %s needs a field name", what, path);
 			return 0;
 		}

@@ -299,6 +299,15 @@ local cases = {
   { "begin: a $push modifier that does not exist", code = "invalid",
     msg = 'update: %$push may not store the field name "%$every"',
     call = begin({ upd("A", { ["$push"] = { list = { ["$every"] = { 1 } } } }) }) },
+  { "begin: an update path with a part that starts with $", code = "invalid",
+    msg = "update: %$set has a bad field name limit%.%$gt",
+    call = begin({ upd("A", { ["$set"] = { ["limit.$gt"] = 1 } }) }) },
+  { "begin: an update path with a filtered positional part (no arrayFilters are sent)",
+    code = "invalid", msg = "update: %$set has a bad field name list%.%$%[x%]",
+    call = begin({ upd("A", { ["$set"] = { ["list.$[x]"] = 1 } }) }) },
+  { "begin: a $rename to a path with a part that starts with $", code = "invalid",
+    msg = "update: %$rename of name needs a field name",
+    call = begin({ upd("A", { ["$rename"] = { name = "old.$name" } }) }) },
   { "begin: an undo storing a field name that starts with $", code = "invalid",
     msg = 'undo: %$set may not store the field name "%$a"',
     call = begin({ upd("A", { ["$set"] = { y = 1 } }, { ["$set"] = { y = { ["$a"] = 1 } } }) }) },
@@ -1185,6 +1194,16 @@ describe("#server what hostile-input checks still allow", function()
     assert.are.equal("done", T.state)
     assert.are.same({ 1, 2, 9, 7, 8 }, assert(accounts:find_one({ _id = "A" })).list)
     assert.truthy(assert(accounts:find_one({ _id = "B" })).seen)
+  end)
+
+  it("takes the positional $[] in a path", function()
+    local why = helpers.ferretdb_lacks("the all-positional operator $[]")
+    if why then return pending(why) end
+    assert(accounts:update_one({ _id = "A" }, { ["$set"] = { list = mongotx.array { 1, 2 } } }))
+    local T = assert(e.tm:run({ { collection = "accounts", id = "A",
+      update = { ["$inc"] = { ["list.$[]"] = 10 } } } }))
+    assert.are.equal("done", T.state)
+    assert.are.same({ 11, 12 }, assert(accounts:find_one({ _id = "A" })).list)
   end)
 
   it("takes $pull's conditions, which are query operators", function()
