@@ -430,11 +430,15 @@ is_min_integer(lua_State *L, int idx)
 }
 
 /* Has the path a part after a dot that starts with $ and is not the
- * positional "$" or "$[]"?  ("a.$x" would be stored as the field name
- * "$x", which FerretDB refuses at the apply, once the transaction is
- * stored; "$[<id>]" needs arrayFilters, which no op sends.) */
+ * all-positional "$[]" (when all_positional: $rename takes none)?  "a.$x"
+ * would be stored as the field name "$x", which FerretDB refuses at the
+ * apply, once the transaction is stored; "$[<id>]" needs arrayFilters,
+ * which no op sends; and the positional "$" names the element the
+ * filter's array condition matched, which for an undo or a finish (their
+ * filters match the marker array) is the marker's index, not the element
+ * the apply changed. */
 static int
-has_dollar_part(const char *path, size_t n)
+has_dollar_part(const char *path, size_t n, int all_positional)
 {
 	const char *p = path, *end = path + n, *dot;
 	size_t len;
@@ -443,7 +447,8 @@ has_dollar_part(const char *path, size_t n)
 		p = dot + 1;
 		dot = memchr(p, '.', (size_t)(end - p));
 		len = (size_t)((dot ? dot : end) - p);
-		if (len > 0 && p[0] == '$' && !(len == 1 || (len == 3 && memcmp(p, "$[]", 3) == 0)))
+		if (len > 0 && p[0] == '$' &&
+		    !(all_positional && len == 3 && memcmp(p, "$[]", 3) == 0))
 			return 1;
 	}
 	return 0;
@@ -463,7 +468,7 @@ check_path(lua_State *L, int owned, const char *what, const char *opname)
 		path = lua_tolstring(L, -2, &np);
 	/* (no dot first or last, no two dots in a row) */
 	if (lua_type(L, -2) != LUA_TSTRING || np == 0 || path[0] == '$' || path[0] == '.' ||
-	    path[np - 1] == '.' || strstr(path, "..") || has_dollar_part(path, np)) {
+	    path[np - 1] == '.' || strstr(path, "..") || has_dollar_part(path, np, !rename)) {
 		lua_pushfstring(L, "%s: %s has a bad field name %s", what, opname,
 				push_tostring(L, -2));
 		return 0;
@@ -481,7 +486,7 @@ check_path(lua_State *L, int owned, const char *what, const char *opname)
 	if (rename) {
 		if (lua_type(L, -1) == LUA_TSTRING)
 			to = lua_tolstring(L, -1, &nt);
-		if (!to || nt == 0 || to[0] == '$' || has_dollar_part(to, nt)) {
+		if (!to || nt == 0 || to[0] == '$' || has_dollar_part(to, nt, 0)) {
 			lua_pushfstring(L, "%s: $rename of %s needs a field name", what, path);
 			return 0;
 		}
@@ -510,12 +515,47 @@ is_listed(const char *s, const char *const *list)
 	return 0;
 }
 
-/* The first key starting with $ that the update at u would store: pushed,
- * its operator's name copied into opname, and 1; else 0.  $pull's values
- * are conditions (query operators are its grammar), so they are left to
- * the server. */
+/* A value of an operator taking modifiers (the table at value): either no
+ * key starting with $ (a value stored as it is) or modifiers only, with
+ * $each where the operator takes it -- the server refuses a value mixing
+ * them, or $slice without $each, at the apply.  1 when it is one of the
+ * two; else 0. */
 static int
-find_stored_dollar(lua_State *L, int u, char opname[16])
+check_modifiers(lua_State *L, int value, const char *const *modifiers)
+{
+	int dollar = 0, plain = 0, each = 0;
+
+	if (!modifiers)
+		return 1;
+	lua_pushnil(L);
+	while (lua_next(L, value)) {
+		lua_pop(L, 1);
+		if (lua_type(L, -1) == LUA_TSTRING && lua_tostring(L, -1)[0] == '$') {
+			dollar = 1;
+			each |= strcmp(lua_tostring(L, -1), "$each") == 0;
+		} else {
+			plain = 1;
+		}
+	}
+	if (!dollar)
+		return 1;
+	return !plain && (each || modifiers == current_date_modifiers);
+}
+
+/* A field name FerretDB and MongoDB before 5.0 refuse to store. */
+static int
+is_unstorable(const char *s, size_t n)
+{
+	return starts_with_dollar(s, n) || holds_dot(s, n);
+}
+
+/* Would the update at u store a key starting with $ or holding a dot, or
+ * give an operator taking modifiers a value the server refuses?  1 with
+ * the message (naming it as what) pushed; else 0.  The values of $pull
+ * (conditions: query operators are its grammar), $pullAll (values to
+ * match) and $unset (ignored) are not stored, so they are left alone. */
+static int
+find_stored_dollar(lua_State *L, int u, const char *what)
 {
 	const char *const *modifiers;
 	const char *name, *k;
@@ -528,7 +568,8 @@ find_stored_dollar(lua_State *L, int u, char opname[16])
 	while (lua_next(L, u)) {
 		fieldset = lua_gettop(L);
 		name = lua_tostring(L, -2);
-		if (strcmp(name, "$pull") == 0) {
+		if (strcmp(name, "$pull") == 0 || strcmp(name, "$pullAll") == 0 ||
+		    strcmp(name, "$unset") == 0) {
 			lua_pop(L, 1);
 			continue;
 		}
@@ -542,26 +583,37 @@ find_stored_dollar(lua_State *L, int u, char opname[16])
 			if (lua_type(L, value) == LUA_TTABLE) {
 				lua_pushnil(L);
 				while (lua_next(L, value)) {
+					k = NULL;
 					if (lua_type(L, -2) == LUA_TSTRING) {
 						k = lua_tolstring(L, -2, &n);
-						if (starts_with_dollar(k, n) && !is_listed(k, modifiers)) {
+						if (!is_listed(k, modifiers) && is_unstorable(k, n)) {
 							lua_pushvalue(L, -2);
-							goto found;
+							goto found_key;
 						}
 					}
-					if (find_key(L, -1, 2, starts_with_dollar))
-						goto found;
+					/* ($sort's keys are the elements' paths) */
+					if (!(k && strcmp(k, "$sort") == 0 && is_listed(k, modifiers)) &&
+					    find_key(L, -1, 2, is_unstorable))
+						goto found_key;
 					lua_pop(L, 1);
 				}
+			}
+			if (lua_type(L, value) == LUA_TTABLE && !check_modifiers(L, value, modifiers)) {
+				lua_pushfstring(L, "%s: %s of %s mixes fields with modifiers, or has "
+						   "modifiers without $each", what,
+						lua_tostring(L, fieldset - 1), lua_tostring(L, value - 1));
+				goto found;
 			}
 			lua_pop(L, 1);
 		}
 		lua_pop(L, 1);
 	}
 	return 0;
+found_key:
+	lua_pushfstring(L, "%s: %s may not store the field name %s (a server refuses a stored "
+			   "field name starting with $ or holding a dot)",
+			what, lua_tostring(L, fieldset - 1), push_format(L, "%q", -1));
 found:
-	strncpy(opname, lua_tostring(L, fieldset - 1), 15);
-	opname[15] = '\0';
 	lua_replace(L, top + 1);
 	lua_settop(L, top + 1);
 	return 1;
@@ -575,7 +627,6 @@ check_update(lua_State *L, int u, int owned, const char *what)
 {
 	int n = 0, fieldset;
 	const char *opname;
-	char name[16];
 
 	u = mtx_absindex(L, u);
 	if (lua_type(L, u) != LUA_TTABLE) {
@@ -620,12 +671,8 @@ check_update(lua_State *L, int u, int owned, const char *what)
 		lua_pushfstring(L, "%s holds an empty key", what);
 		return 0;
 	}
-	if (find_stored_dollar(L, u, name)) {
-		lua_pushfstring(L, "%s: %s may not store the field name %s (a server refuses a "
-				   "stored field name starting with $)",
-				what, name, push_format(L, "%q", -1));
+	if (find_stored_dollar(L, u, what))
 		return 0;
-	}
 	return 1;
 }
 

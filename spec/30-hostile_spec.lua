@@ -308,6 +308,35 @@ local cases = {
   { "begin: a $rename to a path with a part that starts with $", code = "invalid",
     msg = "update: %$rename of name needs a field name",
     call = begin({ upd("A", { ["$rename"] = { name = "old.$name" } }) }) },
+  { "begin: a $push value mixing modifiers and fields", code = "invalid",
+    msg = "update: %$push of list mixes fields with modifiers",
+    call = begin({ upd("A", { ["$push"] = { list = { ["$each"] = { 1 }, x = 1 } } }) }) },
+  { "begin: a $push modifier without $each", code = "invalid",
+    msg = "update: %$push of list mixes fields with modifiers, or has modifiers without %$each",
+    call = begin({ upd("A", { ["$push"] = { list = { ["$slice"] = 2 } } }) }) },
+  { "begin: a $currentDate with a field beside $type", code = "invalid",
+    msg = "update: %$currentDate of seen mixes fields with modifiers",
+    call = begin({ upd("A", { ["$currentDate"] = { seen = { ["$type"] = "date", x = 1 } } }) }) },
+  { "begin: the positional $ (nothing in the op's filter matches its array)",
+    code = "invalid", msg = "update: %$set has a bad field name list%.%$",
+    call = begin({ upd("A", { ["$set"] = { ["list.$"] = 1 } }) }) },
+  -- (the derived undo kept the path, and the undo's filter matches the
+  -- marker array: the $ named the marker's index, and the rollback
+  -- changed another element)
+  { "begin: the positional $ with a where on its array", code = "invalid",
+    msg = "update: %$inc has a bad field name list%.%$",
+    call = begin({ { collection = "accounts", id = "A", where = { list = 1 },
+                     update = { ["$inc"] = { ["list.$"] = 10 } } } }) },
+  { "begin: a $rename with a positional part", code = "invalid",
+    msg = "update: %$rename has a bad field name list%.%$%[%]",
+    call = begin({ upd("A", { ["$rename"] = { ["list.$[]"] = "other" } }) }) },
+  { "begin: an update storing a field name holding a dot", code = "invalid",
+    msg = 'update: %$set may not store the field name "a%.b"',
+    call = begin({ upd("A", { ["$set"] = { limit = { ["a.b"] = 1 } } }) }) },
+  { "begin: a where path with a part that starts with $", code = "invalid",
+    msg = "where has a bad field name",
+    call = begin({ { collection = "accounts", id = "A", where = { ["sub.$x"] = 2 },
+                     update = { ["$inc"] = { balance = 1 } } } }) },
   { "begin: an undo storing a field name that starts with $", code = "invalid",
     msg = 'undo: %$set may not store the field name "%$a"',
     call = begin({ upd("A", { ["$set"] = { y = 1 } }, { ["$set"] = { y = { ["$a"] = 1 } } }) }) },
@@ -1204,6 +1233,19 @@ describe("#server what hostile-input checks still allow", function()
       update = { ["$inc"] = { ["list.$[]"] = 10 } } } }))
     assert.are.equal("done", T.state)
     assert.are.same({ 11, 12 }, assert(accounts:find_one({ _id = "A" })).list)
+  end)
+
+  it("takes $sort's paths among $push's modifiers and values $pullAll and $unset do not store", function()
+    assert(accounts:update_one({ _id = "A" }, { ["$set"] = { list = mongotx.array { { s = { n = 2 } } } } }))
+    local T = assert(e.tm:run({ { collection = "accounts", id = "A",
+      update = { ["$push"] = { list = { ["$each"] = { { s = { n = 1 } } }, ["$sort"] = { ["s.n"] = 1 } } },
+                 ["$unset"] = { gone = { ["$x"] = 1 } } },
+      undo = { ["$pullAll"] = { list = { { s = { n = 1 } } } } } } }))
+    assert.are.equal("done", T.state)
+    local list = assert(accounts:find_one({ _id = "A" })).list
+    assert.are.equal(2, #list)
+    -- (sorted by s.n where the server implements $sort; FerretDB v1 appends)
+    assert.are.same({ 1, 2 }, { math.min(list[1].s.n, list[2].s.n), math.max(list[1].s.n, list[2].s.n) })
   end)
 
   it("takes $pull's conditions, which are query operators", function()

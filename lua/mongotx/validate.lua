@@ -262,7 +262,11 @@ function check_filter(where, owned, i, depth)
     elseif k:sub(1, 1) == "$" then
       return invalid(format("where may not use %s", k), i)
     else
-      if k == "" or k:sub(1, 1) == "." or k:sub(-1) == "." or k:find("..", 1, true) then
+      -- (a part after a dot starting with $ is no field: the server
+      -- refuses it, or takes it as an operator, once the transaction is
+      -- stored)
+      if k == "" or k:sub(1, 1) == "." or k:sub(-1) == "." or k:find("..", 1, true)
+          or k:find(".$", 1, true) then
         return invalid(format("where has a bad field name %q", k), i)
       end
       if owned and (k == "_id" or k:sub(1, 4) == "_id.") then
