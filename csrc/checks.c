@@ -555,7 +555,7 @@ is_unstorable(const char *s, size_t n)
  * (conditions: query operators are its grammar), $pullAll (values to
  * match) and $unset (ignored) are not stored, so they are left alone. */
 static int
-find_stored_dollar(lua_State *L, int u, const char *what)
+find_unstorable(lua_State *L, int u, const char *what)
 {
 	const char *const *modifiers;
 	const char *name, *k;
@@ -671,7 +671,7 @@ check_update(lua_State *L, int u, int owned, const char *what)
 		lua_pushfstring(L, "%s holds an empty key", what);
 		return 0;
 	}
-	if (find_stored_dollar(L, u, what))
+	if (find_unstorable(L, u, what))
 		return 0;
 	return 1;
 }
