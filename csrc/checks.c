@@ -515,31 +515,77 @@ is_listed(const char *s, const char *const *list)
 	return 0;
 }
 
-/* A value of an operator taking modifiers (the table at value): either no
- * key starting with $ (a value stored as it is) or modifiers only, with
- * $each where the operator takes it -- the server refuses a value mixing
- * them, or $slice without $each, at the apply.  1 when it is one of the
- * two; else 0. */
+/* Does the value at idx encode as an array? */
 static int
-check_modifiers(lua_State *L, int value, const char *const *modifiers)
+is_array(lua_State *L, int idx)
 {
-	int dollar = 0, plain = 0, each = 0;
+	const char *kind;
 
-	if (!modifiers)
-		return 1;
+	if (lua_type(L, idx) != LUA_TTABLE)
+		return 0;
+	idx = mtx_absindex(L, idx);
+	kind = mtx_table_kind(L, idx);
+	lua_pop(L, 1);
+	return kind ? strcmp(kind, "array") == 0 : mtx_plain_is_array(L, idx);
+}
+
+/* Is the modifier (key at -2, value at -1) given what the server takes? */
+static int
+modifier_value_ok(lua_State *L, const char *k)
+{
+	const char *t;
+
+	if (strcmp(k, "$each") == 0)
+		return is_array(L, -1);
+	if (strcmp(k, "$slice") == 0 || strcmp(k, "$position") == 0)
+		return is_number(L, -1);
+	if (strcmp(k, "$sort") == 0)
+		return is_number(L, -1) || lua_type(L, -1) == LUA_TTABLE;
+	if (strcmp(k, "$type") == 0) {
+		t = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : "";
+		return strcmp(t, "date") == 0 || strcmp(t, "timestamp") == 0;
+	}
+	return 1;
+}
+
+/* What is wrong with the value at value of an operator taking modifiers
+ * (the list at modifiers), or NULL: the server refuses at the apply a
+ * value mixing modifiers with fields, modifiers without $each, a modifier
+ * of the wrong type, and a $currentDate other than a boolean or $type. */
+static const char *
+bad_modifiers(lua_State *L, int value, const char *const *modifiers)
+{
+	int current_date = modifiers == current_date_modifiers, dollar = 0, plain = 0, each = 0;
+	const char *k;
+
+	if (current_date && lua_type(L, value) == LUA_TBOOLEAN)
+		return NULL;
+	if (lua_type(L, value) != LUA_TTABLE)
+		return current_date ? "takes true, false or { $type = \"date\" | \"timestamp\" }"
+				    : NULL;
 	lua_pushnil(L);
 	while (lua_next(L, value)) {
-		lua_pop(L, 1);
-		if (lua_type(L, -1) == LUA_TSTRING && lua_tostring(L, -1)[0] == '$') {
+		k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : "";
+		if (k[0] == '$') {
 			dollar = 1;
-			each |= strcmp(lua_tostring(L, -1), "$each") == 0;
+			each |= strcmp(k, "$each") == 0;
+			if (!modifier_value_ok(L, k)) {
+				lua_pop(L, 2);
+				return current_date ? "takes true, false or { $type = \"date\" | "
+						      "\"timestamp\" }"
+						    : "has a modifier of the wrong type ($each an "
+						      "array, $slice and $position numbers)";
+			}
 		} else {
 			plain = 1;
 		}
+		lua_pop(L, 1);
 	}
-	if (!dollar)
-		return 1;
-	return !plain && (each || modifiers == current_date_modifiers);
+	if (current_date && (plain || !dollar))
+		return "takes true, false or { $type = \"date\" | \"timestamp\" }";
+	if (dollar && (plain || !(each || current_date)))
+		return "mixes fields with modifiers, or has modifiers without $each";
+	return NULL;
 }
 
 /* A field name FerretDB and MongoDB before 5.0 refuse to store. */
@@ -558,7 +604,7 @@ static int
 find_unstorable(lua_State *L, int u, const char *what)
 {
 	const char *const *modifiers;
-	const char *name, *k;
+	const char *name, *k, *bad;
 	size_t n;
 	int top = lua_gettop(L), fieldset, value;
 
@@ -598,10 +644,9 @@ find_unstorable(lua_State *L, int u, const char *what)
 					lua_pop(L, 1);
 				}
 			}
-			if (lua_type(L, value) == LUA_TTABLE && !check_modifiers(L, value, modifiers)) {
-				lua_pushfstring(L, "%s: %s of %s mixes fields with modifiers, or has "
-						   "modifiers without $each", what,
-						lua_tostring(L, fieldset - 1), lua_tostring(L, value - 1));
+			if (modifiers && (bad = bad_modifiers(L, value, modifiers)) != NULL) {
+				lua_pushfstring(L, "%s: %s of %s %s", what, lua_tostring(L, fieldset - 1),
+						lua_tostring(L, value - 1), bad);
 				goto found;
 			}
 			lua_pop(L, 1);
