@@ -84,6 +84,16 @@ strip_prefix(lua_State *L)
 	return lua_tostring(L, -1);
 }
 
+/* Is s one of the NULL-ended list (none when list is NULL)? */
+static int
+is_listed(const char *s, const char *const *list)
+{
+	for (; list && *list; list++)
+		if (strcmp(s, *list) == 0)
+			return 1;
+	return 0;
+}
+
 /* ---- walks of a value's tables ---- */
 
 static int
@@ -381,17 +391,6 @@ static const char *const update_operators[] = {
 	"$inc", "$set", "$unset", "$push", "$pull", "$addToSet", "$pop", "$min",
 	"$max", "$mul", "$rename", "$currentDate", "$pullAll", "$bit", NULL};
 
-static int
-is_update_operator(const char *s)
-{
-	int k;
-
-	for (k = 0; update_operators[k]; k++)
-		if (strcmp(s, update_operators[k]) == 0)
-			return 1;
-	return 0;
-}
-
 /* A number as $inc and $mul take it: a Lua number, or a boxed one. */
 static int
 is_number(lua_State *L, int idx)
@@ -505,15 +504,8 @@ check_path(lua_State *L, int owned, const char *what, const char *opname)
 static const char *const push_modifiers[] = {"$each", "$slice", "$sort", "$position", NULL};
 static const char *const add_to_set_modifiers[] = {"$each", NULL};
 static const char *const current_date_modifiers[] = {"$type", NULL};
-
-static int
-is_listed(const char *s, const char *const *list)
-{
-	for (; list && *list; list++)
-		if (strcmp(s, *list) == 0)
-			return 1;
-	return 0;
-}
+/* The operators whose values are not stored (see find_unstorable). */
+static const char *const unstored_operators[] = {"$pull", "$pullAll", "$unset", NULL};
 
 /* Does the value at idx encode as an array? */
 static int
@@ -555,14 +547,15 @@ modifier_value_ok(lua_State *L, const char *k)
 static const char *
 bad_modifiers(lua_State *L, int value, const char *const *modifiers)
 {
+	static const char current_date_shape[] =
+		"takes true, false or { $type = \"date\" | \"timestamp\" }";
 	int current_date = modifiers == current_date_modifiers, dollar = 0, plain = 0, each = 0;
 	const char *k;
 
 	if (current_date && lua_type(L, value) == LUA_TBOOLEAN)
 		return NULL;
 	if (lua_type(L, value) != LUA_TTABLE)
-		return current_date ? "takes true, false or { $type = \"date\" | \"timestamp\" }"
-				    : NULL;
+		return current_date ? current_date_shape : NULL;
 	lua_pushnil(L);
 	while (lua_next(L, value)) {
 		k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : "";
@@ -571,8 +564,7 @@ bad_modifiers(lua_State *L, int value, const char *const *modifiers)
 			each |= strcmp(k, "$each") == 0;
 			if (!modifier_value_ok(L, k)) {
 				lua_pop(L, 2);
-				return current_date ? "takes true, false or { $type = \"date\" | "
-						      "\"timestamp\" }"
+				return current_date ? current_date_shape
 						    : "has a modifier of the wrong type ($each an "
 						      "array, $slice and $position numbers)";
 			}
@@ -582,7 +574,7 @@ bad_modifiers(lua_State *L, int value, const char *const *modifiers)
 		lua_pop(L, 1);
 	}
 	if (current_date && (plain || !dollar))
-		return "takes true, false or { $type = \"date\" | \"timestamp\" }";
+		return current_date_shape;
 	if (dollar && (plain || !(each || current_date)))
 		return "mixes fields with modifiers, or has modifiers without $each";
 	return NULL;
@@ -614,8 +606,7 @@ find_unstorable(lua_State *L, int u, const char *what)
 	while (lua_next(L, u)) {
 		fieldset = lua_gettop(L);
 		name = lua_tostring(L, -2);
-		if (strcmp(name, "$pull") == 0 || strcmp(name, "$pullAll") == 0 ||
-		    strcmp(name, "$unset") == 0) {
+		if (is_listed(name, unstored_operators)) {
 			lua_pop(L, 1);
 			continue;
 		}
@@ -683,7 +674,7 @@ check_update(lua_State *L, int u, int owned, const char *what)
 	while (lua_next(L, u)) {
 		n++;
 		fieldset = lua_gettop(L);
-		if (lua_type(L, -2) != LUA_TSTRING || !is_update_operator(lua_tostring(L, -2))) {
+		if (lua_type(L, -2) != LUA_TSTRING || !is_listed(lua_tostring(L, -2), update_operators)) {
 			lua_pushfstring(L, "%s: %s is not an update operator (an update needs "
 					   "operators such as $inc or $set)", what,
 					push_tostring(L, -2));
@@ -840,16 +831,8 @@ is_op_key(lua_State *L, int idx)
 {
 	static const char *const keys[] = {"collection", "id", "kind", "update",
 					   "doc", "undo", "where", NULL};
-	const char *k;
-	int j;
 
-	if (lua_type(L, idx) != LUA_TSTRING)
-		return 0;
-	k = lua_tostring(L, idx);
-	for (j = 0; keys[j]; j++)
-		if (strcmp(k, keys[j]) == 0)
-			return 1;
-	return 0;
+	return lua_type(L, idx) == LUA_TSTRING && is_listed(lua_tostring(L, idx), keys);
 }
 
 /* Where check_op keeps what it works with: stack slots. */
@@ -1024,7 +1007,6 @@ static int
 check_kind(lua_State *L, const op_slots *s)
 {
 	const char *k;
-	int j;
 
 	lua_pushliteral(L, "kind");
 	lua_rawget(L, s->op);
@@ -1039,9 +1021,8 @@ check_kind(lua_State *L, const op_slots *s)
 	}
 	lua_replace(L, s->kind);
 	k = lua_type(L, s->kind) == LUA_TSTRING ? lua_tostring(L, s->kind) : "";
-	for (j = 0; kinds[j]; j++)
-		if (strcmp(k, kinds[j]) == 0)
-			return 1;
+	if (is_listed(k, kinds))
+		return 1;
 	lua_pushliteral(L, "kind must be update, insert, remove or assert");
 	return 0;
 }
