@@ -36,6 +36,31 @@ function _M.new(code, message, fields)
   return core.error(err)
 end
 
+-- The raise of a policy function, told apart from any other (an
+-- interrupt, out of memory, a bug of mongotx): recovery counts the first
+-- as a failure of the transaction it drove, and lets the others through,
+-- recording nothing (mongotx.recovery).  guard_policy(name, fn) is fn with
+-- its raises turned into a "policy" error (raised); an interrupt of Lua's
+-- standalone interpreter and a memory error are raised on as they came.
+local function raised_by(name, ok, ...)
+  if ok then return ... end
+  local raised = ...
+  if raised == "not enough memory" or (type(raised) == "string" and raised:find("interrupted!$")) then
+    error(raised, 0)
+  end
+  error(_M.new("policy", string.format("policy %s raised: %s", name, tostring(raised)),
+    { policy = name }), 0)
+end
+
+function _M.guard_policy(name, fn)
+  return function(...) return raised_by(name, pcall(fn, ...)) end
+end
+
+-- Is v (what a pcall caught) a policy's raise (guard_policy)?
+function _M.is_policy(v)
+  return type(v) == "table" and v.code == "policy" and v.policy ~= nil
+end
+
 -- Adds the step and transaction id to an error from the C core.
 function _M.wrap(err, step, id)
   err.step = err.step or step
