@@ -189,6 +189,9 @@ function Sync:change(id, update)
   into("$set", ID, token)
   into("$set", ATTEMPTS, 0)
   into("$unset", FAILURE, "")
+  local ok
+  ok, err = validate.fits({ q = { _id = sent }, u = full }, "the update", "sync", "change", id)
+  if not ok then return nil, err end
   local res
   res, err = write("change", self.coll.update_one, self.coll, { _id = sent }, full, self.wopts)
   if not res then return nil, err end
@@ -206,7 +209,6 @@ function Sync:change(id, update)
     -- a later change came first: its own propagation covers this one
     return master
   end
-  local ok
   ok, err = self:settle(master)
   if not ok then return nil, err end
   return master
