@@ -4,6 +4,8 @@
 -- `nil, invalid` naming the argument, with nothing written; exactly at
 -- the limit and one byte under are written.  Each boundary is computed
 -- from the document the module sends, encoded here the same way.
+-- (mongotx.ledger needs no check: an entry holds at most 1000 changes,
+-- each account id at most 1 KiB.)
 
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"

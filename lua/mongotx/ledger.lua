@@ -365,12 +365,8 @@ local function build_entry(changes, views, opts, now, step)
     out[i] = { account = c.account, value = c.value, seqId = v.seq + 1, cacheBal = null }
     v.seq, v.balance = v.seq + 1, v.balance + c.value
   end
-  local entry = { _id = opts.id == nil and core.ObjectId() or opts.id, ts = core.Date(floor(now)),
-                  proc = "UNCOMMITTED", state = "VALID", changes = out, reverses = opts.reverses }
-  -- (accounts are ids, of any size: the entry with its fields must fit)
-  local fits, err = validate.fits(entry, "the changes", "ledger", step, opts.id)
-  if not fits then return nil, err end
-  return entry
+  return { _id = opts.id == nil and core.ObjectId() or opts.id, ts = core.Date(floor(now)),
+           proc = "UNCOMMITTED", state = "VALID", changes = out, reverses = opts.reverses }
 end
 
 -- Do the checked changes `a` move what the stored changes `b` move?  By
@@ -459,7 +455,6 @@ function Ledger:_post(changes, opts, step)
     if not now then return nil, err end
     local entry
     entry, err = build_entry(changes, views, opts, now, step)
-    if not entry and err.code == "invalid" then return nil, err end -- too big, guessed or not
     if entry then
       crash_point("ledger.insert", "before")
       local res
@@ -611,8 +606,8 @@ function Ledger:_post_many(items, opts)
       if entry then
         batch[#batch + 1], where[#batch + 1] = { op = "insert", doc = entry }, i
         results[i], errs[i] = entry, nil -- (a refusal on a guess is judged again)
-      else -- a guard on a guess is judged again; an entry too big is not
-        results[i], errs[i], refused = false, why, refused or why.code ~= "invalid"
+      else
+        results[i], errs[i], refused = false, why, true
       end
     end
     if refused and not read then
