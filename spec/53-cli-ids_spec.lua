@@ -52,72 +52,74 @@ describe("#server ids of every type through every subcommand", function()
         { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -1 } } },
         { collection = "accounts", id = "B", update = { ["$inc"] = { balance = 1 } } },
       }, { id = case[2] }))
+      -- { code, out, err, said = all of it, for messages }
       local function run(...)
         local code, out, err = cli.run({ "--database", db.name, ... })
-        return code, out, err, table.concat({ ... }, " ") .. ":\n" .. out .. err
+        return { code = code, out = out, err = err,
+                 said = table.concat({ ... }, " ") .. ":\n" .. out .. err }
       end
 
       -- the table of `list` gives the text; each text it may be is one
-      local code, out, err, said = run("list")
-      assert.are.equal(0, code, said)
-      local text = out:match("\n(%S*)%s+initial ")
-      assert.truthy(text, said)
+      local r = run("list")
+      assert.are.equal(0, r.code, r.said)
+      local text = r.out:match("\n(%S*)%s+initial ")
+      assert.truthy(text, r.said)
       local known = false
       for _, t in ipairs(case.text) do known = known or t == text end
       assert.is_true(known, "printed as " .. text)
-      code, out, err, said = run("--json", "list")
-      assert.are.equal(0, code, said)
-      assert.truthy(out:find('"_id":' .. case.json, 1, true), said)
-      code, out, err, said = run("status")
-      assert.are.equal(0, code, said)
-      assert.truthy(out:find("oldest open:%s+[%d.]+ s %(" .. escape(text) .. "%)\n"), said)
-      code, out, err, said = run("--json", "status")
-      assert.truthy(out:find('"oldest_id":' .. case.json, 1, true), said)
+      r = run("--json", "list")
+      assert.are.equal(0, r.code, r.said)
+      assert.truthy(r.out:find('"_id":' .. case.json, 1, true), r.said)
+      r = run("status")
+      assert.are.equal(0, r.code, r.said)
+      assert.truthy(r.out:find("oldest open:%s+[%d.]+ s %(" .. escape(text) .. "%)\n"), r.said)
+      r = run("--json", "status")
+      assert.truthy(r.out:find('"oldest_id":' .. case.json, 1, true), r.said)
 
       -- pasted back: show finds this transaction
-      code, out, err, said = run("show", "--", text)
-      assert.are.equal(0, code, said)
-      assert.truthy(out:find("^id:%s+" .. escape(text) .. "\n"), said)
-      code, out, err, said = run("--json", "show", "--", text)
-      assert.are.equal(0, code, said)
-      assert.truthy(out:find('"transaction":{"_id":' .. case.json, 1, true)
-        or out:find('"_id":' .. case.json, 1, true), said)
+      r = run("show", "--", text)
+      assert.are.equal(0, r.code, r.said)
+      assert.truthy(r.out:find("^id:%s+" .. escape(text) .. "\n"), r.said)
+      r = run("--json", "show", "--", text)
+      assert.are.equal(0, r.code, r.said)
+      assert.truthy(r.out:find('"transaction":{"_id":' .. case.json, 1, true)
+        or r.out:find('"_id":' .. case.json, 1, true), r.said)
 
       -- recover's table of failures and its failed events (a policy refuses it)
       local policy = os.tmpname()
       local f = assert(io.open(policy, "w"))
       f:write('return { may_recover = function() error("refused") end }\n')
       f:close()
-      code, out, err, said = run("--policy", policy, "recover", "--stale-after", "0",
+      r = run("--policy", policy, "recover", "--stale-after", "0",
         "--application", "app-1")
-      assert.are.equal(1, code, said)
-      assert.truthy(out:find("\n" .. escape(text) .. "%s+policy%s"), said)
+      assert.are.equal(1, r.code, r.said)
+      assert.truthy(r.out:find("\n" .. escape(text) .. "%s+policy%s"), r.said)
       local T = assert(tm:get(case[2]))
       assert.are.equal(1, T.attempts)
-      code, out, err, said = run("--json", "--policy", policy, "recover", "--stale-after", "0",
+      r = run("--json", "--policy", policy, "recover", "--stale-after", "0",
         "--application", "app-1")
       os.remove(policy)
-      assert.are.equal(1, code, said)
-      assert.truthy(out:find('"event":"failed","id":' .. case.json, 1, true), said)
+      assert.are.equal(1, r.code, r.said)
+      assert.truthy(r.out:find('"event":"failed","id":' .. case.json, 1, true), r.said)
 
       -- a message names the id as the command takes it
-      code, out, err, said = run("unpark", "--", text)
-      assert.are.equal(1, code, said)
-      assert.truthy(err:find("^mongotx: unpark of " .. escape(text) .. ": "), said)
+      r = run("unpark", "--", text)
+      assert.are.equal(1, r.code, r.said)
+      assert.truthy(r.err:find("^mongotx: unpark of " .. escape(text) .. ": "), r.said)
 
       -- recovered, compensated; the answers name it so
-      code, out, err, said = run("recover", "--stale-after", "0", "--application", "app-1")
-      assert.are.equal(0, code, said)
+      r = run("recover", "--stale-after", "0", "--application", "app-1")
+      assert.are.equal(0, r.code, r.said)
       assert.are.equal("done", assert(tm:get(case[2])).state)
-      code, out, err, said = run("compensate", "--", text)
-      assert.are.equal(0, code, said)
-      assert.truthy(out:find("^" .. escape(text) .. ": compensated by %S+ %(done%)\n"), said)
-      code, out, err, said = run("--json", "compensate", "--", text) -- again: the same one
-      assert.are.equal(0, code, said)
-      assert.truthy(out:find('^{"id":' .. escape(case.json) .. ',"compensation":'), said)
-      code, out, err, said = run("rollback", "--", text)
-      assert.are.equal(1, code, said)
-      assert.truthy(err:find("^mongotx: rollback of " .. escape(text) .. ": "), said)
+      r = run("compensate", "--", text)
+      assert.are.equal(0, r.code, r.said)
+      assert.truthy(r.out:find("^" .. escape(text) .. ": compensated by %S+ %(done%)\n"), r.said)
+      r = run("--json", "compensate", "--", text) -- again: the same one
+      assert.are.equal(0, r.code, r.said)
+      assert.truthy(r.out:find('^{"id":' .. escape(case.json) .. ',"compensation":'), r.said)
+      r = run("rollback", "--", text)
+      assert.are.equal(1, r.code, r.said)
+      assert.truthy(r.err:find("^mongotx: rollback of " .. escape(text) .. ": "), r.said)
       assert.are.same({ A = 100, B = 100 }, (helpers.balances(db:collection("accounts"))))
       db:close()
     end)

@@ -147,12 +147,12 @@ end
 -- The write of heartbeat, done or fail on the job held at `epoch` (and,
 -- for fail, with `attempts` claims): true, or false when no job matched
 -- (fenced, or a caller's edited attempts), or nil, err.
-function Queue:held_filter(id, epoch, attempts)
+local function held_filter(id, epoch, attempts)
   return { _id = id, epoch = epoch, state = "running", attempts = attempts }
 end
 
 function Queue:held_write(step, id, epoch, update, attempts)
-  local res, err = self:write(step, self.jobs.update_one, self:held_filter(id, epoch, attempts),
+  local res, err = self:write(step, self.jobs.update_one, held_filter(id, epoch, attempts),
     update, self.wopts)
   if not res then return nil, err end
   return res.matched == 1
@@ -290,7 +290,7 @@ function Queue:done(job, result)
   local set = { state = "done", finished = Date(floor(now)), result = stored }
   local update = { ["$set"] = set, ["$unset"] = { lease_until = "" } }
   local held
-  held, err = validate.fits({ q = self:held_filter(id, epoch), u = update }, "done: result",
+  held, err = validate.fits({ q = held_filter(id, epoch), u = update }, "done: result",
     "queue", "done", id)
   if not held then return nil, err end
   held, err = self:held_write("done", id, epoch, update)
