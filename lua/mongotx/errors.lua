@@ -18,8 +18,9 @@
 --   mismatch     mongotx.ledger's committer found a cached balance its entries contradict
 --   unsupported  mongotx.ledger: the server does not enforce the unique index on
 --                (changes.account, changes.seqId) (FerretDB v1); nothing was posted
---   policy       a policy function raised (in a recover report) or returned
---                what it may not (queue:fail's backoff)
+--   policy       a policy function raised (in a recover report; errors.guard_policy
+--                tells it from other raises) or returned what it may not
+--                (queue:fail's backoff)
 --   propagation  mongotx.sync: the caller's propagate failed (the change
 --                is made and stays flagged for repair)
 --   plus the C core's codes, libmongoc's domain names (server, stream,
