@@ -227,19 +227,20 @@ function _M.main(argv)
     db:close()
     return fail(FAILED, err)
   end
-  if core.signal_caught() then
+  local signal, number = core.signal_caught()
+  if signal then
     db:close()
-    return fail(128 + select(2, core.signal_caught()), format("%s stopped by %s before it " ..
-      "began: nothing was done", o.command, core.signal_caught()))
+    return fail(128 + number, format("%s stopped by %s before it began: nothing was done",
+      o.command, signal))
   end
   -- a raise (a policy's, say) is a failure named like the others
   ok, code = policy_file.pcall_no_exit(commands[o.command], tm, o, fail)
   db:close()
   if not ok then code = fail(FAILED, format("%s raised an error: %s", o.command, tostring(code))) end
-  local signal, number = core.signal_caught()
+  signal, number = core.signal_caught()
   if signal and not o.stopped then -- it came too late to stop anything: said so
-    code = fail(128 + number, format("%s came while %s ran; it ended first (exit %d)", signal,
-      o.command, code))
+    code = fail(128 + number, format("%s came while %s ran, which ended first (exit code %d)",
+      signal, o.command, code))
   end
   err = output.stdout:flush().err
   if err and code == OK then

@@ -252,7 +252,9 @@ local function recover_once(tm, o, fail)
     say(json(rec))
   end
   if total.stopped then
-    if not o.json and #total.rows > 0 then output.table(stdout, { "ID", "CODE", "MESSAGE" }, total.rows) end
+    if not o.json and #total.rows > 0 then
+      output.table(stdout, { "ID", "CODE", "MESSAGE" }, total.rows)
+    end
     return stopped(tm, o, fail, total, secs)
   end
   if not o.json then
@@ -284,10 +286,10 @@ function _M.recover(tm, o, fail)
     -- in slices, so that a signal ends the wait within one
     local wake = core.monotonic_ms() + o.loop * 1000
     while core.monotonic_ms() < wake do
-      if core.signal_caught() then
+      local signal, number = core.signal_caught()
+      if signal then
         o.stopped = true
-        return fail(128 + select(2, core.signal_caught()), format(
-          "recover --loop stopped by %s between sweeps", core.signal_caught()))
+        return fail(128 + number, format("recover --loop stopped by %s between sweeps", signal))
       end
       core.sleep(math.max(0, math.min(0.1, (wake - core.monotonic_ms()) / 1000)))
     end
