@@ -43,12 +43,17 @@ end
 -- recording nothing (mongotx.recovery).  guard_policy(name, fn) is fn with
 -- its raises turned into a "policy" error (raised); an interrupt of Lua's
 -- standalone interpreter and a memory error are raised on as they came.
+-- Is v, what a pcall caught, an interrupt of Lua's standalone interpreter
+-- (its SIGINT hook raises "interrupted!" wherever the code is) or a memory
+-- error?  Neither is a failure of the code it stopped.
+function _M.is_interrupt(v)
+  return v == "not enough memory" or (type(v) == "string" and v:find("interrupted!$") ~= nil)
+end
+
 local function raised_by(name, ok, ...)
   if ok then return ... end
   local raised = ...
-  if raised == "not enough memory" or (type(raised) == "string" and raised:find("interrupted!$")) then
-    error(raised, 0)
-  end
+  if _M.is_interrupt(raised) then error(raised, 0) end
   error(_M.new("policy", string.format("policy %s raised: %s", name, tostring(raised)),
     { policy = name }), 0)
 end
