@@ -42,7 +42,7 @@ build = {
       sources = {
         "csrc/checks.c", "csrc/client.c", "csrc/collection.c", "csrc/core.c", "csrc/cursor.c",
         "csrc/decode.c", "csrc/encode.c", "csrc/error.c", "csrc/fault.c",
-        "csrc/ids.c", "csrc/options.c", "csrc/scratch.c", "csrc/stored.c",
+        "csrc/ids.c", "csrc/options.c", "csrc/scratch.c", "csrc/signals.c", "csrc/stored.c",
         "csrc/txn.c", "csrc/value.c",
       },
       libraries = { "mongoc-1.0", "bson-1.0" },
@@ -78,6 +78,7 @@ build = {
     ["mongotx.points"] = "lua/mongotx/points.lua",
     ["mongotx.sync"] = "lua/mongotx/sync.lua",
     ["mongotx.versioned"] = "lua/mongotx/versioned.lua",
+    ["mongotx.catalog"] = "lua/mongotx/catalog.lua",
     ["mongotx.queue"] = "lua/mongotx/queue.lua",
     ["mongotx.cli"] = "lua/mongotx/cli.lua",
     ["mongotx.cli.args"] = "lua/mongotx/cli/args.lua",

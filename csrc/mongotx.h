@@ -292,4 +292,7 @@ MTX_HIDDEN int mtx_open_txn(lua_State *L);
 MTX_HIDDEN void mtx_fault(const char *point, const char *when);
 MTX_HIDDEN int mtx_open_fault(lua_State *L);
 
+/* signals.c: SIGINT and SIGTERM noted as a flag (the mongotx command). */
+MTX_HIDDEN int mtx_open_signals(lua_State *L);
+
 #endif

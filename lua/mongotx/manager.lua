@@ -58,6 +58,10 @@ function _M.new(db, opts)
   local policy = setmetatable({}, { __index = default_policy })
   for k in pairs(default_policy) do
     if opts[k] ~= nil then policy[k] = opts[k] end
+    -- a raise of the caller's policy, told apart from any other (recovery)
+    if type(opts[k]) == "function" and k ~= "on_event" then
+      policy[k] = errors.guard_policy(k, opts[k])
+    end
   end
   local collection = opts.collection or "transactions"
   local tx = db.client:collection(db.name, collection)

@@ -251,7 +251,12 @@ function _M.connect_args(uri, opts, level)
   for k, v in pairs(opts) do
     if k ~= "database" then core_opts[k] = v end
   end
-  return opts.database or uri:match("^mongodb[^:]*://[^/]*/([^?]+)") or "test", core_opts
+  return opts.database or _M.uri_database(uri) or "test", core_opts
+end
+
+-- The database a URI names in its path, or nil.
+function _M.uri_database(uri)
+  return uri:match("^mongodb[^:]*://[^/]*/([^?]+)")
 end
 
 -- What a transaction's ops and meta may take of its 16 MiB document,

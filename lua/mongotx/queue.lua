@@ -147,9 +147,13 @@ end
 -- The write of heartbeat, done or fail on the job held at `epoch` (and,
 -- for fail, with `attempts` claims): true, or false when no job matched
 -- (fenced, or a caller's edited attempts), or nil, err.
+local function held_filter(id, epoch, attempts)
+  return { _id = id, epoch = epoch, state = "running", attempts = attempts }
+end
+
 function Queue:held_write(step, id, epoch, update, attempts)
-  local res, err = self:write(step, self.jobs.update_one,
-    { _id = id, epoch = epoch, state = "running", attempts = attempts }, update, self.wopts)
+  local res, err = self:write(step, self.jobs.update_one, held_filter(id, epoch, attempts),
+    update, self.wopts)
   if not res then return nil, err end
   return res.matched == 1
 end
@@ -197,6 +201,9 @@ function Queue:push(kind, details, opts)
   local job = { _id = id, type = kind, details = stored, priority = opts.priority or 0,
                 state = "ready", ts = Date(floor(now + (opts.at or 0) * 1000)),
                 created = Date(floor(now)), attempts = 0, epoch = 0 }
+  local fits
+  fits, err = validate.fits(job, "push: details", "queue", "push", id)
+  if not fits then return nil, err end
   local res
   res, err = self:write("push", self.jobs.insert_one, job, self.wopts)
   if res then return job end
@@ -281,8 +288,12 @@ function Queue:done(job, result)
   local now, err = self.clock:now()
   if not now then return nil, err end
   local set = { state = "done", finished = Date(floor(now)), result = stored }
+  local update = { ["$set"] = set, ["$unset"] = { lease_until = "" } }
   local held
-  held, err = self:held_write("done", id, epoch, { ["$set"] = set, ["$unset"] = { lease_until = "" } })
+  held, err = validate.fits({ q = held_filter(id, epoch), u = update }, "done: result",
+    "queue", "done", id)
+  if not held then return nil, err end
+  held, err = self:held_write("done", id, epoch, update)
   if held == nil then return nil, err end
   if held then return true end
   local doc = self.jobs:find_one({ _id = id, epoch = epoch, state = "done" })

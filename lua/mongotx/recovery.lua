@@ -111,12 +111,20 @@ end
 
 local function fail(e, err) e.err = e.err or err end
 
+-- What a step of entry e raised: a policy's raise (errors.guard_policy)
+-- fails e; anything else (an interrupt, out of memory, a bug of mongotx)
+-- is not e's failure and goes on up, recorded on no transaction.
+local function raised_in(e, raised)
+  if not errors.is_policy(raised) then error(raised, 0) end
+  fail(e, errors.new("policy", raised.message, { id = e.T._id, policy = raised.policy }))
+end
+
 -- fn(eng, e, ...), a step of entry e alone, which may call the policies
 -- (on_op_failure, backoff, ...): one that raises fails e only, not the
 -- rest of its batch.
 local function guarded(fn, eng, e, ...)
   local ok, raised = pcall(fn, eng, e, ...)
-  if not ok then fail(e, errors.new("policy", tostring(raised), { id = e.T._id })) end
+  if not ok then raised_in(e, raised) end
 end
 
 -- Drives entry e on alone, from where it stands now.
@@ -305,7 +313,7 @@ local function claim(eng, entries, now)
       if e.was == "pending" then
         local ok, way = pcall(eng.policy.stale_pending, e.T)
         if not ok then
-          fail(e, errors.new("policy", tostring(way), { id = e.T._id }))
+          raised_in(e, way)
         elseif way == "back" then
           local T
           T, err = eng:cancel(e.T, "rolled back by recovery")
@@ -335,7 +343,7 @@ local function recover_batch(eng, entries, now, me)
   for _, e in ipairs(entries) do
     local ok, route, err = pcall(triage, eng, e.T, now, me)
     if not ok then
-      fail(e, errors.new("policy", tostring(route), { id = e.T._id }))
+      raised_in(e, route)
     elseif route == "claim" then
       claims[#claims + 1] = e
     elseif route then
@@ -457,9 +465,7 @@ function _M.recover(eng, limit, size)
       ok, raised = pcall(recover_batch, eng, entries, now, me)
     end
     for _, e in ipairs(entries) do
-      if not ok and not e.outcome then
-        fail(e, errors.new("policy", tostring(raised), { id = e.T._id }))
-      end
+      if not ok and not e.outcome then raised_in(e, raised) end
       if e.outcome and not e.err then
         report[e.outcome] = report[e.outcome] + 1
       else

@@ -28,6 +28,8 @@
 
 local core = require "mongotx.core"
 local pool = require "mongotx.pool"
+local catalog = require "mongotx.catalog"
+local options = require "mongotx.options"
 
 local type, pairs, ipairs, select, tostring, error, pcall, setmetatable, getmetatable =
   type, pairs, ipairs, select, tostring, error, pcall, setmetatable, getmetatable
@@ -160,6 +162,17 @@ function DB_CALLS.count(db, collection, filter)
   client:close()
   if not ok then error(n, 0) end
   return n, cerr
+end
+
+-- Is there a collection `name` (mongotx.catalog, which creates nothing)?
+-- And the database's name.  For recovery's first pass.
+function DB_CALLS.has_collection(db, name)
+  local client, err = db:client()
+  if not client then return nil, err end
+  local ok, exists, herr = pcall(catalog.has_collection, client, db.name, name)
+  client:close()
+  if not ok then error(exists, 0) end
+  return exists, herr, db.name
 end
 
 -- The pool's figures, and `vm`: which Lua state ran the call.
@@ -408,6 +421,13 @@ function _M.recovery(opts)
     error("option ttl of recovery must be a number of seconds > every", 2)
   end
   local mopts = opts.manager or {}
+  -- connect's `database`, else the URI's: not mongotx.connect's "test",
+  -- which a URI that names no database would have swept in silence
+  if (type(opts.connect) ~= "table" or opts.connect.database == nil)
+      and not options.uri_database(opts.uri) then
+    error("recovery needs a database: in the uri (mongodb://host/<database>) or " ..
+          "connect = { database = ... }", 2)
+  end
   local key = opts.key or ("mongotx:recovery:" .. tostring(mopts.application or "mongotx"))
   local me = tostring(ngx.worker.pid())
   local tm, running, stopped
@@ -429,10 +449,23 @@ function _M.recovery(opts)
     if dict:get(key) == me then dict:delete(key) end
   end
 
+  -- The manager, made once its transactions collection is there: one
+  -- made for a mistyped name would create that collection (and sweep it
+  -- for ever, finding nothing), so until then each pass is an error
+  -- naming the database and collection, and creates nothing.
   local function pass()
     if not tm then
       local db, err = _M.connect(opts.uri, opts.connect)
       if not db then return nil, err end
+      local collection = mopts.collection or "transactions"
+      local exists, name
+      exists, err, name = call(db, 1, "db", db.spec, "has_collection", collection)
+      if exists == nil then return nil, err end
+      if not exists then
+        return nil, core.error({ code = "invalid", step = "recovery", message = format(
+          "database %s has no collection %s: nothing to recover, nothing created (wrong " ..
+          "database in uri or connect, or collection in manager?)", name, collection) })
+      end
       tm, err = db:manager(mopts)
       if not tm then return nil, err end
     end

@@ -105,6 +105,25 @@ function _M.value(v)
   return snap
 end
 
+-- A document or update `module` (mongotx.<module>) is about to send for
+-- `step`, made of a caller's value (`what`: "the document", "the update",
+-- ...) and the fields the module adds (versions, flags, a job's fields):
+-- true when it encodes
+-- within 16 MiB (what the encoder, and the server, take), else nil and an
+-- `invalid` error naming `what`, so that nothing is written.  An update is
+-- checked as the statement the server reads, { q = filter, u = update }:
+-- servers differ on how far past 16 MiB they take one (mongo-java-server
+-- drops the connection a few bytes short of it).  Only what is sent is
+-- checked: an update that makes a stored document grow past 16 MiB is
+-- the server's error.
+function _M.fits(doc, what, module, step, id)
+  local ok, why = pcall(encode, doc)
+  if ok then return true end
+  return nil, errors.new("invalid", format("%s cannot be stored: with the fields mongotx.%s " ..
+    "adds it takes more than 16 MiB (%s)", what, module, (tostring(why):gsub("^mongotx: ", ""))),
+    { step = step, id = id })
+end
+
 local check_update, operator_key, touched = core.check_update, core.operator_key, core.touched
 
 -- Checks an id (a transaction's, or an op's document) for use in a
