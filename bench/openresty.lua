@@ -8,6 +8,13 @@
 -- balances unchanged) and fails when a check does.  Not a timed test.
 --
 --   luajit bench/openresty.lua [--seconds 5] [--accounts 100] [--threads 4]
+--                              [--metrics 3] [--main 1]
+--
+-- Then the cost of mongotx.metrics.shared: --metrics rounds (0: none) of
+-- the same run (2 workers, offloaded, 16 connections) with the manager's
+-- metrics off and on, in alternating order, and the medians; and the time
+-- the events of one transfer cost in a worker (a loop over the shared
+-- dict).  --main 0 skips the main table.
 --
 -- Runs from the repository's root under LuaJIT with MONGOTX_CPATH naming the
 -- LuaJIT build (the Makefile sets it); starts its own mongo-java-server.
@@ -20,13 +27,14 @@ local core = require "mongotx.core"
 local server = require "spec.support.server"
 local nginx = require "spec.support.nginx"
 
-local opts = { seconds = 5, accounts = 100, threads = 4 }
+local opts = { seconds = 5, accounts = 100, threads = 4, metrics = 3, main = 1 }
 do
   local i = 1
   while arg[i] do
     local name = arg[i]:match("^%-%-(%w+)$")
     if not name or opts[name] == nil or not tonumber(arg[i + 1]) then
-      io.stderr:write("usage: bench/openresty.lua [--seconds n] [--accounts n] [--threads n]\n")
+      io.stderr:write("usage: bench/openresty.lua [--seconds n] [--accounts n] [--threads n] " ..
+                      "[--metrics rounds] [--main 0|1]\n")
       os.exit(2)
     end
     opts[name] = tonumber(arg[i + 1])
@@ -91,7 +99,7 @@ local rows, failed, run = {}, 0, 0
 local load1 = capture("cat /proc/loadavg"):match("^(%S+ %S+ %S+)")
 local started = os.time()
 
-for _, workers in ipairs { 1, 2 } do
+for _, workers in ipairs(opts.main ~= 0 and { 1, 2 } or {}) do
   for _, mode in ipairs { "offloaded", "direct" } do
     for _, conns in ipairs { 1, 4, 16 } do
       run = run + 1
@@ -135,6 +143,8 @@ print()
 print("| nginx workers | transfer | connections | requests/s | p50 ms | p99 ms | errors | database after the run |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 for _, row in ipairs(rows) do print(row) end
+if opts.metrics > 0 then failed = failed + require("bench.openresty-metrics")(opts, {
+  srv = srv, fresh = fresh, check = check, capture = capture }) end
 srv:stop()
 if failed > 0 then
   io.stderr:write(failed, " run(s) failed their check\n")

@@ -21,6 +21,7 @@ local args = require "mongotx.cli.args"
 local policy_file = require "mongotx.cli.policy"
 local commands = require "mongotx.cli.commands"
 local output = require "mongotx.cli.output"
+local backlog_file = require "mongotx.metrics.backlog"
 
 local format = string.format
 local unpack = table.unpack or unpack -- luacheck: ignore 143 (LuaJIT)
@@ -71,6 +72,7 @@ local function parser()
   local status = p:command("status", "Counts by state, parked, stale, the oldest open one.")
   status:option("--stale-after", "Seconds after which a transaction counts as stale.")
     :argname("<sec>"):convert(seconds)
+  status:flag("--prometheus", "Print the backlog as Prometheus gauges (textfile collector).")
 
   local list = p:command("list", "List transactions, oldest change first.")
   list:option("--state", "Only in this state."):choices(STATES):argname("<state>")
@@ -91,6 +93,9 @@ local function parser()
   recover:option("--application", "Recover as this application.", "mongotx-cli")
     :argname("<name>")
   recover:option("--batch", "Transactions per recovery pass.", "200"):argname("<n>"):convert(count)
+  recover:option("--metrics-file", "After every sweep, write the backlog gauges of " ..
+    "status --prometheus to <path> (atomically).")
+    :argname("<path>")
 
   local rollback = p:command("rollback", "Cancel a transaction that has not committed.")
   rollback:argument("id", "Transaction id.")
@@ -215,6 +220,11 @@ function _M.main(argv)
     overrides, why = policy_file.load(o.policy)
     if not overrides then return fail(USAGE, why) end
   end
+  if o.prometheus and o.json then return fail(USAGE, "--json and --prometheus: choose one") end
+  if o.metrics_file then
+    local writable, why = backlog_file.check(o.metrics_file)
+    if not writable then return fail(USAGE, "--metrics-file: cannot write " .. why) end
+  end
   if o.stale_after then overrides.stale_after = o.stale_after end
   overrides.collection, overrides.application = o.collection, o.application or "mongotx-cli"
   -- SIGINT and SIGTERM are noted from here on (core.catch_signals): recover
@@ -222,6 +232,7 @@ function _M.main(argv)
   core.catch_signals()
   local db, code = connect(o)
   if not db then return code end
+  o.database_name = db.name -- the gauges' label
   local tm, err = db:manager(overrides)
   if not tm then
     db:close()

@@ -134,6 +134,9 @@ function Engine:retry(step, id, fn, ...)
       return nil, errors.wrap(err, step, id)
     end
     attempt = attempt + 1
+    if self.policy.on_event ~= quiet then
+      self:event("retry", { id = id, step = step, reason = err.code })
+    end
     self.policy.sleep(self.policy.backoff(attempt))
   end
 end
@@ -570,6 +573,7 @@ function Engine:apply_all(T, versions)
         local decision = self.policy.on_op_failure(T, i, why)
         tries = tries + 1
         if decision == "retry" and tries <= self.policy.retries then
+          self:event("retry", { id = T._id, step = "apply", reason = why })
           self.policy.sleep(self.policy.backoff(tries))
         elseif decision == "fail" then
           return nil, op_failure(T, i, why)
@@ -698,6 +702,6 @@ function Engine:drive(T, versions)
   return nil, errors.new("state", "the transaction did not settle", { id = T._id })
 end
 
-_M.key, _M.op_failure = key, op_failure
+_M.key, _M.op_failure, _M.failure_text = key, op_failure, failure_text
 
 return _M

@@ -265,7 +265,7 @@ local function back(eng, entries)
       elseif res.moved == #ids then
         e.outcome = "cancelled"
         eng:hold(e.T._id, nil)
-        eng:event("cancelled", { id = e.T._id })
+        eng:event("cancelled", { id = e.T._id, reason = e.T.reason })
       else
         e.slow = "cancelled" -- somebody else moved some: look at each
       end

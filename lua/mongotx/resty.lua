@@ -135,6 +135,8 @@ local function get_manager(spec)
       if opts[k] == nil then opts[k] = v end
     end
   end
+  -- metrics = "<lua_shared_dict>": the events counted there (mongotx.metrics.shared)
+  if opts and opts.metrics ~= nil then opts = require("mongotx.metrics.shared").wrap(opts) end
   tm, err = db:manager(opts)
   if tm then managers[spec] = tm end
   return tm, err
@@ -339,6 +341,9 @@ function Database:manager(opts)
   end
   if opts and opts.policies ~= nil and type(opts.policies) ~= "string" then
     error("option policies of manager must be a module name (a string)", 2)
+  end
+  if opts and opts.metrics ~= nil and type(opts.metrics) ~= "string" then
+    error("option metrics of manager must name a lua_shared_dict (a string)", 2)
   end
   local ok, spec = pcall(encode, { db = self.spec, manager = opts })
   if not ok then error("options of manager must be BSON data: " .. tostring(spec), 2) end

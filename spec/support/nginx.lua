@@ -24,6 +24,8 @@
 --   http           more http-level directives
 --   check_client_abort  lua_check_client_abort on (a client that goes
 --                  away ends its request's handler)
+--   metrics_dict   the size of lua_shared_dict mongotx_metrics ("1m"),
+--                  served at /metrics
 --
 -- The nginx master runs in the foreground of a shell that also watches the
 -- Lua process which started it: when that process is gone, nginx is
@@ -80,6 +82,7 @@ http {
   lua_package_cpath "%s;;";
   lua_worker_thread_vm_pool_size %d;
   lua_shared_dict mongotx 1m;
+  lua_shared_dict mongotx_metrics %s;
   lua_check_client_abort %s;
   %s
   init_worker_by_lua_block {
@@ -103,11 +106,12 @@ http {
     location = /direct/transfer { content_by_lua_block { require("bank").transfer{ offload = false } } }
     location ~ ^/tx/(?<txid>[^/]+)$ { content_by_lua_block { require("bank").get_tx(ngx.var.txid) } }
     location = /ping { content_by_lua_block { ngx.say("pong") } }
+    location = /metrics { content_by_lua_block { require("bank").metrics() } }
     %s
   }
 }
 ]]):format(M.MODULES, M.MODULES, o.workers or 1, o.threads or 4, paths, CPATH, o.vms or 8,
-           o.check_client_abort and "on" or "off", o.http or "", o.configure or "{}",
+           o.metrics_dict or "1m", o.check_client_abort and "on" or "off", o.http or "", o.configure or "{}",
            recovery, o.init_worker or "", o.port, o.locations or "")
 end
 

@@ -7,6 +7,7 @@
 local core = require "mongotx.core"
 local output = require "mongotx.cli.output"
 local progress = require "mongotx.cli.progress"
+local gauges = require "mongotx.metrics.backlog"
 
 local json, id_text, cell = output.json, output.id_text, output.cell
 local record, add = output.record, output.add
@@ -34,6 +35,12 @@ end
 local STATES = { "initial", "pending", "applied", "done", "canceling", "cancelled" }
 
 function _M.status(tm, o, fail)
+  if o.prometheus then
+    local text, err = gauges.render(tm, o.database_name, o.collection)
+    if not text then return fail(FAILED, tostring(err)) end
+    stdout:write(text)
+    return OK
+  end
   local stats, err = tm:stats()
   local backlog
   if stats then backlog, err = tm:backlog() end
@@ -275,12 +282,23 @@ local function recover_once(tm, o, fail)
   return OK
 end
 
+-- A sweep, then with --metrics-file the backlog gauges written there (a
+-- failure to is named on stderr; the next sweep tries again).
+local function sweep_and_write(tm, o, fail)
+  local code = recover_once(tm, o, fail)
+  if not o.metrics_file then return code end
+  local text, err = gauges.render(tm, o.database_name, o.collection)
+  if text then text, err = gauges.write(o.metrics_file, text) end
+  if not text then return fail(FAILED, "--metrics-file: " .. tostring(err)) end
+  return code
+end
+
 -- recover, or with --loop a worker that sweeps every o.loop seconds until
 -- stopped, carrying on after failures (a server away for a while).
 function _M.recover(tm, o, fail)
-  if not o.loop then return recover_once(tm, o, fail) end
+  if not o.loop then return sweep_and_write(tm, o, fail) end
   while true do
-    local code = recover_once(tm, o, fail)
+    local code = sweep_and_write(tm, o, fail)
     if o.stopped then return code end
     stdout:flush()
     -- in slices, so that a signal ends the wait within one
