@@ -163,7 +163,7 @@ function _M.step(eng, cache, name, T, i)
   if name == "undo" then return step_undo(eng, cache, T, i) end
   if name == "finish" then
     local op = T.ops[i]
-    return eng:step("finish", T._id, eng:coll(op.collection), T._id, op)
+    return eng:op_step(T, "finish", eng:coll(op.collection), op)
   end
   return step_move(eng, cache, name, T, refuse)
 end
