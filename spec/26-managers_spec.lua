@@ -322,6 +322,14 @@ describe("#server managers configured differently", function()
       { ["$set"] = { markerField = "a.b" } }))
     local report = assert(m:recover { batch = 1 })
     assert.are.equal(1, report.malformed)
+    -- nor does a call on it write anything: it answers malformed
+    for _, call in ipairs { function() return m:commit({ _id = "bad-1" }) end,
+                            function() return m:step("claim", { _id = "bad-1" }) end } do
+      local res, err = call()
+      assert.is_nil(res)
+      assert.are.equal("malformed", err.code)
+    end
+    assert.are.equal("initial", assert(m:get("bad-1")).state)
     check_accounts({ A = 1000, B = 1000, C = 1000 }, MARKERS)
   end)
 end)

@@ -321,13 +321,13 @@ for _, s in ipairs {
 } do M.list[#M.list + 1] = s end
 
 -- Managers configured differently on the same documents (issue 27;
--- torture/check.lua, OTHER).  `managers-collections`: a transaction of
+-- torture/check.lua, OTHER).  `mgr-collections`: a transaction of
 -- the other transactions collection under T's own id moves 100 from A to
 -- D; its owner claimed it, applied its debit of A and is gone.  T then
 -- runs in `transactions` (its floor guard reads past an open debit) and
 -- the final recovery rolls the other one forward: each applies once.
 -- `-held`: the other one's credit of A is applied instead, so T's guard
--- waits for it (busy) and T cancels.  `managers-marker` (`-back`): T is
+-- waits for it (busy) and T cancels.  `mgr-marker` (`-back`): T is
 -- begun and left pending (its credit of B applied) by a manager with the
 -- other marker and version field (by one with the defaults), and a
 -- manager configured the other way recovers it, crashing at each point.
@@ -338,16 +338,16 @@ local OTHER_FIELDS = { application = "other", marker = check_other.marker,
                        version_field = check_other.version, lease = 0.2, stale_after = 0.2 }
 local OTHER_KEY = check_other.collection .. ":" .. M.ID
 
-local function other_holds(i)
+-- The other collection's transaction under T's id: 100 from A to D
+-- (`sign` -1), or from D to A (1); its owner applied its op on A only.
+local function other_holds(sign)
   return function(tm)
     local U = assert(tm:begin({
-      { collection = "accounts", id = "A", update = { ["$inc"] = { balance = i == 1 and -M.AMOUNT
-        or M.AMOUNT } } },
-      { collection = "accounts", id = "D", update = { ["$inc"] = { balance = i == 1 and M.AMOUNT
-        or -M.AMOUNT } } },
+      { collection = "accounts", id = "A", update = { ["$inc"] = { balance = sign * M.AMOUNT } } },
+      { collection = "accounts", id = "D", update = { ["$inc"] = { balance = -sign * M.AMOUNT } } },
     }, { id = M.ID }))
     assert(tm:step("claim", U))
-    return tm:step("apply", U, i)
+    return tm:step("apply", U, 1)
   end
 end
 
@@ -369,16 +369,16 @@ local function with_fields(extra)
 end
 
 for _, s in ipairs {
-  { name = "managers-collections", prepare = other_holds(1), prepare_manager = OTHER_TX,
+  { name = "mgr-collections", prepare = other_holds(-1), prepare_manager = OTHER_TX,
     allowed = DONE, also = { [OTHER_KEY] = { done = true } }, ci_kinds = { "update" },
     run = begin_commit },
-  { name = "managers-collections-held", kinds = { "update" }, prepare = other_holds(2),
+  { name = "mgr-collections-held", kinds = { "update" }, prepare = other_holds(1),
     prepare_manager = OTHER_TX, allowed = CANCELLED, also = { [OTHER_KEY] = { done = true } },
     manager = BUSY, run = begin_commit },
-  { name = "managers-marker", prepare = leave_T, prepare_manager = OTHER_FIELDS,
+  { name = "mgr-marker", prepare = leave_T, prepare_manager = OTHER_FIELDS,
     manager = M.recovery_manager(), allowed = { done = true },
     ci_kinds = { "update", "insert" }, run = recover_after_lease },
-  { name = "managers-marker-back", prepare = leave_T, prepare_manager = SHORT,
+  { name = "mgr-marker-back", prepare = leave_T, prepare_manager = SHORT,
     manager = with_fields { stale_pending = function() return "back" end }, recover = "back",
     allowed = { cancelled = true }, ci_kinds = { "update", "remove" },
     run = recover_after_lease },

@@ -102,7 +102,7 @@ local live, has_marker, mark = stored.live, stored.has_marker, stored.mark
 -- Every write and read of T's documents goes through it, whoever drives
 -- T (README, "Data model").  A recorded
 -- name that is no field name (a hand-edited transaction, which
--- validate.malformed reports) raises.
+-- validate.malformed and fields_error report first) raises.
 function Engine:form(T)
   local marker, version = T.markerField, T.versionField
   if marker == nil then marker = self.marker end
@@ -176,6 +176,17 @@ function Engine:step(name, id, ...)
     self:event(name, { id = id, result = res })
   end
   return res, err
+end
+
+-- A `malformed` error when T's recorded fields cannot drive it (form
+-- would raise), else nil: for the entry points of one transaction (drive,
+-- tm:step), which may be handed a hand-edited one.
+function Engine:fields_error(T)
+  local why = validate.fields_error(T, self.vctx.collection)
+  if why then
+    return errors.new("malformed", "malformed transaction, left as it is: " .. why,
+      { id = T._id })
+  end
 end
 
 -- Runs step `name` (apply, finish, undo, fence) of T on op's document in
@@ -711,7 +722,8 @@ end
 -- Drives T to done or cancelled from whatever state it is in.  `versions`
 -- are those read before this manager claimed T, when it just did.
 function Engine:drive(T, versions)
-  local failure, err
+  local failure, err = self:fields_error(T)
+  if failure then return nil, failure end
   for _ = 1, MAX_ROUNDS do
     local state = T.state
     if state == "done" or state == "cancelled" then
