@@ -2,8 +2,8 @@
 -- after the final recovery:
 --   1. every transaction ended done or cancelled (none parked, none in
 --      flight), and a compensating one only for a done original;
---   2. no document carries a marker (pendingTransactions) or a holder
---      (txHeld) any more;
+--   2. no document carries a marker (pendingTransactions, or OTHER's
+--      marker) or a holder (txHeld) any more;
 --   3. the documents are exactly the fixture with the ops of the done
 --      transactions applied once each and those of the cancelled ones not
 --      at all: a model replays the done transactions' stored ops ($inc,

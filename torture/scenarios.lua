@@ -322,7 +322,7 @@ for _, s in ipairs {
 
 -- Managers configured differently on the same documents (issue 27;
 -- torture/check.lua, OTHER).  `mgr-collections`: a transaction of
--- the other transactions collection under T's own id moves 100 from A to
+-- the other transactions collection under T's own id moves 30 from A to
 -- D; its owner claimed it, applied its debit of A and is gone.  T then
 -- runs in `transactions` (its floor guard reads past an open debit) and
 -- the final recovery rolls the other one forward: each applies once.
@@ -338,13 +338,14 @@ local OTHER_FIELDS = { application = "other", marker = check_other.marker,
                        version_field = check_other.version, lease = 0.2, stale_after = 0.2 }
 local OTHER_KEY = check_other.collection .. ":" .. M.ID
 
--- The other collection's transaction under T's id: 100 from A to D
+-- The other collection's transaction under T's id: 30 from A to D
 -- (`sign` -1), or from D to A (1); its owner applied its op on A only.
+-- (Not T's 100: an op of one applied in place of the other's shows.)
 local function other_holds(sign)
   return function(tm)
     local U = assert(tm:begin({
-      { collection = "accounts", id = "A", update = { ["$inc"] = { balance = sign * M.AMOUNT } } },
-      { collection = "accounts", id = "D", update = { ["$inc"] = { balance = -sign * M.AMOUNT } } },
+      { collection = "accounts", id = "A", update = { ["$inc"] = { balance = sign * 30 } } },
+      { collection = "accounts", id = "D", update = { ["$inc"] = { balance = -sign * 30 } } },
     }, { id = M.ID }))
     assert(tm:step("claim", U))
     return tm:step("apply", U, 1)
