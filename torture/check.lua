@@ -163,9 +163,12 @@ function M.database(db, fixture, opts)
     return canon(a._id) < canon(b._id)
   end)
   for _, T in ipairs(done) do
-    if T.compensates ~= nil and r.states[canon(T.compensates)] ~= "done" then
+    -- (the original is in the compensation's collection)
+    local orig = T.compensates ~= nil and (T.key and T.key:match("^[^:]*:") or "") ..
+      canon(T.compensates)
+    if orig and r.states[orig] ~= "done" then
       violation("transaction %s compensates %s, which is %s", T.key or canon(T._id),
-        canon(T.compensates), tostring(r.states[canon(T.compensates)]))
+        orig, tostring(r.states[orig]))
     end
     for _, op in ipairs(T.ops) do
       local why = replay(model, op, T.key or canon(T._id))
