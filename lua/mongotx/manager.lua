@@ -166,8 +166,10 @@ function Manager:begin(ops, opts, extra)
   if not spec then return nil, err end
   local id = spec.id
   if id == nil then id = core.ObjectId() end
+  local eng = self.engine
   local doc = { _id = id, state = "initial", ops = spec.stored, epoch = 0,
-                attempts = 0, meta = spec.meta }
+                attempts = 0, meta = spec.meta, markerField = eng.marker,
+                versionField = eng.version_field, mark = stored.new_mark(eng.vctx.collection, id) }
   for k, v in pairs(extra or {}) do doc[k] = v end
   local res
   res, err = self.engine:step("create", id, self.tx, doc)
@@ -527,8 +529,9 @@ function Manager:_prune_placeholders(filter)
     for _, op in ipairs(validate.malformed(T, self.engine.vctx) and {} or T.ops) do
       if op.kind == "insert" then
         local res
-        res, err = self.engine:coll(op.collection):delete_one({ _id = op.id, [self.engine.fields.placeholder] = T._id,
-          [self.engine.marker] = { ["$exists"] = false } }, self.engine.wopts)
+        res, err = self.engine:coll(op.collection):delete_one({ _id = op.id,
+          [self.engine.fields.placeholder] = stored.mark(T),
+          [self.engine:form(T).marker] = { ["$exists"] = false } }, self.engine.wopts)
         if not res then return nil, errors.wrap(err, "prune", T._id) end
       end
     end
@@ -571,14 +574,14 @@ function Manager:inspect(id)
   local eng, docs = self.engine, {}
   local why = validate.malformed(T, eng.vctx)
   if why then return T, docs, why end
-  local f = eng.fields
-  local projection = { [f.marker] = 1, [f.version] = 1, [f.held] = 1, [f.removing] = 1 }
+  local f, form = eng.fields, eng:form(T)
+  local projection = { [form.marker] = 1, [form.version] = 1, [f.held] = 1, [f.removing] = 1 }
   for i, op in ipairs(T.ops) do
     local doc
     doc, err = eng:coll(op.collection):find_one({ _id = op.id }, { projection = projection })
     if err then return nil, errors.wrap(err, "inspect", T._id) end
     docs[i] = { collection = op.collection, id = op.id, exists = doc ~= nil,
-                marker = doc and doc[f.marker], version = doc and doc[f.version],
+                marker = doc and doc[form.marker], version = doc and doc[form.version],
                 held = doc and doc[f.held], removing = doc and doc[f.removing] }
   end
   return T, docs

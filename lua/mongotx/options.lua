@@ -67,6 +67,7 @@ local function field_ok(s)
   return name_ok(s, "^%$") and not s:find(".", 1, true) and not RESERVED[s]
     and pcall(core.encode, { [s] = true })
 end
+_M.field_ok = field_ok -- (a transaction's recorded fields: validate.fields_error)
 
 local write_concern_keys = { w = true, j = true, wtimeout = true }
 

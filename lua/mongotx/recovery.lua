@@ -231,7 +231,7 @@ end
 -- between the two) unwinds alone.
 local function back(eng, entries)
   local function each(e, _, op)
-    if not e.err and not e.slow then return { tid = e.T._id, op = op, entry = e } end
+    if not e.err and not e.slow then return { tid = stored.mark(e.T), op = op, entry = e } end
   end
   for _, step in ipairs { "undo", "fence" } do
     local by_coll, order = by_collection(entries, each)
@@ -431,6 +431,23 @@ local function failed(eng, report, T, e)
     ["$set"] = { reason = tostring(e) }, ["$currentDate"] = { triedAt = true } }, eng.wopts)
 end
 
+-- The list cut into batches of at most `size`; a transaction begun with
+-- other marker or version fields than this manager's (mongotx.stored) is
+-- a batch of its own: a batch's steps are bound to one form.
+local function chunks(eng, list, size)
+  local out, cur = {}, {}
+  for _, T in ipairs(list) do
+    if eng:form(T) ~= eng.own then
+      out[#out + 1] = { T }
+    else
+      cur[#cur + 1] = T
+      if #cur == size then out[#out + 1], cur = cur, {} end
+    end
+  end
+  if #cur > 0 then out[#out + 1] = cur end
+  return out
+end
+
 -- How many transactions a pass recovers together by default.
 _M.BATCH = 100
 
@@ -451,11 +468,9 @@ function _M.recover(eng, limit, size)
   list, err = stale_list(eng, limit, report, now)
   if not list then return nil, err end
   report.examined = #list
-  for first = 1, #list, size or 1 do
+  for _, chunk in ipairs(chunks(eng, list, size or 1)) do
     local entries = {}
-    for i = first, math.min(first + (size or 1) - 1, #list) do
-      entries[#entries + 1] = { T = live(list[i]), was = list[i].state }
-    end
+    for i, T in ipairs(chunk) do entries[i] = { T = live(T), was = T.state } end
     local ok, raised
     if #entries == 1 then
       local e = entries[1]

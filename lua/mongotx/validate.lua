@@ -149,6 +149,10 @@ function _M.check_tid(id)
     return invalid("a transaction id may not be a document (it goes into marker " ..
       "arrays, where $pull reads a document as a condition)")
   end
+  if type(sent) == "string" and sent:sub(1, #stored.MARK_PREFIX) == stored.MARK_PREFIX then
+    return invalid(string.format("a transaction id may not start with %q " ..
+      "(mongotx's marks: README, \"Data model\")", stored.MARK_PREFIX))
+  end
   return sent, key
 end
 
@@ -444,6 +448,32 @@ function _M.malformed(T, ctx)
   for _, f in ipairs { "epoch", "attempts", "lease" } do
     if T[f] ~= nil and type(T[f]) ~= "number" then
       return f .. " is not a number: " .. (core.type(T[f]) or type(T[f]))
+    end
+  end
+  return _M.fields_error(T, ctx.collection)
+end
+
+-- Why the marker and version fields and the mark T records
+-- (mongotx.stored) are not fit to drive it with, or nil; with `coll` (T's
+-- collection), a mark must be the one T's collection and _id make.
+function _M.fields_error(T, coll)
+  local field_ok = require("mongotx.options").field_ok
+  for _, f in ipairs { "markerField", "versionField" } do
+    local v = T[f]
+    if v ~= nil and not (type(v) == "string" and field_ok(v)) then
+      return f .. " is not a field name mongotx may write"
+    end
+  end
+  if T.markerField ~= nil and T.markerField == T.versionField then
+    return "markerField and versionField are one field"
+  end
+  if T.mark ~= nil then
+    -- (ids compared as the server does: the one read back may be encoded
+    -- otherwise than the one the mark was made of, Int64(1) as 1)
+    local named, id = stored.named(T.mark)
+    if named == nil or named == stored.HOME or stored.id_key(id) ~= stored.id_key(T._id)
+        or (coll and named ~= coll) then
+      return "mark is not this transaction's mark"
     end
   end
 end
