@@ -18,6 +18,7 @@ local batch = require "mongotx.batch"
 local recovery = require "mongotx.recovery"
 local stepwise = require "mongotx.stepwise"
 local each = require "mongotx.each"
+local group = require "mongotx.group"
 
 local canon = validate.canon
 local live = stored.live
@@ -239,8 +240,14 @@ end
 -- begin + commit in one go, the fast way (batch.lua): the transaction is
 -- created pending and owned.  Returns it at `done` (or at `applied` with
 -- policy.finish = "deferred"), or nil, err.
+-- What tm:run checks before it runs (as _transfer_call).
+function Manager:_run_call(ops, opts, extra, level)
+  local spec, err = self:_spec(ops, opts, extra, "run", level + 1)
+  return spec, err
+end
+
 function Manager:run(ops, opts, extra)
-  local spec, err = self:_spec(ops, opts, extra, "run", CALLER)
+  local spec, err = self:_run_call(ops, opts, extra, CALLER)
   if not spec then return nil, err end
   local results, errs = self:_run_batch({ spec }, { false })
   if results[1] then return results[1] end
@@ -272,15 +279,30 @@ function Manager:_transfer_spec(collection, from, to, amount, opts, level)
     "transfer", level + 1, true)
 end
 
-function Manager:transfer(collection, from, to, amount, opts)
+-- What tm:transfer checks before it runs: the spec, or nil, err (raises
+-- at `level` for wrong argument types).  mongotx.group checks each
+-- grouped call with it.
+function Manager:_transfer_call(collection, from, to, amount, opts, level)
   local spec, err
-  opts, err = validate.options(opts, transfer_options, "transfer", CALLER)
+  opts, err = validate.options(opts, transfer_options, "transfer", level + 1)
   if not opts then return nil, err end
-  spec, err = self:_transfer_spec(collection, from, to, amount, opts, CALLER)
+  spec, err = self:_transfer_spec(collection, from, to, amount, opts, level + 1)
+  return spec, err
+end
+
+function Manager:transfer(collection, from, to, amount, opts)
+  local spec, err = self:_transfer_call(collection, from, to, amount, opts, CALLER)
   if not spec then return nil, err end
   local results, errs = self:_run_batch({ spec }, { false })
   if results[1] then return results[1] end
   return nil, errs[1]
+end
+
+-- Runs calls of tm:transfer and tm:run that concurrent callers made as
+-- one batch, each answered as its call alone would be (mongotx.group).
+function Manager:_group(calls, wait)
+  local out = group.run_calls(self, calls, wait)
+  return out
 end
 
 -- A batch of specs checked one by one: a bad one gets its error and is
