@@ -156,7 +156,10 @@ function Group:call(item)
     self.waiting = false -- one post per wait
     self.kick:post()
   end
-  while not t.done do t.signal:wait(60) end
+  while not t.done do
+    local _, err = t.signal:wait(60)
+    if err and err ~= "timeout" then error("mongotx.group: cannot wait: " .. tostring(err), 2) end
+  end
   if not t.ok then error(t.result, 0) end
   return t.result, t
 end

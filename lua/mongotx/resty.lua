@@ -194,8 +194,10 @@ local function run_group(tm, list, wait)
     a.method, a.n = c.m, n
     calls[i] = a
   end
+  local res, err = tm:_group(calls, wait)
+  if not res then return pack(2, nil, err) end -- no client of the pool came free
   local out = {}
-  for i, r in ipairs(tm:_group(calls, wait)) do
+  for i, r in ipairs(res) do
     if r == group.AGAIN then
       out[i] = { again = true }
     elseif r.raise then
@@ -493,10 +495,14 @@ for _, method in ipairs(pool.METHODS) do
   end
 end
 
+-- Where a handler may wait on a semaphore: elsewhere a call goes alone,
+-- and fails as it would have anyway.
+local YIELDS = { rewrite = true, server_rewrite = true, access = true, content = true, timer = true }
+
 for _, method in ipairs(group.METHODS) do
   local alone = Manager[method]
   Manager[method] = function(self, ...)
-    if not self.group then return alone(self, ...) end
+    if not self.group or not YIELDS[ngx.get_phase()] then return alone(self, ...) end -- luacheck: ignore 113
     return grouped(self, method, ...)
   end
 end
