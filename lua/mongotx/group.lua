@@ -84,6 +84,9 @@ local function run_batch(self, batch, waited)
   for i, t in ipairs(batch) do items[i] = t.item end
   self.batches = self.batches + 1
   local ok, results = pcall(self.run, items, { wait = waited })
+  if ok and type(results) ~= "table" then
+    ok, results = false, "mongotx.group: the batch runner returned a " .. type(results)
+  end
   local again = {}
   for i, t in ipairs(batch) do
     local r = ok and results[i]
@@ -112,8 +115,10 @@ local function drive(self)
       self.waiting = false
     end
     local queue, n = self.queue, min(#self.queue, self.max)
-    local batch = { unpack(queue, 1, n) }
-    self.queue = { unpack(queue, n + 1) }
+    local batch, rest = {}, {}
+    for i = 1, n do batch[i] = queue[i] end
+    for i = n + 1, #queue do rest[i - n] = queue[i] end
+    self.queue = rest
     local again = run_batch(self, batch, self.now() - started)
     if #again > 0 then
       for _, t in ipairs(self.queue) do again[#again + 1] = t end
@@ -260,7 +265,13 @@ function _M.wrap(tm, opts)
   if type(opts) ~= "table" then error("group.wrap takes a manager and a table of options", 2) end
   local o = {}
   for k, v in pairs(opts) do o[k] = v end
-  o.run = function(items, info) return tm:_group(items, info.wait) end
+  o.run = function(items, info)
+    local out, err = tm:_group(items, info.wait)
+    if out then return out end
+    out = {} -- (mongotx.pool: no client came free) each caller gets err
+    for i = 1, #items do out[i] = { n = 2, nil, err } end
+    return out
+  end
   return setmetatable({ tm = tm, group = _M.new(o) }, Wrapped)
 end
 
