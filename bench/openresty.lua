@@ -110,7 +110,7 @@ local function run(uri, workers, mode, conns)
   if not ok then failed = failed + 1 end
   client:command(name, { dropDatabase = 1 })
   return { rps = (r.requests or 0) / ((r.duration_us or 1) / 1e6), p50 = (r.p50_us or 0) / 1000,
-           p99 = (r.p99_us or 0) / 1000, errors = (r.non2xx or 0) + (r.socket_errors or 0),
+           p99 = (r.p99_us or 0) / 1000, non2xx = r.non2xx or 0, socket = r.socket_errors or 0,
            ok = ok, what = what }
 end
 
@@ -169,24 +169,25 @@ for _, lv in ipairs(levels) do
           res[mode][i] = run(lv.uri, workers, mode, conns)
           local x = res[mode][i]
           io.stderr:write(string.format("%s %d workers %d conns %s run %d: %.0f req/s p50 %.2f " ..
-            "p99 %.2f ms, %d errors, %s\n", lv.key, workers, conns, mode, i, x.rps, x.p50, x.p99,
-            x.errors, x.what))
+            "p99 %.2f ms, %d non-2xx, %d socket errors, %s\n", lv.key, workers, conns, mode, i,
+            x.rps, x.p50, x.p99, x.non2xx, x.socket, x.what))
         end
       end
       local c = { level = lv, workers = workers, conns = conns }
       for _, mode in ipairs { "ungrouped", "grouped" } do
         c[mode] = { rps = median(res[mode], "rps"), p50 = median(res[mode], "p50"),
-                    p99 = median(res[mode], "p99"), errors = 0, ok = true }
+                    p99 = median(res[mode], "p99"), non2xx = 0, socket = 0, ok = true }
         for _, x in ipairs(res[mode]) do
-          c[mode].errors = c[mode].errors + x.errors
+          c[mode].non2xx, c[mode].socket = c[mode].non2xx + x.non2xx, c[mode].socket + x.socket
           c[mode].ok = c[mode].ok and x.ok
         end
       end
       cells[#cells + 1] = c
       local u, g = c.ungrouped, c.grouped
-      rows[#rows + 1] = string.format("| %s | %d | %d | %.0f | %.0f | %.2fx | %.2f | %.2f | %.2f | %.2f | %d | %s |",
-        lv.label, workers, conns, u.rps, g.rps, g.rps / math.max(u.rps, 1), u.p50, g.p50, u.p99,
-        g.p99, u.errors + g.errors, (u.ok and g.ok) and "ok" or "FAILED")
+      rows[#rows + 1] = string.format("| %s | %d | %d | %.0f | %.0f | %.2fx | %.2f | %.2f | %.2f | %.2f " ..
+        "| %d / %d | %d / %d | %s |", lv.label, workers, conns, u.rps, g.rps,
+        g.rps / math.max(u.rps, 1), u.p50, g.p50, u.p99, g.p99, u.non2xx, g.non2xx, u.socket,
+        g.socket, (u.ok and g.ok) and "ok" or "FAILED")
       io.stderr:write(rows[#rows], "\n")
     end
   end
@@ -251,8 +252,10 @@ print(string.format("Measured %s UTC in %.1f minutes: medians of %d runs of %d s
   "; ping round trip through toxiproxy at +1 ms: %.2f ms", pings["1ms"]) or ""))
 print()
 print("| network | nginx workers | connections | ungrouped req/s | grouped req/s | grouped/ungrouped " ..
-      "| ungrouped p50 ms | grouped p50 ms | ungrouped p99 ms | grouped p99 ms | errors | database after every run |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+      "| ungrouped p50 ms | grouped p50 ms | ungrouped p99 ms | grouped p99 ms " ..
+      "| non-2xx (ungrouped / grouped) | wrk socket errors (ungrouped / grouped) " ..
+      "| database after every run |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for _, row in ipairs(rows) do print(row) end
 print()
 print("Targets (issue 22):")
