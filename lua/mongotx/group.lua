@@ -55,7 +55,9 @@ Group.__index = Group
 -- new{ run, signal, spawn, now [, max = 100] [, delay = 0] }:
 --   run(items, { wait = <seconds the driver waited> }) -> results, one
 --     per item (group.AGAIN: put it in the next batch; never for the
---     first item); a raise fails every call of the batch with it
+--     first item), and optionally the order the calls took effect in (a
+--     list of item indices; by default theirs); a raise fails every call
+--     of the batch with it
 --   signal() -> an object with :wait(seconds) -> woken? and :post()
 --   spawn(fn) -> ok, err: runs fn in a task of its own; when it cannot,
 --     the call runs as a batch of one in the caller's task
@@ -83,10 +85,12 @@ local function run_batch(self, batch, waited)
   local items = {}
   for i, t in ipairs(batch) do items[i] = t.item end
   self.batches = self.batches + 1
-  local ok, results = pcall(self.run, items, { wait = waited })
+  local ok, results, order = pcall(self.run, items, { wait = waited })
   if ok and type(results) ~= "table" then
     ok, results = false, "mongotx.group: the batch runner returned a " .. type(results)
   end
+  local position = {}
+  for k, i in ipairs(ok and order or {}) do position[i] = k end
   local again = {}
   for i, t in ipairs(batch) do
     local r = ok and results[i]
@@ -97,7 +101,7 @@ local function run_batch(self, batch, waited)
         ok, results = false, "mongotx.group: the batch runner put off the first call"
       end
       t.done, t.ok, t.result = true, ok, ok and r or results
-      t.batch, t.position = self.batches, i
+      t.batch, t.position = self.batches, position[i] or i
       t.signal:post()
     end
   end
@@ -142,8 +146,8 @@ local function drive_all(self)
 end
 
 -- g:call(item) -> the runner's result for item, and the ticket ({ batch,
--- position }: which batch of this group ran it, and where).  Raises what
--- the runner raised.
+-- position }: which batch of this group ran it, and where in the order
+-- its calls took effect).  Raises what the runner raised.
 function Group:call(item)
   local t = { item = item, at = self.now(), signal = self.signal(), done = false }
   local queue = self.queue
@@ -216,8 +220,13 @@ end
 -- = <how many arguments>, <the arguments> }.  Returns one result per
 -- call: { n = 1, T } or { n = 2, nil, err } as the call alone returns,
 -- { raise = <message> } for what it raises, or group.AGAIN (the call
--- conflicts with one before it here).  Emits on_event("group", { size =
--- <calls answered>, wait = wait, application }) once.
+-- conflicts with one before it here); and the order the calls answered
+-- took effect in: theirs, but those the batch settled one at a time after
+-- the others had committed (a guard that failed at first is tried again
+-- then: mongotx.batch) last.  So each answer is what its call alone gives
+-- when the calls run one at a time in that order.  Emits
+-- on_event("group", { size = <calls answered>, wait = wait, application })
+-- once.
 function _M.run_calls(tm, calls, wait)
   local out, specs, errs, where = {}, {}, {}, {}
   local ops, ids = {}, {}
@@ -236,9 +245,10 @@ function _M.run_calls(tm, calls, wait)
       specs[k], errs[k], where[k] = spec, false, i
     end
   end
+  local late = {}
   if #specs > 0 then
     local results
-    results, errs = tm:_run_batch(specs, errs)
+    results, errs, late = tm:_run_batch(specs, errs)
     for k, i in ipairs(where) do
       if results[k] then
         out[i] = { n = 1, results[k] }
@@ -247,12 +257,24 @@ function _M.run_calls(tm, calls, wait)
       end
     end
   end
-  local size = 0
+  local order, last = {}, {}
   for i = 1, #calls do
-    if out[i] ~= AGAIN then size = size + 1 end
+    if out[i] ~= AGAIN then order[#order + 1] = i end
+  end
+  local size, is_last = #order, {}
+  for k, i in ipairs(where) do
+    if late[k] then last[#last + 1], is_last[i] = i, true end
+  end
+  if #last > 0 then
+    local first = {}
+    for _, i in ipairs(order) do
+      if not is_last[i] then first[#first + 1] = i end
+    end
+    order = first
+    for _, i in ipairs(last) do order[#order + 1] = i end
   end
   tm.engine:event("group", { size = size, wait = wait, application = tm.application })
-  return out
+  return out, order
 end
 
 -- A manager (mongotx, or mongotx.pool's) behind a group: group.wrap(tm,
@@ -266,8 +288,9 @@ function _M.wrap(tm, opts)
   local o = {}
   for k, v in pairs(opts) do o[k] = v end
   o.run = function(items, info)
-    local out, err = tm:_group(items, info.wait)
-    if out then return out end
+    local out, order = tm:_group(items, info.wait)
+    if out then return out, order end
+    local err = order
     out = {} -- (mongotx.pool: no client came free) each caller gets err
     for i = 1, #items do out[i] = { n = 2, nil, err } end
     return out

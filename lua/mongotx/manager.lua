@@ -198,14 +198,15 @@ end
 local CHUNK = 100
 
 -- Runs specs as batches of at most CHUNK; the i-th result, or false and
--- its error.
+-- its error, and late[i] = true for those settled after the others of
+-- their batch (batch.run).
 function Manager:_run_batch(specs, errs)
-  local results, todo, where, m = {}, {}, {}, 0
+  local results, late, todo, where, m = {}, {}, {}, {}, 0
   local function run()
-    local res, bad, committed = batch.run(self.engine, todo)
+    local res, bad, committed, slow = batch.run(self.engine, todo)
     for k = 1, m do
       local i = where[k]
-      results[i], errs[i] = res[k], bad[k]
+      results[i], errs[i], late[i] = res[k], bad[k], slow[k] or nil
     end
     self:_finish_committed(committed)
     todo, where, m = {}, {}, 0
@@ -220,7 +221,7 @@ function Manager:_run_batch(specs, errs)
     end
   end
   if m > 0 then run() end
-  return results, errs
+  return results, errs, late
 end
 
 -- The committed transactions of a batch: finished now (policy.finish =
@@ -301,8 +302,8 @@ end
 -- Runs calls of tm:transfer and tm:run that concurrent callers made as
 -- one batch, each answered as its call alone would be (mongotx.group).
 function Manager:_group(calls, wait)
-  local out = group.run_calls(self, calls, wait)
-  return out
+  local out, order = group.run_calls(self, calls, wait)
+  return out, order
 end
 
 -- A batch of specs checked one by one: a bad one gets its error and is

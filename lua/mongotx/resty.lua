@@ -186,7 +186,8 @@ for _, m in ipairs(pool.METHODS) do METHOD[m] = true end
 -- A batch of grouped calls (group_runner below): args[1] lists { m =
 -- <method>, a = <its arguments, pack()ed> }, args[2] is how long the
 -- driver waited.  Returns, pack()ed, one { ok = <the results, pack()ed> },
--- { raise = <message> } or { again = true } per call.
+-- { raise = <message> } or { again = true } per call, and the order they
+-- took effect in (mongotx.group.run_calls).
 local function run_group(tm, list, wait)
   local calls = {}
   for i, c in ipairs(list) do
@@ -194,8 +195,8 @@ local function run_group(tm, list, wait)
     a.method, a.n = c.m, n
     calls[i] = a
   end
-  local res, err = tm:_group(calls, wait)
-  if not res then return pack(2, nil, err) end -- no client of the pool came free
+  local res, order = tm:_group(calls, wait)
+  if not res then return pack(2, nil, order) end -- no client of the pool came free
   local out = {}
   for i, r in ipairs(res) do
     if r == group.AGAIN then
@@ -206,7 +207,7 @@ local function run_group(tm, list, wait)
       out[i] = { ok = pack(r.n, unpack(r, 1, r.n)) }
     end
   end
-  return pack(1, out)
+  return pack(2, out, order)
 end
 
 local function run(kind, spec, method, args)
@@ -358,19 +359,19 @@ local function group_runner(tm)
   return function(items, info)
     local list = {}
     for i, item in ipairs(items) do list[i] = { m = item.method, a = item.args } end
-    local res, err = call(tm.db, 1, "group", tm.spec, nil, list, info.wait)
+    -- the results and the order they took effect in, or nil and why not
+    local res, order = call(tm.db, 1, "group", tm.spec, nil, list, info.wait)
     local out = {}
     for i = 1, #items do
-      local r = res and res[i]
       if not res then
-        out[i] = { ok = pack(2, nil, err) } -- overloaded, or no manager: each caller learns it
-      elseif r.again then
+        out[i] = { ok = pack(2, nil, order) } -- overloaded, or no manager: each caller learns it
+      elseif res[i].again then
         out[i] = group.AGAIN
       else
-        out[i] = r
+        out[i] = res[i]
       end
     end
-    return out
+    return out, res and order
   end
 end
 
