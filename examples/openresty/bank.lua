@@ -36,7 +36,10 @@ local config = {
   accounts = "accounts",
   thread_pool = "mongotx",
   wait = 5,                             -- seconds a call waits for a free thread (then 503)
-  manager = { application = "bank" },  -- db:manager's options (data only)
+  -- db:manager's options (data only); group = { max = 100, delay = 0 }
+  -- runs concurrent transfers of a worker as one batch (README, "Group
+  -- commit"; off by default: bench/README.md says why)
+  manager = { application = "bank" },
   dict = "mongotx",                     -- lua_shared_dict for the recovery election
   recovery = { every = 5, limit = 1000 },
   max_amount = 2 ^ 53,                  -- exact in a double, and in BSON

@@ -408,7 +408,8 @@ end
 -- The groups of this worker, by manager (and thread pool and options).
 local groups = {}
 
--- The group option of db:manager: false (off), or { max =, delay = }.
+-- The group option of db:manager: nil or false (off), or { max =, delay = }
+-- (each defaulting to GROUP_DEFAULT's).
 local GROUP_DEFAULT = { max = 100, delay = 0 }
 
 local function group_option(g)
@@ -424,7 +425,7 @@ end
 -- reach a worker thread, so policies that are functions come from a
 -- module named by `policies` (a module that returns a table of them, which
 -- each worker-thread VM requires; options given here win).  Plus `group`:
--- false, or { max = 100, delay = 0 } (the default): tm:transfer and tm:run
+-- false (the default), or { max = 100, delay = 0 }: tm:transfer and tm:run
 -- of concurrent handlers of this worker run as one batch (mongotx.group).
 function Database:manager(opts)
   if opts ~= nil and type(opts) ~= "table" then
