@@ -54,12 +54,13 @@ test-luajit: setup
 
 # mongotx.resty in real nginx (README, "OpenResty"): Debian's nginx with
 # its Lua module, OpenResty's LuaJIT and the LuaJIT build; the spec starts
-# its own test server (it stops it with SIGSTOP) and nginx.  About 30 s.
+# its own test server (it stops it with SIGSTOP) and nginx; spec/44 is
+# group commit (mongotx.group) in nginx.  About 2 minutes.
 test-openresty:
 	@spec/support/setup.sh deps java openresty
 	@$(MAKE) --no-print-directory all LUA=luajit LUA_PC=luajit BUILD=build/luajit
 	MONGOTX_OPENRESTY=1 MONGOTX_CPATH="$(CURDIR)/build/luajit/?.so" spec/support/busted-luajit \
-	  $(or $(BUSTED_ARGS),spec/40-openresty_spec.lua spec/43-openresty-metrics_spec.lua)
+	  $(or $(BUSTED_ARGS),spec/40-openresty_spec.lua spec/43-openresty-metrics_spec.lua spec/44-openresty-group_spec.lua)
 
 # The specs under valgrind: every leak or invalid access fails the run.
 # valgrind runs the interpreter itself (not the sh wrapper, which it would
@@ -143,11 +144,13 @@ bench-valgrind: setup
 	  --suppressions=spec/support/valgrind.supp $(LUA) bench/memory.lua 10000
 
 # wrk against examples/openresty's transfer endpoint in nginx (bench/README.md,
-# "OpenResty"): 1 and 2 workers, 1, 4, 16 connections, offloaded and
-# direct; the database is checked after every run.  About 2 minutes
-# (BENCH_ARGS: --seconds, --accounts, --threads).  Figures, not a test.
+# "OpenResty: group commit"): grouped against ungrouped, 1 and 2 workers,
+# 1, 16, 64 connections, on loopback and through toxiproxy at +1 ms,
+# medians of 3 runs; the database is checked after every run.  About 12
+# minutes (BENCH_ARGS: --seconds, --accounts, --threads, --runs, --delay,
+# --loopback 1).  Figures, not a test.
 bench-openresty:
-	@spec/support/setup.sh deps java openresty
+	@spec/support/setup.sh deps java openresty toxiproxy
 	@$(MAKE) --no-print-directory all LUA=luajit LUA_PC=luajit BUILD=build/luajit
 	MONGOTX_CPATH="$(CURDIR)/build/luajit/?.so" luajit bench/openresty.lua $(BENCH_ARGS)
 

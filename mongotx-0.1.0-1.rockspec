@@ -71,6 +71,7 @@ build = {
     ["mongotx.engine"] = "lua/mongotx/engine.lua",
     ["mongotx.recovery"] = "lua/mongotx/recovery.lua",
     ["mongotx.stepwise"] = "lua/mongotx/stepwise.lua",
+    ["mongotx.group"] = "lua/mongotx/group.lua",
     ["mongotx.pool"] = "lua/mongotx/pool.lua",
     ["mongotx.resty"] = "lua/mongotx/resty.lua",
     ["mongotx.clock"] = "lua/mongotx/clock.lua",

@@ -37,8 +37,11 @@ local config = {
   accounts = "accounts",
   thread_pool = "mongotx",
   wait = 5,                             -- seconds a call waits for a free thread (then 503)
-  -- db:manager's options (data only); metrics: the lua_shared_dict that
-  -- counts its events (mongotx.metrics.shared), served at GET /metrics
+  -- db:manager's options (data only). metrics: the lua_shared_dict that
+  -- counts its events (mongotx.metrics.shared), served at GET /metrics;
+  -- group = { max = 100, delay = 0 } runs concurrent transfers of a worker
+  -- as one batch (README, "Group commit"; off by default: bench/README.md
+  -- says why)
   manager = { application = "bank", metrics = "mongotx_metrics" },
   dict = "mongotx",                     -- lua_shared_dict for the recovery election
   recovery = { every = 5, limit = 1000 },

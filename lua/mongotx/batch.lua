@@ -305,8 +305,11 @@ end
 -- of the transaction document> } as one batch up to the commit point.
 -- Returns results, errs, committed: results[i] the transaction (state
 -- `applied`, or `done` when it went the one-at-a-time way) or false,
--- errs[i] why not, and the committed transactions left to finish (the
--- caller finishes them at once or later: policy.finish).
+-- errs[i] why not, the committed transactions left to finish (the
+-- caller finishes them at once or later: policy.finish), and late[i] =
+-- true for those settled one at a time after the others had committed
+-- (their effects, and what their guards read, come after the others':
+-- mongotx.group reports that order).
 function _M.run(eng, specs)
   local entries, results, errs = {}, {}, {}
   local now, err = eng:clock()
@@ -368,15 +371,19 @@ function _M.run(eng, specs)
   if #created > 0 then apply(eng, created, deadline, vs) end
   local ready = live()
   if #ready > 0 then commit(eng, ready) end
+  local late = {}
   for t, e in ipairs(entries) do
-    if e.slow and not e.err then settle(eng, e, deadline, versions and versions[t]) end
+    if e.slow and not e.err then
+      late[t] = true
+      settle(eng, e, deadline, versions and versions[t])
+    end
   end
   local committed = {}
   for i, e in ipairs(entries) do
     results[i], errs[i] = not e.err and e.T, e.err or false
     if not e.err and e.T.state == "applied" then committed[#committed + 1] = e.T end
   end
-  return results, errs, committed
+  return results, errs, committed, late
 end
 
 -- Batched recovery (mongotx.recovery) drives the transactions it claimed

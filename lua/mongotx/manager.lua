@@ -18,6 +18,7 @@ local batch = require "mongotx.batch"
 local recovery = require "mongotx.recovery"
 local stepwise = require "mongotx.stepwise"
 local each = require "mongotx.each"
+local group = require "mongotx.group"
 
 local canon = validate.canon
 local live = stored.live
@@ -203,14 +204,15 @@ end
 local CHUNK = 100
 
 -- Runs specs as batches of at most CHUNK; the i-th result, or false and
--- its error.
+-- its error, and late[i] = true for those settled after the others of
+-- their batch (batch.run).
 function Manager:_run_batch(specs, errs)
-  local results, todo, where, m = {}, {}, {}, 0
+  local results, late, todo, where, m = {}, {}, {}, {}, 0
   local function run()
-    local res, bad, committed = batch.run(self.engine, todo)
+    local res, bad, committed, slow = batch.run(self.engine, todo)
     for k = 1, m do
       local i = where[k]
-      results[i], errs[i] = res[k], bad[k]
+      results[i], errs[i], late[i] = res[k], bad[k], slow[k] or nil
     end
     self:_finish_committed(committed)
     todo, where, m = {}, {}, 0
@@ -225,7 +227,7 @@ function Manager:_run_batch(specs, errs)
     end
   end
   if m > 0 then run() end
-  return results, errs
+  return results, errs, late
 end
 
 -- The committed transactions of a batch: finished now (policy.finish =
@@ -245,8 +247,14 @@ end
 -- begin + commit in one go, the fast way (batch.lua): the transaction is
 -- created pending and owned.  Returns it at `done` (or at `applied` with
 -- policy.finish = "deferred"), or nil, err.
+-- What tm:run checks before it runs (as _transfer_call).
+function Manager:_run_call(ops, opts, extra, level)
+  local spec, err = self:_spec(ops, opts, extra, "run", level + 1)
+  return spec, err
+end
+
 function Manager:run(ops, opts, extra)
-  local spec, err = self:_spec(ops, opts, extra, "run", CALLER)
+  local spec, err = self:_run_call(ops, opts, extra, CALLER)
   if not spec then return nil, err end
   local results, errs = self:_run_batch({ spec }, { false })
   if results[1] then return results[1] end
@@ -278,15 +286,30 @@ function Manager:_transfer_spec(collection, from, to, amount, opts, level)
     "transfer", level + 1, true)
 end
 
-function Manager:transfer(collection, from, to, amount, opts)
+-- What tm:transfer checks before it runs: the spec, or nil, err (raises
+-- at `level` for wrong argument types).  mongotx.group checks each
+-- grouped call with it.
+function Manager:_transfer_call(collection, from, to, amount, opts, level)
   local spec, err
-  opts, err = validate.options(opts, transfer_options, "transfer", CALLER)
+  opts, err = validate.options(opts, transfer_options, "transfer", level + 1)
   if not opts then return nil, err end
-  spec, err = self:_transfer_spec(collection, from, to, amount, opts, CALLER)
+  spec, err = self:_transfer_spec(collection, from, to, amount, opts, level + 1)
+  return spec, err
+end
+
+function Manager:transfer(collection, from, to, amount, opts)
+  local spec, err = self:_transfer_call(collection, from, to, amount, opts, CALLER)
   if not spec then return nil, err end
   local results, errs = self:_run_batch({ spec }, { false })
   if results[1] then return results[1] end
   return nil, errs[1]
+end
+
+-- Runs calls of tm:transfer and tm:run that concurrent callers made as
+-- one batch, each answered as its call alone would be (mongotx.group).
+function Manager:_group(calls, wait)
+  local out, order = group.run_calls(self, calls, wait)
+  return out, order
 end
 
 -- A batch of specs checked one by one: a bad one gets its error and is

@@ -30,6 +30,7 @@ local core = require "mongotx.core"
 local pool = require "mongotx.pool"
 local catalog = require "mongotx.catalog"
 local options = require "mongotx.options"
+local group = require "mongotx.group"
 
 local type, pairs, ipairs, select, tostring, error, pcall, setmetatable, getmetatable =
   type, pairs, ipairs, select, tostring, error, pcall, setmetatable, getmetatable
@@ -87,12 +88,18 @@ end
 
 local unpack = table.unpack or unpack -- luacheck: ignore 143
 
--- The values of a pack()ed string.
-local function unpack_all(bytes)
+-- The values of a pack()ed string as a list, and how many.
+local function unpack_list(bytes)
   local t = decode(bytes)
   local out = {}
   for i = 1, t.n do out[i] = restore_errors(t[tostring(i)], 0) end
-  return unpack(out, 1, t.n)
+  return out, t.n
+end
+
+-- The values of a pack()ed string.
+local function unpack_all(bytes)
+  local out, n = unpack_list(bytes)
+  return unpack(out, 1, n)
 end
 
 -- The thread side ----------------------------------------------------------
@@ -191,6 +198,33 @@ end
 local METHOD = {}
 for _, m in ipairs(pool.METHODS) do METHOD[m] = true end
 
+-- A batch of grouped calls (group_runner below): args[1] lists { m =
+-- <method>, a = <its arguments, pack()ed> }, args[2] is how long the
+-- driver waited.  Returns, pack()ed, one { ok = <the results, pack()ed> },
+-- { raise = <message> } or { again = true } per call, and the order they
+-- took effect in (mongotx.group.run_calls).
+local function run_group(tm, list, wait)
+  local calls = {}
+  for i, c in ipairs(list) do
+    local a, n = unpack_list(c.a)
+    a.method, a.n = c.m, n
+    calls[i] = a
+  end
+  local res, order = tm:_group(calls, wait)
+  if not res then return pack(2, nil, order) end -- no client of the pool came free
+  local out = {}
+  for i, r in ipairs(res) do
+    if r == group.AGAIN then
+      out[i] = { again = true }
+    elseif r.raise then
+      out[i] = { raise = r.raise }
+    else
+      out[i] = { ok = pack(r.n, unpack(r, 1, r.n)) }
+    end
+  end
+  return pack(2, out, order)
+end
+
 local function run(kind, spec, method, args)
   local a = decode(args)
   local n = a.n
@@ -209,6 +243,7 @@ local function run(kind, spec, method, args)
   end
   local tm, err = get_manager(spec)
   if not tm then return pack(2, nil, err) end
+  if kind == "group" then return run_group(tm, list[1], list[2]) end
   if not METHOD[method] then error("no method " .. tostring(method), 0) end
   return pack_all(tm[method](tm, unpack(list, 1, n)))
 end
@@ -325,14 +360,100 @@ function _M.connect(uri, opts)
   return self
 end
 
+-- Group commit (mongotx.group): the worker side.  The driver runs in a
+-- timer of its own (ngx.timer.at 0), not in the coroutine of the handler
+-- that started it: a handler's coroutine ends with its request (a client
+-- abort under lua_check_client_abort, an ngx.exit in another of its
+-- threads), and a batch run there would leave its callers waiting.  A
+-- caller waits on a semaphore of its own.
+
+-- The batch runner: the calls of `items` as one tm:_group in one worker
+-- thread.  Returns one { ok = <results, pack()ed> } | { raise = msg } |
+-- group.AGAIN per item.
+local function group_runner(tm)
+  return function(items, info)
+    local list = {}
+    for i, item in ipairs(items) do list[i] = { m = item.method, a = item.args } end
+    -- the results and the order they took effect in, or nil and why not
+    local res, order = call(tm.db, 1, "group", tm.spec, nil, list, info.wait)
+    local out = {}
+    for i = 1, #items do
+      if not res then
+        out[i] = { ok = pack(2, nil, order) } -- overloaded, or no manager: each caller learns it
+      elseif res[i].again then
+        out[i] = group.AGAIN
+      else
+        out[i] = res[i]
+      end
+    end
+    return out, res and order
+  end
+end
+
+local function new_group(tm, o)
+  local ngx = ngx -- luacheck: ignore 113
+  local semaphore = require "ngx.semaphore"
+  return group.new {
+    max = o.max, delay = o.delay, run = group_runner(tm),
+    signal = semaphore.new,
+    spawn = function(fn) return ngx.timer.at(0, function() fn() end) end,
+    now = function()
+      ngx.update_time()
+      return ngx.now()
+    end,
+  }
+end
+
+-- tm:transfer and tm:run under group: the call joins its worker's next
+-- batch.  ngx.ctx.mongotx_group says which batch of this manager in this
+-- worker ran it ({ batch, position }: for logs).
+local function grouped(self, method, ...)
+  local ok, args = pcall(pack, select("#", ...), ...)
+  if not ok then
+    return nil, core.error({ code = "invalid", step = method,
+      message = "an argument cannot be sent to a worker thread: " .. tostring(args) })
+  end
+  local r, ticket = self.group:call({ method = method, args = args })
+  local ngx = ngx -- luacheck: ignore 113
+  ngx.ctx.mongotx_group = { batch = ticket.batch, position = ticket.position }
+  if r.raise then reraise(r.raise, 2) end
+  return unpack_all(r.ok)
+end
+
+-- The groups of this worker, by manager (and thread pool and options).
+local groups = {}
+
+-- The group option of db:manager: nil or false (off), or { max =, delay = }
+-- (each defaulting to GROUP_DEFAULT's).
+local GROUP_DEFAULT = { max = 100, delay = 0 }
+
+local function group_option(g)
+  if g == nil or g == false then return false end
+  if type(g) ~= "table" then error("option group of manager must be a table or false", 3) end
+  for k in pairs(g) do
+    if k ~= "max" and k ~= "delay" then error("unknown option group." .. tostring(k), 3) end
+  end
+  return { max = g.max or GROUP_DEFAULT.max, delay = g.delay or GROUP_DEFAULT.delay }
+end
+
 -- db:manager(opts): opts are db:manager's, as data: a function cannot
 -- reach a worker thread, so policies that are functions come from a
 -- module named by `policies` (a module that returns a table of them, which
--- each worker-thread VM requires; options given here win).
+-- each worker-thread VM requires; options given here win).  Plus `group`:
+-- false (the default), or { max = 100, delay = 0 }: tm:transfer and tm:run
+-- of concurrent handlers of this worker run as one batch (mongotx.group).
 function Database:manager(opts)
   if opts ~= nil and type(opts) ~= "table" then
     error("options of manager must be a table, not " .. type(opts), 2)
   end
+  local g
+  if opts then
+    local copy = {}
+    for k, v in pairs(opts) do copy[k] = v end
+    g, copy.group = copy.group, nil
+    opts = copy
+  end
+  g = group_option(g)
   for k, v in pairs(opts or {}) do
     if type(v) == "function" then
       error(format("option %s of manager is a function, which cannot reach a worker thread: " ..
@@ -349,7 +470,17 @@ function Database:manager(opts)
   if not ok then error("options of manager must be BSON data: " .. tostring(spec), 2) end
   local info, err = call(self, 2, "manager", spec, nil)
   if not info then return nil, err end
-  return setmetatable({ db = self, spec = spec, application = info.application }, Manager)
+  local tm = setmetatable({ db = self, spec = spec, application = info.application }, Manager)
+  if g and self.offload then
+    -- one group per manager (its spec) and worker: managers made for the
+    -- same options, as by concurrent first requests, share it
+    local gkey = format("%s\0%s\0%.17g\0%.17g", self.thread_pool, spec, g.max, g.delay)
+    local made, group_obj = true, groups[gkey]
+    if not group_obj then made, group_obj = pcall(new_group, tm, g) end
+    if not made then error(group_obj, 2) end
+    groups[gkey], tm.group = group_obj, group_obj
+  end
+  return tm
 end
 
 -- db:find(collection, filter [, opts]) -> list, db:count(collection,
@@ -377,10 +508,22 @@ function Database.close() end -- the pool lives as long as the worker process
 -- tm:<method>(...) for every method of a manager but step (a stepwise
 -- walk holds versions in one manager, and calls land on any VM).
 for _, method in ipairs(pool.METHODS) do
-  if method ~= "step" then
+  if method ~= "step" and method ~= "_group" then
     Manager[method] = function(self, ...)
       return call(self.db, 1, "call", self.spec, method, ...)
     end
+  end
+end
+
+-- Where a handler may wait on a semaphore: elsewhere a call goes alone,
+-- and fails as it would have anyway.
+local YIELDS = { rewrite = true, server_rewrite = true, access = true, content = true, timer = true }
+
+for _, method in ipairs(group.METHODS) do
+  local alone = Manager[method]
+  Manager[method] = function(self, ...)
+    if not self.group or not YIELDS[ngx.get_phase()] then return alone(self, ...) end -- luacheck: ignore 113
+    return grouped(self, method, ...)
   end
 end
 

@@ -231,6 +231,60 @@ function Nginx:spawn(method, path, body, opts)
   }
 end
 
+-- many(list [, { parallel = true, max_time = 30 }]) -> handle: list[i] =
+-- { method, path, body, headers }, sent by one curl process, in order
+-- one after another or all at once (--parallel); handle:wait(seconds) ->
+-- results, results[i] = { status = <0 when it failed>, body = }, or nil,
+-- "still running".
+function Nginx:many(list, opts)
+  opts = opts or {}
+  local config, outs = {}, {}
+  for i, r in ipairs(list) do
+    local out = scratch(self, "response")
+    outs[i] = out
+    config[#config + 1] = ("url = %q\nrequest = %q\noutput = %q\nmax-time = %g\n" ..
+      "write-out = \"%d %%{http_code}\\n\"\n"):format(self:url(r.path), r.method, out,
+      opts.max_time or 30, i)
+    if r.body then
+      local file = scratch(self, "request")
+      writefile(file, r.body)
+      config[#config + 1] = ("header = \"Content-Type: application/json\"\ndata-binary = %q\n")
+        :format("@" .. file)
+    end
+    for k, v in pairs(r.headers or {}) do
+      config[#config + 1] = ("header = %q\n"):format(k .. ": " .. v)
+    end
+    if i < #list then config[#config + 1] = "next\n" end
+  end
+  local file, res = scratch(self, "curl-config"), scratch(self, "result")
+  writefile(file, table.concat(config))
+  local flags = opts.parallel and ("--parallel --parallel-immediate --parallel-max " .. #list) or ""
+  execute(("(curl -s %s -K %s > %s.tmp 2>/dev/null; mv %s.tmp %s) &"):format(flags, q(file),
+    q(res), q(res), q(res)))
+  return {
+    wait = function(_, seconds)
+      for _ = 1, (seconds or 120) * 20 do
+        local s = readfile(res)
+        if s then
+          os.remove(res)
+          os.remove(file)
+          local results = {}
+          for i in ipairs(list) do results[i] = { status = 0, body = "" } end
+          for i, code in s:gmatch("(%d+) (%d+)") do
+            i = tonumber(i)
+            results[i].status = tonumber(code)
+            results[i].body = readfile(outs[i]) or ""
+            os.remove(outs[i])
+          end
+          return results
+        end
+        sleep(0.05)
+      end
+      return nil, "still running"
+    end,
+  }
+end
+
 function Nginx:error_log()
   return readfile(self.log) or ""
 end
