@@ -60,6 +60,13 @@ function _M.new(db, opts)
     if opts[k] ~= nil then policy[k] = opts[k] end
   end
   local collection = opts.collection or "transactions"
+  -- its namespace's length, by the function that checks an op's
+  -- collection (mongotx.options checked the rest)
+  local ok, bad = core.check_collection(collection, nil,
+    math.max(0, core.MAX_NAMESPACE - #db.name - 1))
+  if not ok then
+    return nil, errors.new("invalid", "option collection of manager: " .. bad, { step = "manager" })
+  end
   local tx = db.client:collection(db.name, collection)
   local self = setmetatable({
     db = db,
@@ -78,7 +85,8 @@ function _M.new(db, opts)
   }, Manager)
   -- read by callers and examples
   self.application, self.instance = self.engine.application, self.engine.instance
-  local ok, err = tx:create_index(core.doc("state", 1, "lastModified", 1))
+  local err
+  ok, err = tx:create_index(core.doc("state", 1, "lastModified", 1))
   if not ok then return nil, err end
   return self
 end

@@ -68,6 +68,15 @@ local function field_ok(s)
     and pcall(core.encode, { [s] = true })
 end
 
+-- A collection name, by the rules of an op's collection (one function
+-- for both: core.check_collection); the namespace's length, which needs
+-- the database's name, is the caller's to check (db:manager).
+local function collection_name(v)
+  if type(v) ~= "string" then return "type", "a string" end
+  local ok, why = core.check_collection(v)
+  if not ok then return "value", "a collection name (" .. why .. ")" end
+end
+
 local write_concern_keys = { w = true, j = true, wtimeout = true }
 
 local function write_concern(v)
@@ -116,8 +125,7 @@ local checks = {
       primaryPreferred = true, secondaryPreferred = true, nearest = true }),
   tls = tls,
   -- db:manager (and transfer_many's collection)
-  collection = typed("string", "a collection name (not empty, no $, not system.*)",
-    function(v) return name_ok(v, "%$") and v:sub(1, 7) ~= "system." end),
+  collection = collection_name,
   application = typed("string", "a non-empty string", function(v) return v ~= "" end),
   marker = typed("string", "a top-level field name (UTF-8, not empty, no $ first, no dots, " ..
     "not _id, txRemoving, txHeld or txPlaceholder)", field_ok),
