@@ -162,6 +162,15 @@ function Manager:_spec(ops, opts, extra, what, level, built)
   return { ops = norm, stored = stored_form, id = id, meta = opts.meta, extra = extra }
 end
 
+-- Checks ops and opts ({ id, meta }) as begin does, writing nothing:
+-- true, or nil and the error begin would return (mongotx.each checks its
+-- items so).
+function Manager:check(ops, opts)
+  local spec, err = self:_spec(ops, opts, nil, "check", CALLER)
+  if not spec then return nil, err end
+  return true
+end
+
 -- Creates the transaction (state initial) after checking every op.  With
 -- opts.id, repeating begin is safe: the same ops return the existing
 -- transaction, other ops are an `idempotency` error.
