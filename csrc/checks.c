@@ -11,6 +11,13 @@
  * over the tables in next() order, so the first fault found, and so the
  * message, is the one the Lua checks named.
  *
+ * The steps send the caller's content with libmongoc's validation off
+ * (csrc/txn.c, "Checked here"), so whatever that validation refuses is
+ * refused here, before anything is written: an empty key, a string that
+ * is not UTF-8 (which libmongoc 1.23 lets through, later ones do not), and
+ * more (see find_bad_scalar, check_path, find_unstorable); spec/31 runs
+ * the same values through both.
+ *
  * A fault returns nil and the message (validate.lua makes the `invalid`
  * error with `op <i>: ` before it); misuse raises.  Only a `where`'s
  * filter grammar stays in Lua: check_ops calls back for it. */
