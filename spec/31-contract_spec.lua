@@ -411,7 +411,7 @@ end)
 -- The README's error rule at every public entry point, one row per
 -- argument: each value of `wrong` (a wrong Lua type) raises, each value
 -- of `bad` (the right type, a value that cannot work) returns nil and an
--- `invalid` error; neither writes anything.  Batch calls answer per item:
+-- `invalid` error; neither writes anything (after the row's setup).  Batch calls answer per item:
 -- their rows return the first item's result and error.
 local function first(results, errs) return results[1] or nil, errs[1] end
 local function op(update, undo) return upd(update, undo) end
@@ -423,6 +423,9 @@ local entry_points = {
     wrong = { 1, true }, bad = { "", "a$b", ".x", "x\255", "system.x" } },
   { "db:manager application", function(e, v) return e.db:manager{ application = v } end,
     wrong = { 1 }, bad = { "" } },
+  { "db:manager application (stored on every transaction it claims)",
+    function(e, v) return e.db:manager{ application = v } end,
+    wrong = { true }, bad = { "app\255" } },
   { "db:manager marker", function(e, v) return e.db:manager{ marker = v } end,
     wrong = { 1 }, bad = { "", "$m", "a.b", "_id", "m\255" } },
   { "db:manager lease", function(e, v) return e.db:manager{ lease = v } end,
@@ -464,6 +467,13 @@ local entry_points = {
     wrong = { "t", 1 }, bad = { { _id = evil_id } } },
   { "tm:rollback t", function(e, v) return e.tm:rollback(v) end,
     wrong = { "t" }, bad = { { _id = evil_id } } },
+  { "tm:rollback reason (stored on the transaction)",
+    setup = function(e) e.t = assert(e.tm:begin(good_ops)) end,
+    function(e, v) return e.tm:rollback(e.t, v) end,
+    wrong = { 1, {} }, bad = { "why \255", ("x"):rep(17 * 1024 * 1024) } },
+  { "tm:step op index", setup = function(e) e.t = assert(e.tm:begin(good_ops)) end,
+    function(e, v) return e.tm:step("apply", e.t, v) end,
+    wrong = { "1", 9 }, bad = {} },
   { "tm:compensate t", function(e, v) return e.tm:compensate(v) end,
     wrong = { "t" }, bad = { { _id = evil_id } } },
   { "tm:recover limit", function(e, v) return e.tm:recover{ limit = v } end,
@@ -494,6 +504,11 @@ local entry_points = {
     wrong = { "1" }, bad = { 0, NAN } },
   { "queue:push kind", function(e, v) return e.queue:push(v, {}) end,
     wrong = { 1 }, bad = { "" } },
+  { "queue:push type (stored on the job)", function(e, v) return e.queue:push(v, {}) end,
+    wrong = {}, bad = { "m\255", "m\0x" } },
+  { "queue:claim worker (stored on the job)", setup = function(e) assert(e.queue:push("mail", {})) end,
+    function(e, v) return e.queue:claim(v) end,
+    wrong = { 1 }, bad = { "", "w\255" } },
   { "queue:push details", function(e, v) return e.queue:push("mail", v) end,
     wrong = {}, bad = { { ["$x"] = 1 }, { s = "\255" }, { d = D("NaN") }, "\255" } },
   { "queue:push priority", function(e, v) return e.queue:push("mail", {}, { priority = v }) end,
@@ -525,11 +540,13 @@ describe("#server the error rule at every public entry point", function()
   for _, row in ipairs(entry_points) do
     for k, v in ipairs(row.wrong) do
       it(row[1] .. ": wrong type " .. k .. " (" .. type(v) .. ") raises", function()
+        if row.setup then row.setup(e) end
         assert_raises(e, function() return row[2](e, v) end)
       end)
     end
     for k, v in ipairs(row.bad) do
       it(row[1] .. ": bad value " .. k .. " is invalid", function()
+        if row.setup then row.setup(e) end
         assert_refused(e, function() return row[2](e, v) end)
       end)
     end

@@ -389,6 +389,10 @@ function Manager:rollback(t, reason)
   if reason ~= nil and type(reason) ~= "string" then error("reason must be a string", CALLER) end
   local T, err = self:_load(t, "rollback")
   if not T then return nil, err end
+  if reason ~= nil and core.check_value(reason) then
+    return nil, errors.new("invalid", "reason: " .. core.check_value(reason),
+      { step = "rollback", id = T._id })
+  end
   if reason ~= nil and #reason > options.MAX_REASON then
     return nil, errors.new("invalid", format("reason takes %d bytes, more than the %d that " ..
       "fit in the transaction document", #reason, options.MAX_REASON),

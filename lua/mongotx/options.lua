@@ -68,6 +68,13 @@ local function field_ok(s)
     and pcall(core.encode, { [s] = true })
 end
 
+-- A name mongotx stores as a value (an application, a worker): not empty,
+-- and UTF-8 as every stored string (core.check_value).
+local function text_ok(v)
+  return v ~= "" and core.check_value(v) == nil
+end
+_M.text_ok = text_ok
+
 -- A collection name, by the rules of an op's collection (one function
 -- for both: core.check_collection); the namespace's length, which needs
 -- the database's name, is the caller's to check (db:manager).
@@ -126,7 +133,7 @@ local checks = {
   tls = tls,
   -- db:manager (and transfer_many's collection)
   collection = collection_name,
-  application = typed("string", "a non-empty string", function(v) return v ~= "" end),
+  application = typed("string", "a non-empty UTF-8 string", text_ok),
   marker = typed("string", "a top-level field name (UTF-8, not empty, no $ first, no dots, " ..
     "not _id, txRemoving, txHeld or txPlaceholder)", field_ok),
   fencing = typed("string", '"auto", "deadline" or "version"',
@@ -149,7 +156,7 @@ local checks = {
   dry_run = typed("boolean"),
   -- mongotx.queue: push, work
   priority = typed("number", "a whole number from -1000000 to 1000000", whole(-1e6, 1e6)),
-  worker = typed("string", "a non-empty string", function(v) return v ~= "" end),
+  worker = typed("string", "a non-empty UTF-8 string", text_ok),
   types = typed("table"),
   max_jobs = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
   stop = typed("function"),
