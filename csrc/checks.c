@@ -15,7 +15,7 @@
  * (csrc/txn.c, "Checked here"), so whatever that validation refuses is
  * refused here, before anything is written: an empty key, a string that
  * is not UTF-8 (which libmongoc 1.23 lets through, later ones do not), and
- * more (see find_bad_scalar, check_path, find_unstorable); spec/31 runs
+ * more (csrc/storable.c, check_path, find_unstorable); spec/31 runs
  * the same values through both.
  *
  * A fault returns nil and the message (validate.lua makes the `invalid`
@@ -147,169 +147,6 @@ find_key(lua_State *L, int idx, int depth, int (*bad)(const char *, size_t))
 			}
 		}
 		if (find_key(L, -1, depth + 1, bad)) {
-			lua_insert(L, -3);
-			lua_pop(L, 2);
-			return 1;
-		}
-		lua_pop(L, 1);
-	}
-	return 0;
-}
-
-/* ---- values no stored document should hold ---- */
-
-/* Is the string UTF-8?  A NUL inside is allowed, as libmongoc's
- * validation allows it in values (BSON_VALIDATE_UTF8_ALLOW_NULL); plain
- * ASCII without asking libbson. */
-static int
-utf8_value(const char *s, size_t n)
-{
-	size_t i;
-
-	for (i = 0; i < n; i++)
-		if ((unsigned char)s[i] & 0x80)
-			return bson_utf8_validate(s, n, true);
-	return 1;
-}
-
-/* Is the Decimal128 NaN or infinite?  (Its combination field, the five
- * bits after the sign, is 11110 for an infinity and 11111 for a NaN.) */
-static int
-decimal_non_finite(const bson_decimal128_t *d)
-{
-	return ((d->high >> 58) & 0x1e) == 0x1e;
-}
-
-static int bson_strings_utf8(const bson_t *b);
-
-/* Are the strings a boxed value holds (a regex's pattern and options,
- * code, a symbol, a DBPointer's collection, code with its scope) UTF-8? */
-static int
-value_strings_utf8(const bson_value_t *v)
-{
-	bson_t scope;
-
-	switch (v->value_type) {
-	case BSON_TYPE_REGEX:
-		return bson_utf8_validate(v->value.v_regex.regex, strlen(v->value.v_regex.regex),
-					  false) &&
-		       bson_utf8_validate(v->value.v_regex.options,
-					  strlen(v->value.v_regex.options), false);
-	case BSON_TYPE_CODE:
-		return utf8_value(v->value.v_code.code, v->value.v_code.code_len);
-	case BSON_TYPE_SYMBOL:
-		return utf8_value(v->value.v_symbol.symbol, v->value.v_symbol.len);
-	case BSON_TYPE_DBPOINTER:
-		return utf8_value(v->value.v_dbpointer.collection,
-				  v->value.v_dbpointer.collection_len);
-	case BSON_TYPE_CODEWSCOPE:
-		return utf8_value(v->value.v_codewscope.code, v->value.v_codewscope.code_len) &&
-		       bson_init_static(&scope, v->value.v_codewscope.scope_data,
-					v->value.v_codewscope.scope_len) &&
-		       bson_strings_utf8(&scope);
-	default:
-		return 1;
-	}
-}
-
-/* Are the keys and strings of the document b (a code's scope) UTF-8? */
-static int
-bson_strings_utf8(const bson_t *b)
-{
-	bson_iter_t it;
-	bson_t sub;
-	const uint8_t *data;
-	uint32_t len;
-
-	if (!bson_iter_init(&it, b))
-		return 0;
-	while (bson_iter_next(&it)) {
-		if (!bson_utf8_validate(bson_iter_key(&it), bson_iter_key_len(&it), false))
-			return 0;
-		if (BSON_ITER_HOLDS_DOCUMENT(&it) || BSON_ITER_HOLDS_ARRAY(&it)) {
-			if (BSON_ITER_HOLDS_DOCUMENT(&it))
-				bson_iter_document(&it, &len, &data);
-			else
-				bson_iter_array(&it, &len, &data);
-			if (!bson_init_static(&sub, data, len) || !bson_strings_utf8(&sub))
-				return 0;
-		} else if (BSON_ITER_HOLDS_UTF8(&it)) {
-			const char *s = bson_iter_utf8(&it, &len);
-
-			if (!utf8_value(s, len))
-				return 0;
-		} else if (!value_strings_utf8(bson_iter_value(&it))) {
-			return 0;
-		}
-	}
-	return 1;
-}
-
-/* What is wrong with the scalar at idx for a stored document or a guard:
- * a NaN or infinite number (a Lua number, a boxed double, a Decimal128),
- * or a string that is not UTF-8 (a Lua string, or one a boxed value
- * holds: other drivers cannot decode such a document).  Pushes it and
- * returns 1; else 0. */
-static int
-bad_scalar(lua_State *L, int idx)
-{
-	const mtx_value *v;
-	const char *s;
-	size_t n;
-
-	switch (lua_type(L, idx)) {
-	case LUA_TNUMBER:
-		if (isfinite((double)lua_tonumber(L, idx)))
-			return 0;
-		push_tostring(L, idx);
-		return 1;
-	case LUA_TSTRING:
-		s = lua_tolstring(L, idx, &n);
-		if (utf8_value(s, n))
-			return 0;
-		lua_pushliteral(L, "a string that is not UTF-8");
-		return 1;
-	case LUA_TUSERDATA:
-		if ((v = mtx_test_value(L, idx)) == NULL)
-			return 0;
-		if ((v->v.value_type == BSON_TYPE_DOUBLE && !isfinite(v->v.value.v_double)) ||
-		    (v->v.value_type == BSON_TYPE_DECIMAL128 &&
-		     decimal_non_finite(&v->v.value.v_decimal128))) {
-			push_tostring(L, idx);
-			return 1;
-		}
-		if (value_strings_utf8(&v->v))
-			return 0;
-		lua_pushfstring(L, "a %s that is not UTF-8", push_type_name(L, idx));
-		lua_remove(L, -2);
-		return 1;
-	default:
-		return 0;
-	}
-}
-
-/* The first value anywhere in the value at idx that bad_scalar refuses:
- * what is wrong with it (and under which key) pushed, and 1; else 0. */
-static int
-find_bad_scalar(lua_State *L, int idx, int depth)
-{
-	if (lua_type(L, idx) != LUA_TTABLE)
-		return bad_scalar(L, idx);
-	if (depth > WALK_DEPTH)
-		return 0;
-	idx = mtx_absindex(L, idx);
-	luaL_checkstack(L, 6, "mongotx: a value nested too deep");
-	lua_pushnil(L);
-	while (lua_next(L, idx)) {
-		if (lua_type(L, -1) != LUA_TTABLE && bad_scalar(L, -1)) {
-			const char *key = push_tostring(L, -3);
-
-			lua_pushfstring(L, "%s (under the key %s)", lua_tostring(L, -2), key);
-			lua_insert(L, -5);
-			lua_pop(L, 4);
-			return 1;
-		}
-		if (find_bad_scalar(L, -1, depth + 1)) {
 			lua_insert(L, -3);
 			lua_pop(L, 2);
 			return 1;
@@ -852,7 +689,7 @@ check_update(lua_State *L, int u, int owned, const char *what)
 		lua_pushfstring(L, "%s is empty", what);
 		return 0;
 	}
-	if (find_bad_scalar(L, u, 0)) {
+	if (mtx_find_bad_scalar(L, u, 0)) {
 		lua_pushfstring(L, "%s holds %s", what, lua_tostring(L, -1));
 		return 0;
 	}
@@ -1289,7 +1126,7 @@ check_insert_doc(lua_State *L, const op_slots *s)
 		lua_pushliteral(L, "doc may not hold an empty key");
 		return 0;
 	}
-	if (find_bad_scalar(L, doc, 0)) {
+	if (mtx_find_bad_scalar(L, doc, 0)) {
 		lua_pushfstring(L, "doc holds %s", lua_tostring(L, -1));
 		return 0;
 	}
@@ -1361,7 +1198,7 @@ check_op(lua_State *L, op_slots *s)
 		return 0;
 	if (!check_where(L, s))
 		return -1;
-	if (find_bad_scalar(L, s->value[F_WHERE], 0)) {
+	if (mtx_find_bad_scalar(L, s->value[F_WHERE], 0)) {
 		lua_pushfstring(L, "where holds %s", lua_tostring(L, -1));
 		return 0;
 	}
@@ -1626,7 +1463,7 @@ l_check_value(lua_State *L)
 		lua_pushliteral(L, "it holds an empty key");
 		return 1;
 	}
-	if (find_bad_scalar(L, 1, 0)) {
+	if (mtx_find_bad_scalar(L, 1, 0)) {
 		lua_pushfstring(L, "it holds %s", lua_tostring(L, -1));
 		return 1;
 	}
