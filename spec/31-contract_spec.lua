@@ -128,6 +128,8 @@ describe("#server numbers that are not numbers", function()
   end
 
   it("takes finite Decimal128s, Int64s and doubles where numbers go", function()
+    local lacks = helpers.ferretdb_lacks("Decimal128 (it drops the connection on one)")
+    if lacks then return pending(lacks) end
     local t = assert(e.tm:run({
       { collection = "accounts", id = "A", update = { ["$inc"] = { balance = D("-1.5") } },
         undo = { ["$inc"] = { balance = D("1.5") } }, where = { balance = { ["$gte"] = D("1.5") } } },
