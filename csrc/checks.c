@@ -1059,7 +1059,7 @@ check_update_op(lua_State *L, const op_slots *s)
 	lua_pushvalue(L, s->value[F_UNDO]);
 	lua_setfield(L, s->out, "undo");
 	/* a debit (only $inc of negative numbers, undone by an $inc of
-	 * positive ones) lowers what a guard reads (csrc/txn.c, "Guards");
+	 * positive ones) lowers what a guard reads (csrc/txn.h, "Guards");
 	 * a derived undo negates the update's numbers, none 0 there */
 	if (inc_sign(L, s->value[F_UPDATE]) == -1 &&
 	    (derived || inc_sign(L, s->value[F_UNDO]) == 1)) {

@@ -283,7 +283,7 @@ MTX_HIDDEN int mtx_l_snapshot(lua_State *L);
 
 MTX_HIDDEN int mtx_open_checks(lua_State *L);
 
-/* ---- txn.c: the two-phase-commit steps ---- */
+/* ---- txn.c: the two-phase-commit steps (txn_ops.c, txn_state.c; txn.h) ---- */
 
 MTX_HIDDEN int mtx_open_txn(lua_State *L);
 

@@ -12,7 +12,7 @@
 -- remembers the epochs it holds.  Applies are fenced by document versions
 -- read before the claim and by the owner's deadline (csrc/txn.c): a
 -- stalled former owner can never apply an op twice.  Guards never read an
--- effect that may still be undone (csrc/txn.c, "Guards"; release below).
+-- effect that may still be undone (csrc/txn.h, "Guards"; release below).
 
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"

@@ -536,7 +536,7 @@ function Manager:prune(opts)
   return res.deleted
 end
 
--- Deletes the placeholders (csrc/txn.c, fence) of the cancelled
+-- Deletes the placeholders (csrc/txn_ops.c, fence) of the cancelled
 -- transactions with insert ops among those prune is about to delete
 -- (`filter`): a former owner stalled for longer than the retention period
 -- is the risk this takes.  A placeholder that mongotx has written to since

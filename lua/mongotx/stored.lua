@@ -82,7 +82,7 @@ end
 local OPERATOR_FIELDS = { "update", "undo", "where" }
 
 -- Is where a floor (only $gte / $gt of numbers on fields)?  A floor may
--- read values that uncommitted debits have lowered (csrc/txn.c, "Guards").
+-- read values that uncommitted debits have lowered (csrc/txn.h, "Guards").
 function _M.is_floor(where)
   if type(where) ~= "table" or next(where) == nil then return false end
   for field, cond in pairs(where) do
