@@ -69,6 +69,7 @@ build = {
     ["mongotx.each"] = "lua/mongotx/each.lua",
     ["mongotx.stored"] = "lua/mongotx/stored.lua",
     ["mongotx.engine"] = "lua/mongotx/engine.lua",
+    ["mongotx.engine.phases"] = "lua/mongotx/engine/phases.lua",
     ["mongotx.recovery"] = "lua/mongotx/recovery.lua",
     ["mongotx.stepwise"] = "lua/mongotx/stepwise.lua",
     ["mongotx.group"] = "lua/mongotx/group.lua",

@@ -38,6 +38,21 @@ _M.HOME = HOME
 local MARK_PREFIX = "$mongotx:"
 _M.MARK_PREFIX = MARK_PREFIX
 
+-- Fields mongotx keeps on the documents it touches besides the marker and
+-- the version (both named by the manager's options):
+-- set by the remove op of an open transaction (its id): no other op
+-- applies to the document meanwhile;
+local REMOVING = "txRemoving"
+-- the open transactions whose effect on a document may have raised a
+-- value: a floor guard waits for them;
+local HELD = "txHeld"
+-- set (to the transaction's id) on the placeholder a rolled-back takeover
+-- leaves where an insert op would have put its document, so that an
+-- insert a stalled former owner prepared cannot land (fence); prune()
+-- removes it with the transaction.
+local PLACEHOLDER = "txPlaceholder"
+_M.REMOVING, _M.HELD, _M.PLACEHOLDER = REMOVING, HELD, PLACEHOLDER
+
 -- The mark a new transaction of collection `coll` with this _id records
 -- (nil: none, its _id is its mark): MARK_PREFIX, the collection's name, a
 -- `$` (which no collection name holds) and the hex of the BSON of { i =
