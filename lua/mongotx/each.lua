@@ -35,6 +35,7 @@
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local options = require "mongotx.options"
+local checks = require "mongotx.manager.checks"
 
 local type, ipairs, tostring, rawget = type, ipairs, tostring, rawget
 local format = string.format
@@ -257,7 +258,7 @@ local function prepare(tm, report, new, fn, level)
         error(format("each: fn returned a %s for item %d, not a list of ops or nil",
           type(ops), e.n), level)
       end
-      local spec, err = tm:_spec(ops, { id = e.id, meta = meta }, nil, "each", level)
+      local spec, err = checks.spec(tm, ops, { id = e.id, meta = meta }, nil, "each", level)
       if not spec then return bad_item(report, e.n, e.key, err.message) end
       e.ops, e.meta = ops, meta
       todo[#todo + 1] = e

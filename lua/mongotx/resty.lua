@@ -300,7 +300,7 @@ function Database.close() end -- the pool lives as long as the worker process
 -- tm:<method>(...) for every method of a manager but step (a stepwise
 -- walk holds versions in one manager, and calls land on any VM).
 for _, method in ipairs(pool.METHODS) do
-  if method ~= "step" and method ~= "_group" then
+  if method ~= "step" and method ~= "run_calls" then
     Manager[method] = function(self, ...)
       return call(self.db, 1, "call", self.spec, method, ...)
     end

@@ -26,7 +26,7 @@ local function run_group(tm, list, wait)
     a.method, a.n = c.m, n
     calls[i] = a
   end
-  local res, order = tm:_group(calls, wait)
+  local res, order = tm:run_calls(calls, wait)
   if not res then return pack(2, nil, order) end -- no client of the pool came free
   local out = {}
   for i, r in ipairs(res) do
@@ -47,7 +47,7 @@ end
 -- threads), and a batch run there would leave its callers waiting.  A
 -- caller waits on a semaphore of its own.
 
--- The batch runner: the calls of `items` as one tm:_group in one worker
+-- The batch runner: the calls of `items` as one tm:run_calls in one worker
 -- thread.  Returns one { ok = <results, pack()ed> } | { raise = msg } |
 -- group.AGAIN per item.
 local function group_runner(tm)
