@@ -283,6 +283,13 @@ MTX_HIDDEN int mtx_l_snapshot(lua_State *L);
 
 MTX_HIDDEN int mtx_open_checks(lua_State *L);
 
+/* ---- storable.c: values no stored document should hold ---- */
+
+/* The first NaN or infinite number, or string that is not UTF-8, anywhere
+ * in the value at idx (walked to depth MTX_MAX_DEPTH): what is wrong with
+ * it (and under which key) pushed, and 1; else 0. */
+MTX_HIDDEN int mtx_find_bad_scalar(lua_State *L, int idx, int depth);
+
 /* ---- txn.c: the two-phase-commit steps (txn_ops.c, txn_state.c; txn.h) ---- */
 
 MTX_HIDDEN int mtx_open_txn(lua_State *L);

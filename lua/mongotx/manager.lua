@@ -67,6 +67,13 @@ function _M.new(db, opts)
     end
   end
   local collection = opts.collection or "transactions"
+  -- its namespace's length, by the function that checks an op's
+  -- collection (mongotx.options checked the rest)
+  local ok, bad = core.check_collection(collection, nil,
+    math.max(0, core.MAX_NAMESPACE - #db.name - 1))
+  if not ok then
+    return nil, errors.new("invalid", "option collection of manager: " .. bad, { step = "manager" })
+  end
   local tx = db.client:collection(db.name, collection)
   local self = setmetatable({
     db = db,
@@ -85,7 +92,8 @@ function _M.new(db, opts)
   }, Manager)
   -- read by callers and examples
   self.application, self.instance = self.engine.application, self.engine.instance
-  local ok, err = tx:create_index(core.doc("state", 1, "lastModified", 1))
+  local err
+  ok, err = tx:create_index(core.doc("state", 1, "lastModified", 1))
   if not ok then return nil, err end
   return self
 end
@@ -134,6 +142,15 @@ function Manager:server_now()
 end
 
 -- The public API ------------------------------------------------------------
+
+-- Checks ops and opts ({ id, meta }) as begin does, writing nothing:
+-- true, or nil and the error begin would return (mongotx.each checks its
+-- items so).
+function Manager:check(ops, opts)
+  local spec, err = checks.spec(self, ops, opts, nil, "check", CALLER)
+  if not spec then return nil, err end
+  return true
+end
 
 -- Creates the transaction (state initial) after checking every op.  With
 -- opts.id, repeating begin is safe: the same ops return the existing
@@ -268,6 +285,10 @@ function Manager:rollback(t, reason)
   if reason ~= nil and type(reason) ~= "string" then error("reason must be a string", CALLER) end
   local T, err = self:_load(t, "rollback")
   if not T then return nil, err end
+  if reason ~= nil and core.check_value(reason) then
+    return nil, errors.new("invalid", "reason: " .. core.check_value(reason),
+      { step = "rollback", id = T._id })
+  end
   if reason ~= nil and #reason > options.MAX_REASON then
     return nil, errors.new("invalid", format("reason takes %d bytes, more than the %d that " ..
       "fit in the transaction document", #reason, options.MAX_REASON),

@@ -28,6 +28,7 @@
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
+local options = require "mongotx.options"
 local clock = require "mongotx.clock"
 local points = require "mongotx.points"
 
@@ -183,8 +184,8 @@ function Queue:push(kind, details, opts)
   local why
   opts, why = validate.options(opts, push_options, "push", CALLER)
   if not opts then return nil, why end
-  if kind == "" or kind:find("%z") then
-    return invalid("push", "push: type must be a non-empty string without NUL")
+  if not options.text_ok(kind) or kind:find("%z") then
+    return invalid("push", "push: type must be a non-empty UTF-8 string without NUL")
   end
   local stored
   stored, why = validate.value(details)
@@ -246,7 +247,9 @@ end
 -- `worker` with a lease; false when there is none, or nil, err.
 function Queue:claim(worker, types)
   if type(worker) ~= "string" then error("claim: worker must be a string", CALLER) end
-  if worker == "" then return invalid("claim", "claim: worker may not be empty") end
+  if not options.text_ok(worker) then
+    return invalid("claim", "claim: worker must be a non-empty UTF-8 string")
+  end
   local of, why = claim_types(types, "claim")
   if of == false then return nil, why end
   local now, err = self.clock:now()

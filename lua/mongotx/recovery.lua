@@ -53,6 +53,9 @@ local function triage(eng, T, now, me)
   end
   local age = T.lastModified and (now - T.lastModified:value()) / 1000 or math.huge
   if not eng.policy.may_recover(T, age, me) then return "skipped" end
+  -- the owner (this engine holds T at its epoch) drives it at once: a
+  -- claim would wait for its own deadline (policy.may_recover)
+  if eng:holds(T) then return "own" end
   if T.state == "initial" and eng.policy.stale_initial(T) == "expire" then
     local moved, err = eng:step("cancelled", T._id, eng.tx, T._id, "initial", T.epoch, "expired")
     if moved == nil then return nil, err end
@@ -79,6 +82,12 @@ end
 -- "cancelled", "skipped" or "parked", or nil, err.
 local function recover_one(eng, T, now, me)
   local route, err = triage(eng, T, now, me)
+  if route == "own" then
+    local final
+    final, err = eng:drive(T, nil)
+    if final then return "done" end
+    return failed_or_cancelled(eng, T, err)
+  end
   if route ~= "claim" then return route, err end
   local versions
   if T.state == "initial" or T.state == "pending" then
@@ -346,6 +355,8 @@ local function recover_batch(eng, entries, now, me)
       raised_in(e, route)
     elseif route == "claim" then
       claims[#claims + 1] = e
+    elseif route == "own" then
+      guarded(alone, eng, e)
     elseif route then
       e.outcome = route
     else

@@ -1,6 +1,6 @@
 -- mongotx.manager.checks: what the manager's calls check before they run,
--- as functions taking the manager: the batch spec of begin, run,
--- commit_many and each (spec), of a transfer (transfer_spec), the whole
+-- as functions taking the manager: the batch spec of begin, check, run,
+-- and commit_many (spec), of a transfer (transfer_spec), the whole
 -- check of tm:run and tm:transfer (run_call, transfer_call), which
 -- mongotx.group runs for each call it groups, and the items of a batch
 -- call (batch_specs).  Wrong argument types raise at `level`, or at
