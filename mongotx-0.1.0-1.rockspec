@@ -40,7 +40,8 @@ build = {
   modules = {
     ["mongotx.core"] = {
       sources = {
-        "csrc/checks.c", "csrc/client.c", "csrc/collection.c", "csrc/core.c", "csrc/cursor.c",
+        "csrc/checks.c", "csrc/checks_ops.c", "csrc/checks_update.c",
+        "csrc/client.c", "csrc/collection.c", "csrc/core.c", "csrc/cursor.c",
         "csrc/decode.c", "csrc/encode.c", "csrc/error.c", "csrc/fault.c",
         "csrc/ids.c", "csrc/options.c", "csrc/scratch.c", "csrc/signals.c", "csrc/storable.c",
         "csrc/stored.c", "csrc/txn.c", "csrc/txn_ops.c", "csrc/txn_state.c", "csrc/value.c",
