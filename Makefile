@@ -24,7 +24,7 @@ SPEC_ENV    = MONGOTX_CPATH="$(CURDIR)/$(BUILD)/?.so"
 SERVER     ?= memory
 WITH_SERVER = spec/support/with-server
 
-.PHONY: all setup test test-ferretdb test-luajit test-openresty memcheck asan fuzz fuzz-ci demo bench bench-openresty bench-memory bench-valgrind torture torture-ci lint clean
+.PHONY: all setup test test-ferretdb test-luajit test-openresty memcheck asan fuzz fuzz-ci demo bench bench-openresty bench-memory bench-valgrind bench-scale torture torture-ci lint clean
 
 all: $(SO)
 
@@ -142,6 +142,14 @@ bench-valgrind: setup
 	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- valgrind --error-exitcode=99 \
 	  --leak-check=full --errors-for-leak-kinds=definite \
 	  --suppressions=spec/support/valgrind.supp $(LUA) bench/memory.lua 10000
+
+# Recovery of backlogs of stale transactions (bench/README.md, "Recovery
+# at scale"): BENCH_SCALE_SIZES (default 1000,10000: a few minutes) and
+# BENCH_SCALE_MODES; BENCH_ARGS="--write" rewrites the table and
+# bench/scale.png.  A million needs MONGOTX_SERVER_HEAP=8g.
+bench-scale: setup
+	@$(MAKE) --no-print-directory all
+	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- $(LUA) bench/scale.lua $(BENCH_ARGS)
 
 # wrk against examples/openresty's transfer endpoint in nginx (bench/README.md,
 # "OpenResty: group commit"): grouped against ungrouped, 1 and 2 workers,

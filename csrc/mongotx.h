@@ -189,10 +189,12 @@ typedef struct mtx_cursor mtx_cursor;
 /* What the client sent: commands is round trips, counted by libmongoc's
  * command monitoring (APM, client.c); writes the statements of write
  * commands, counted where mongotx hands them to libmongoc
- * (mtx_count_writes). */
+ * (mtx_count_writes); returned the documents the server's find, getMore
+ * and aggregate replies carried (APM too). */
 typedef struct {
 	int64_t commands;
 	int64_t writes;
+	int64_t returned;
 } mtx_counters;
 
 /* A process-wide pool of libmongoc clients (client.c, connect with

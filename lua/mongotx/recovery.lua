@@ -389,51 +389,73 @@ local function recover_batch(eng, entries, now, me)
   end
 end
 
--- Up to `limit` well-formed active transactions that are not parked and
--- were not tried in the last stale_after seconds (`triedAt`, set when a
--- try fails: a failure is tried again no sooner than a stale transaction
--- is first, so passes in quick succession, as a `mongotx recover` sweep
--- runs them, cannot spend its max_attempts in seconds; stale_after = 0
--- waits for nothing), oldest first, read before recovery writes anything.  A malformed one
--- (validate.malformed) is counted in report.malformed and listed in
--- report.errors (the first `limit` of them), never written: it is evidence
--- for an operator.  Malformed ones do not count against the limit, so
--- however many pile up they cannot starve the well-formed ones behind
--- them; they only cost a read per pass until someone removes them.
-local function stale_list(eng, limit, report, now)
-  local filter = { state = { ["$in"] = ACTIVE }, parked = { ["$ne"] = true } }
+-- How many documents a pass reads beyond its `limit`: room for the
+-- malformed ones among the oldest (below).  The read is bounded, so a
+-- pass costs what it drives whatever the backlog, on a server that sends
+-- a whole result in one reply (mongo-java-server) as on one that sends
+-- 101 documents, then 16 MiB at a time (MongoDB).
+_M.MARGIN = 100
+
+-- How many documents one reply of the server brings at most: the
+-- client holds that many undecoded (a few hundred bytes each) and `size`
+-- of them decoded, whatever `limit` is.
+_M.READ = 1000
+
+-- The cursor over the active transactions a pass may take: not parked,
+-- not tried in the last stale_after seconds (`triedAt`, set when a try
+-- fails: a failure is tried again no sooner than a stale transaction is
+-- first, so passes in quick succession, as a `mongotx recover` sweep runs
+-- them, cannot spend its max_attempts in seconds; stale_after = 0 waits
+-- for nothing), not changed since the pass began (the pass's own writes
+-- move lastModified on: on a server whose cursor reads on as it goes,
+-- MongoDB, a transaction this pass claimed and failed must not come back
+-- in a later chunk), oldest first; at most limit + MARGIN of them, READ
+-- a reply.
+local function stale_cursor(eng, limit, size, now)
+  local filter = { state = { ["$in"] = ACTIVE }, parked = { ["$ne"] = true },
+                   lastModified = { ["$not"] = { ["$gt"] = Date(now) } } }
   if eng.policy.stale_after > 0 then
     filter["$or"] = { { triedAt = { ["$exists"] = false } },
       { triedAt = { ["$lt"] = Date(math.floor(now - eng.policy.stale_after * 1000)) } } }
   end
-  local cursor = eng.tx:find(filter, { sort = { lastModified = 1 } })
-  local list, listed = {}, 0
-  while #list < limit do
+  local most = limit + _M.MARGIN
+  return eng.tx:find(filter, { sort = { lastModified = 1 }, limit = most,
+                               batch_size = math.min(most, math.max(size, _M.READ)) })
+end
+
+-- The next up to `n` well-formed transactions of the cursor, and true
+-- when the cursor has ended; nil, err.  A malformed one
+-- (validate.malformed) is counted in report.malformed and listed in
+-- report.errors (the first `limit` of them), never written: it is
+-- evidence for an operator.  Malformed ones do not count against the
+-- limit, only against the margin: up to MARGIN of them older than the
+-- well-formed ones cannot starve these; more hold them back until someone
+-- removes them (every pass reports the ones it reads).
+local function next_chunk(eng, cursor, n, limit, report)
+  local list = {}
+  while #list < n do
     local T, err = cursor:next()
     if not T then
-      cursor:close()
       if err then return nil, errors.wrap(err, "recover") end
-      return list
+      return list, true
     end
     local why = validate.malformed(T, eng.vctx)
     if not why then
       list[#list + 1] = T
     else
       report.malformed = report.malformed + 1
-      if listed < limit then
-        listed = listed + 1
+      if report.malformed <= limit then
         report.errors[#report.errors + 1] = { id = T._id, error = errors.new("malformed",
           "malformed transaction, left as it is: " .. why, { step = "recover", id = T._id }) }
       end
     end
   end
-  cursor:close()
   return list
 end
 
 -- Counts a failure of T in the report and on T, so that a transaction
 -- that keeps failing is parked (with this reason) instead of blocking
--- every pass, and notes when (triedAt, by the server's clock: stale_list
+-- every pass, and notes when (triedAt, by the server's clock: stale_cursor
 -- waits before the next try).
 local function failed(eng, report, T, e)
   report.failed = report.failed + 1
@@ -462,24 +484,11 @@ end
 -- How many transactions a pass recovers together by default.
 _M.BATCH = 100
 
--- Finds up to `limit` stale transactions and drives each to done or
--- cancelled under the policies, `size` at a time (1: each alone).
--- Returns a report: { examined, done, cancelled, skipped, parked, failed,
--- malformed, errors = { {id, error}, ... } } (the shape callers and
--- specs compare whole; client:counters() tells the round trips).
-function _M.recover(eng, limit, size)
-  local now, err = eng:server_now()
-  if not now then return nil, err end
-  local me = eng:me()
-  local report = { examined = 0, done = 0, cancelled = 0, skipped = 0, parked = 0,
-                   failed = 0, malformed = 0, errors = {} }
-  -- Oldest first; whether each one is stale enough is the policy's call
-  -- (a holder may have declared a shorter lease than this manager's).
-  local list
-  list, err = stale_list(eng, limit, report, now)
-  if not list then return nil, err end
-  report.examined = #list
-  for _, chunk in ipairs(chunks(eng, list, size or 1)) do
+-- Drives the transactions of `list` (a chunk of the pass, at most `size`)
+-- together (alone when there is one; chunks() sets apart those of another
+-- form); outcomes and failures go into the report.
+local function drive(eng, list, report, now, me)
+  for _, chunk in ipairs(chunks(eng, list, #list)) do
     local entries = {}
     for i, T in ipairs(chunk) do entries[i] = { T = live(T), was = T.state } end
     local ok, raised
@@ -499,6 +508,40 @@ function _M.recover(eng, limit, size)
       end
     end
   end
+end
+
+-- Finds up to `limit` stale transactions and drives each to done or
+-- cancelled under the policies, `size` at a time (1: each alone).  The
+-- pass streams: it decodes `size` transactions, drives them and lets
+-- them go before it reads on, so what it holds is bounded by the batch
+-- (and the server's reply of at most READ), not by `limit`; what it reads
+-- is bounded by limit + MARGIN.
+-- Returns a report: { examined, done, cancelled, skipped, parked, failed,
+-- malformed, errors = { {id, error}, ... } } (the shape callers and
+-- specs compare whole; client:counters() tells the round trips), or nil,
+-- err when the read fails (what was driven before stays driven).
+function _M.recover(eng, limit, size)
+  size = size or 1
+  local now, err = eng:server_now()
+  if not now then return nil, err end
+  local me = eng:me()
+  local report = { examined = 0, done = 0, cancelled = 0, skipped = 0, parked = 0,
+                   failed = 0, malformed = 0, errors = {} }
+  -- Oldest first; whether each one is stale enough is the policy's call
+  -- (a holder may have declared a shorter lease than this manager's).
+  local cursor = stale_cursor(eng, limit, size, now)
+  local ended = false
+  while not ended and report.examined < limit do
+    local list
+    list, ended = next_chunk(eng, cursor, math.min(size, limit - report.examined), limit, report)
+    if not list then
+      cursor:close()
+      return nil, ended -- the read's error
+    end
+    report.examined = report.examined + #list
+    if #list > 0 then drive(eng, list, report, now, me) end
+  end
+  cursor:close()
   eng:event("recover", report)
   return report
 end
