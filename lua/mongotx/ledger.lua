@@ -123,6 +123,15 @@ local function check_value(v, what, step, positive)
   return true
 end
 
+-- An id or account argument that no id can be (none, a function, a
+-- thread) is misuse, as for tm:get: it raises at the public call's caller.
+local function present(x, what, step)
+  local kind = type(x)
+  if x == nil or kind == "function" or kind == "thread" then
+    error(format("%s needs %s, not a %s", step, what, kind), HELPER_CALLER)
+  end
+end
+
 local function check_account(a, step, i)
   local sent, key = check_id(a)
   -- an empty document (or array: Lua cannot tell) is no condition to
@@ -328,6 +337,7 @@ end
 -- balance(account): the reconciled balance and the last seqId taken
 -- (0, 0 for an account without entries); nil, err.
 function Ledger:balance(account)
+  present(account, "an account", "balance")
   local sent, key = check_account(account, "balance")
   if sent == nil then return nil, key end
   local view = { account = sent, key = key }
@@ -341,6 +351,7 @@ end
 -- The entry with this id, or nil; nil, err.
 -- (check_id, not check_tid: a counter-entry's id is a document.)
 function Ledger:get(id)
+  present(id, "an entry id", "get")
   local sent, why = check_id(id)
   if sent == nil then why.step = "get"; return nil, why end
   local doc, err = self.entries:find_one({ _id = sent })
@@ -521,6 +532,7 @@ end
 -- counter-entry.  Without min the reversal is not guarded: it corrects a
 -- mistake and must land.
 function Ledger:reverse(id, opts)
+  present(id, "an entry id", "reverse")
   local err
   opts, err = check_post_options(opts, guard_options, "reverse", CALLER)
   if not opts then return nil, err end
@@ -760,6 +772,7 @@ end
 -- of the entries up to it, and balance() agrees with the replay at the
 -- seqId it gives (safe on a live ledger: see below); nil, err.
 function Ledger:reconcile(account)
+  present(account, "an account", "reconcile")
   local sent, key = check_account(account, "reconcile")
   if sent == nil then return nil, key end
   -- The head, then balance(), then the entries: each read sees at least
