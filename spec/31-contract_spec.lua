@@ -549,7 +549,10 @@ local entry_points = {
   -- (issue 20, item 3: the entry points the first audit left out)
   { "tm:find filter", function(e, v) return e.tm:find(v) end,
     wrong = { "f", 1 }, bad = { { state = { ["$bogus"] = 1 } }, { ["$where"] = "true" },
-                                { ["$expr"] = { ["$gt"] = { "$a", 1 } } } } },
+                                { ["$expr"] = { ["$gt"] = { "$a", 1 } } }, { x = print },
+                                -- pairs() shows nothing, the encoder sends $where
+                                setmetatable({ ["$where"] = "true" },
+                                  { __pairs = function() return next, {}, nil end }) } },
   { "tm:find opts", function(e, v) return e.tm:find({}, v) end,
     wrong = { "o", { bogus = 1 }, { limit = "1" }, { sort = 1 } },
     bad = { { limit = -1 }, { limit = NAN }, { limit = 1.5 }, { limit = INF }, { skip = -1 },
@@ -630,6 +633,13 @@ local entry_points = {
       return assert(pooled(e):manager{ application = "app-1" }):find({}, v)
     end, wrong = { "o", { limit = "1" } }, bad = { { limit = -1 }, { limit = NAN } } },
 }
+
+it("#server the core's collection handle raises for an empty name (libmongoc aborted on a read)", function()
+  local db = assert(mongotx.connect(helpers.uri(), { database = helpers.db_name() }))
+  assert.has_error(function() return db:collection(""):find_all({}) end)
+  assert.has_error(function() return db.client:collection("", "x"):count({}) end)
+  db:close()
+end)
 
 describe("#server the error rule at every public entry point", function()
   local e
