@@ -153,7 +153,12 @@ local cases = {
     call = function() return mongotx.connect(helpers.uri(), { appname = {} }) end },
   { "connect: a write concern that is not a table", raises = "write_concern",
     call = function() return mongotx.connect(helpers.uri(), { write_concern = 1 }) end },
-  { "connect: a URI that is not a MongoDB URI", check = core_error(), msg = "URI",
+  -- bad input (issue 20), libmongoc's number kept
+  { "connect: a URI that is not a MongoDB URI", msg = "URI",
+    check = function(err)
+      assert.are.equal("invalid", err.code, tostring(err))
+      assert.are.equal(22, err.server_code, tostring(err))
+    end,
     call = function() return mongotx.connect("http://127.0.0.1/") end },
 
   -- db:manager ------------------------------------------------------------
