@@ -550,6 +550,10 @@ client_collection(lua_State *L)
 	const char *db = luaL_checkstring(L, 2);
 	const char *name = luaL_checkstring(L, 3);
 
+	/* libmongoc aborts the process (a failed precondition) on the first
+	 * read of a collection whose database or name is empty */
+	if (!*db || !*name)
+		return luaL_argerror(L, *db ? 3 : 2, "may not be empty");
 	mtx_client_handle(L, c);
 	mtx_push_collection(L, 1, c, db, name);
 	return 1;

@@ -122,6 +122,16 @@ describe("#openresty mongotx.resty in nginx", function()
           for i, c in ipairs(checks) do if not c then ngx.say("check ", i, " failed") return end end
           ngx.say("ok")
         } }
+        location = /_contract { content_by_lua_block {
+          -- spec/support/resty_contract.lua: bad arguments through mongotx.resty
+          local resty = require "mongotx.resty"
+          local e = { uri = os.getenv("MONGOTX_URI"), database = os.getenv("MONGOTX_DATABASE") }
+          e.db = assert(resty.connect(e.uri, { database = e.database }))
+          e.tm = assert(e.db:manager{ application = "contract" })
+          local cases, broke = require("spec.support.resty_contract").run(e)
+          ngx.say(cases)
+          for _, line in ipairs(broke) do ngx.say(line) end
+        } }
       ]] })
     end)
 
@@ -222,6 +232,22 @@ describe("#openresty mongotx.resty in nginx", function()
       local status, res = n:request("GET", "/_roundtrip")
       assert.are.equal(200, status, res)
       assert.are.equal("ok\n", res, n:error_log())
+    end)
+
+    it("answers bad arguments as require \"mongotx\" does: a raise or invalid, nothing written", function()
+      -- the transactions collection and its index, and an initial
+      -- transaction that a rollback which got through would cancel
+      local tm = assert(mongotx.connect(srv.uri, { database = name }):manager{ application = "contract" })
+      assert(tm:begin({ { collection = "accounts", id = "A", update = { ["$inc"] = { balance = 1 } } } },
+        { id = "r1" }))
+      local client = assert(core.connect(srv.uri))
+      local before = helpers.db_dump(client, name)
+      local status, res = n:request("GET", "/_contract")
+      assert.are.equal(200, status, tostring(res) .. n:error_log())
+      local rows, cases = require("spec.support.resty_contract").rows, 0
+      for _, row in ipairs(rows) do cases = cases + #row.wrong + #row.bad end
+      assert.are.equal(cases .. "\n", res, n:error_log())
+      helpers.assert_dump_unchanged(before, client, name)
     end)
   end)
 

@@ -115,12 +115,14 @@ local function parser()
   return p
 end
 
--- Prints "mongotx: <message>" on stderr (an error's tostring already
--- starts so; its id is written as the command line takes it) and returns
--- the exit code.
+-- Prints "mongotx: <message>" on stderr, one line (an error's tostring
+-- already starts so; its id is written as the command line takes it) and
+-- returns the exit code.  Input the library refuses (`invalid`: nothing
+-- was written) is bad usage, whenever it is found.
 local function fail(code, message)
+  if code == FAILED and type(message) == "table" and message.code == "invalid" then code = USAGE end
   io.stderr:write("mongotx: ", output.visible((output.error_text(message):gsub("^mongotx: ", "")),
-    true), "\n")
+    code ~= USAGE), "\n")
   return code
 end
 
@@ -158,8 +160,8 @@ local function connect(o)
   local db, err = mongotx.connect(with_timeouts(o.uri), { database = o.database })
   if not db then
     -- libmongoc refuses a malformed URI with MONGOC_ERROR_COMMAND_INVALID_ARG
-    -- (22): bad usage, like a bad --database
-    if err.code == "command" and err.server_code == 22 then
+    -- (22; mongotx.connect says `invalid`): bad usage, like a bad --database
+    if err.code == "invalid" and err.server_code == 22 then
       local message, password = err.message, o.uri:match("^mongodb[^:]*://[^:@/]*:([^@/]*)@")
       if password and password ~= "" then -- libmongoc's message may quote it
         local at = message:find(password, 1, true)
@@ -200,7 +202,7 @@ function _M.main(argv)
   if not ok then
     if type(o) ~= "table" then error(o, 0) end
     io.stderr:write(o.usage, "\n\n")
-    return fail(USAGE, o.message)
+    return fail(USAGE, (o.message:gsub("\n+", "; "))) -- argparse's hint on a line of its own
   end
   o.uri = o.uri or os.getenv("MONGOTX_URI")
   if not o.uri or o.uri == "" then

@@ -35,7 +35,7 @@ Database.__index = Database
 function _M.connect(uri, opts)
   local name, core_opts = options.connect_args(uri, opts, 2)
   if not name then return nil, core_opts end
-  local client, err = core.connect(uri, core_opts)
+  local client, err = options.connected(core.connect(uri, core_opts))
   if not client then return nil, err end
   return setmetatable({ client = client, name = name }, Database)
 end

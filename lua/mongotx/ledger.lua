@@ -53,7 +53,7 @@ local committer = require "mongotx.ledger.committer"
 local check_id, id_key = validate.check_id, validate.id_key
 local crash_point, null = core.crash_point, core.null
 local rawlen = validate.rawlen
-local invalid, check_account = acct.invalid, acct.check_account
+local invalid, check_account, present = acct.invalid, acct.check_account, acct.present
 local ipairs, type, next, rawget, setmetatable, tostring =
   ipairs, type, next, rawget, setmetatable, tostring
 local floor, format = math.floor, string.format
@@ -195,6 +195,7 @@ end
 -- balance(account): the reconciled balance and the last seqId taken
 -- (0, 0 for an account without entries); nil, err.
 function Ledger:balance(account)
+  present(account, "an account", "balance")
   local sent, key = check_account(account, "balance")
   if sent == nil then return nil, key end
   local view = { account = sent, key = key }
@@ -208,6 +209,7 @@ end
 -- The entry with this id, or nil; nil, err.
 -- (check_id, not check_tid: a counter-entry's id is a document.)
 function Ledger:get(id)
+  present(id, "an entry id", "get")
   local sent, why = check_id(id)
   if sent == nil then why.step = "get"; return nil, why end
   local doc, err = self.entries:find_one({ _id = sent })
@@ -388,6 +390,7 @@ end
 -- counter-entry.  Without min the reversal is not guarded: it corrects a
 -- mistake and must land.
 function Ledger:reverse(id, opts)
+  present(id, "an entry id", "reverse")
   local err
   opts, err = check_post_options(opts, guard_options, "reverse", CALLER)
   if not opts then return nil, err end

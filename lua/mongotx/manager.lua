@@ -498,8 +498,20 @@ function Manager:inspect(id)
   return T, docs
 end
 
+-- tm:find: the filter checked as a where is (no code, no operator the
+-- server would refuse), the options as the core's find_all takes them
+-- with their values checked first (bad ones are `invalid`, not a raise).
 function Manager:find(filter, opts)
-  local list, err = self.tx:find_all(filter or {}, opts)
+  if filter ~= nil and type(filter) ~= "table" then
+    error("bad argument #1 to 'find' (table expected, got " .. type(filter) .. ")", CALLER)
+  end
+  local err
+  filter, err = validate.filter(filter or {})
+  if not filter then return nil, err end
+  opts, err = options.check(opts, options.FIND, "find", CALLER)
+  if not opts then return nil, err end
+  local list
+  list, err = self.tx:find_all(filter, opts)
   if not list then return nil, errors.wrap(err, "find") end
   for _, T in ipairs(list) do live(T) end
   return list

@@ -124,8 +124,8 @@ end
 
 local checks = {
   -- connect
-  database = typed("string", "a database name (not empty, none of /\\. \"$*<>:|?)",
-    function(v) return name_ok(v, "[/\\. \"%$%*<>:|%?]") end),
+  database = typed("string", "a database name (not empty, UTF-8, none of /\\. \"$*<>:|?)",
+    function(v) return name_ok(v, "[/\\. \"%$%*<>:|%?]") and text_ok(v) end),
   appname = typed("string", "at most 128 bytes", function(v) return #v <= 128 end),
   write_concern = write_concern,
   read_preference = typed("string", '"primary", "secondary", "primaryPreferred", ' ..
@@ -155,6 +155,9 @@ local checks = {
   limit = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
   older_than = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
   dry_run = typed("boolean"),
+  -- tm:find (the rest of the core's find options only need their type)
+  skip = typed("number", "a whole number from 0 to " .. INT32_MAX, whole(0, INT32_MAX)),
+  batch_size = typed("number", "a whole number from 0 to " .. INT32_MAX, whole(0, INT32_MAX)),
   -- mongotx.queue: push, work
   priority = typed("number", "a whole number from -1000000 to 1000000", whole(-1e6, 1e6)),
   worker = typed("string", "a non-empty UTF-8 string", text_ok),
@@ -254,6 +257,11 @@ function _M.check(opts, names, what, level)
   return opts
 end
 
+-- The options of tm:find and mongotx.resty's db:find: the core's
+-- find_all's, whose values check() checks first.
+_M.FIND = { sort = true, limit = true, projection = true, skip = true, batch_size = true,
+            read_preference = true }
+
 -- What connect(uri, opts) needs of its arguments, for mongotx.connect and
 -- mongotx.pool alike: the database's name (opts.database, else the URI's
 -- path, else "test") and the C core's options (the rest).  A wrong type
@@ -268,6 +276,14 @@ function _M.connect_args(uri, opts, level)
     if k ~= "database" then core_opts[k] = v end
   end
   return opts.database or _M.uri_database(uri) or "test", core_opts
+end
+
+-- core.connect's answer as mongotx.connect and mongotx.pool give it: a
+-- URI libmongoc refuses to parse (MONGOC_ERROR_COMMAND_INVALID_ARG, 22)
+-- is bad input, `invalid` (libmongoc's number stays in server_code).
+function _M.connected(client, err)
+  if not client and err.code == "command" and err.server_code == 22 then err.code = "invalid" end
+  return client, err
 end
 
 -- The database a URI names in its path, or nil.

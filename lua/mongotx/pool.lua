@@ -49,7 +49,7 @@ function _M.connect(uri, opts)
   local name, core_opts = options.connect_args(uri, opts, 2)
   if not name then return nil, core_opts end
   core_opts.pool = true
-  local client, err = core.connect(uri, core_opts)
+  local client, err = options.connected(core.connect(uri, core_opts))
   if not client then return nil, err end
   client:close()
   return setmetatable({ uri = uri, name = name, core_opts = core_opts }, Database)

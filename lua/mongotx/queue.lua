@@ -329,6 +329,12 @@ function Queue:fail(job, err)
   if id == nil then return nil, epoch end
   local attempts = rawget(job, "attempts")
   if type(attempts) ~= "number" then error("fail expects a job returned by claim", CALLER) end
+  -- a count no claim gives (NaN, fractional, out of range) would reach
+  -- the backoff policy, and its refusal would read as the policy's fault
+  if not (attempts >= 1 and attempts <= MAX_EPOCH and floor(attempts) == attempts) then
+    return invalid("fail", format("fail: the job's attempts must be a whole number from 1 to %d " ..
+      "(as claim returned it), not %s", MAX_EPOCH, tostring(attempts)))
+  end
   local message = describe(err)
   local now, why = self.clock:now()
   if not now then return nil, why end

@@ -34,6 +34,7 @@ local core = require "mongotx.core"
 local pool = require "mongotx.pool"
 local catalog = require "mongotx.catalog"
 local options = require "mongotx.options"
+local validate = require "mongotx.validate"
 local group = require "mongotx.group"
 local wire = require "mongotx.resty.wire"
 local resty_group = require "mongotx.resty.group"
@@ -102,11 +103,28 @@ end
 
 local DB_CALLS = {}
 
+-- The collection, filter and options of db:find and db:count, checked as
+-- tm:find checks its own: a bad value is `invalid`, a wrong type raises.
+local function read_args(collection, filter, opts)
+  local ok, err = options.check({ collection = collection }, { collection = true }, "find", 3)
+  if not ok then return nil, err end
+  if filter ~= nil and type(filter) ~= "table" then error("filter must be a table", 0) end
+  filter, err = validate.filter(filter or {})
+  if not filter then return nil, err end
+  opts, err = options.check(opts, options.FIND, "find", 3)
+  if not opts then return nil, err end
+  return filter, opts
+end
+
 function DB_CALLS.find(db, collection, filter, opts)
-  local client, err = db:client()
+  local err
+  filter, opts = read_args(collection, filter, opts)
+  if not filter then return nil, opts end
+  local client
+  client, err = db:client()
   if not client then return nil, err end
   local ok, list, ferr = pcall(function()
-    return client:collection(db.name, collection):find_all(filter or {}, opts)
+    return client:collection(db.name, collection):find_all(filter, opts)
   end)
   client:close()
   if not ok then error(list, 0) end
@@ -114,10 +132,14 @@ function DB_CALLS.find(db, collection, filter, opts)
 end
 
 function DB_CALLS.count(db, collection, filter)
-  local client, err = db:client()
+  local err
+  filter, err = read_args(collection, filter)
+  if not filter then return nil, err end
+  local client
+  client, err = db:client()
   if not client then return nil, err end
   local ok, n, cerr = pcall(function()
-    return client:collection(db.name, collection):count(filter or {})
+    return client:collection(db.name, collection):count(filter)
   end)
   client:close()
   if not ok then error(n, 0) end
@@ -213,8 +235,11 @@ function _M.connect(uri, opts)
     if resty_options[k] then self[k] = v else connect[k] = v end
   end
   if type(self.thread_pool) ~= "string" then error("option thread_pool must be a string", 2) end
-  if type(self.wait) ~= "number" or self.wait ~= self.wait or self.wait < 0 then
-    error("option wait must be a number of seconds >= 0", 2)
+  if type(self.wait) ~= "number" then error("option wait must be a number of seconds", 2) end
+  if not (self.wait >= 0 and self.wait <= options.MAX_SECONDS) then
+    return nil, core.error({ code = "invalid", step = "connect", message = format("option wait " ..
+      "of connect must be a number of seconds from 0 to %d, not %s", options.MAX_SECONDS,
+      tostring(self.wait)) })
   end
   if type(self.offload) ~= "boolean" then error("option offload must be a boolean", 2) end
   self.spec = encode({ uri = uri, connect = connect })

@@ -315,6 +315,21 @@ local function check_where(where, owned, i)
   return check_filter(where, owned, i, 0)
 end
 
+-- A filter of tm:find: what a where may hold (the guards' operators,
+-- each with an argument of the kind the server takes), on any field.
+-- Its snapshot (what is checked is what is sent), or nil and an
+-- `invalid` error.
+function _M.filter(filter)
+  local copy, why = snapshot(filter)
+  if copy == nil then return nil, errors.new("invalid", "filter: " .. why, { step = "find" }) end
+  local ok, err = check_filter(copy, nil, nil, 0)
+  if not ok then
+    err.step, err.message = "find", "filter: " .. err.message:gsub("^where:? ?", "")
+    return nil, err
+  end
+  return copy
+end
+
 -- For core.check_ops (csrc/checks.c), which calls back for an op's
 -- where (a snapshot): true and whether it is a floor guard, or nil, err.
 local function check_op_where(where, owned, i)

@@ -24,6 +24,16 @@ function _M.invalid(message, step)
 end
 local invalid = _M.invalid
 
+-- An id or account argument that no id can be (none, a function, a
+-- thread) is misuse, as for tm:get: it raises at the caller of the
+-- public method that called this.
+function _M.present(x, what, step)
+  local kind = type(x)
+  if x == nil or kind == "function" or kind == "thread" then
+    error(format("%s needs %s, not a %s", step, what, kind), 3)
+  end
+end
+
 -- The account as sent in a filter and its key (validate.id_key), or nil,
 -- err; `i` numbers the change in the message.
 function _M.check_account(a, step, i)

@@ -12,6 +12,7 @@ local acct = require "mongotx.ledger.accounts"
 local id_key = validate.id_key
 local crash_point, null = core.crash_point, core.null
 local invalid, check_account, change_of = acct.invalid, acct.check_account, acct.change_of
+local present = acct.present
 local ipairs, sort, tostring = ipairs, table.sort, tostring
 local format = string.format
 
@@ -129,6 +130,7 @@ end
 -- of the entries up to it, and balance() agrees with the replay at the
 -- seqId it gives (safe on a live ledger: see below); nil, err.
 function _M.reconcile(self, account)
+  present(account, "an account", "reconcile")
   local sent, key = check_account(account, "reconcile")
   if sent == nil then return nil, key end
   -- The head, then balance(), then the entries: each read sees at least

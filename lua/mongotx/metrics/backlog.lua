@@ -68,6 +68,7 @@ end
 -- and renamed over it)?  Creates nothing that stays.  Returns true, or
 -- nil and why not.
 function _M.check(path)
+  if path == "" then return nil, "an empty path" end
   local f = io.open(path, "rb")
   if f then
     local _, why = f:read(0)

@@ -104,6 +104,16 @@ end
 local function call(self, up, kind, spec, method, ...)
   local ok, args = pcall(pack, select("#", ...), ...)
   if not ok then
+    -- an argument that is itself a function or a coroutine has the wrong
+    -- Lua type for every call (require "mongotx" raises); one inside a
+    -- table is a value BSON has no type for (`invalid` there too)
+    for i = 1, select("#", ...) do
+      local kind_i = type((select(i, ...)))
+      if kind_i == "function" or kind_i == "thread" then
+        error(format("argument %d of %s is a %s, which no call takes", i, method or kind, kind_i),
+          up + 1)
+      end
+    end
     return nil, core.error({ code = "invalid", step = method or kind,
       message = "an argument cannot be sent to a worker thread: " .. tostring(args) })
   end
