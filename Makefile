@@ -24,7 +24,7 @@ SPEC_ENV    = MONGOTX_CPATH="$(CURDIR)/$(BUILD)/?.so"
 SERVER     ?= memory
 WITH_SERVER = spec/support/with-server
 
-.PHONY: all setup test test-ferretdb test-luajit test-openresty memcheck asan fuzz fuzz-ci demo bench bench-openresty bench-memory bench-valgrind torture torture-ci lint clean
+.PHONY: all setup test test-docs docs test-ferretdb test-luajit test-openresty memcheck asan fuzz fuzz-ci demo bench bench-openresty bench-memory bench-valgrind torture torture-ci lint clean
 
 all: $(SO)
 
@@ -167,6 +167,14 @@ torture-ci:
 	@spec/support/setup.sh deps java ferretdb
 	@$(MAKE) --no-print-directory all
 	$(TORTURE) --ci $(TORTURE_ARGS)
+
+# Every Lua block of README.md and docs/ (each in a fresh Lua state after
+# spec/support/docs-prelude.lua; <!-- fragment: why --> blocks are only
+# syntax-checked) and every examples/ script, against a test server; about
+# 20 s (spec/support/test-docs.lua).
+test-docs: setup
+	@$(MAKE) --no-print-directory all
+	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- $(LUA) spec/support/test-docs.lua
 
 lint:
 	luacheck -q lua spec examples bin/mongotx $(wildcard bench torture fuzz)
