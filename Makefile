@@ -176,6 +176,13 @@ test-docs: setup
 	@$(MAKE) --no-print-directory all
 	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- $(LUA) spec/support/test-docs.lua
 
+# The reference (LDoc, config.ld) into build/docs, then the check that
+# every public function has a doc comment and every documented one still
+# exists (spec/support/check-docs.lua: it makes the objects on a test server).
+docs: all
+	ldoc .
+	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- $(LUA) spec/support/check-docs.lua
+
 lint:
 	luacheck -q lua spec examples bin/mongotx $(wildcard bench torture fuzz)
 

@@ -184,11 +184,14 @@ end
 --- Checks every op and inserts the transaction in state `initial`.
 -- @syntax t, err = tm:begin(ops [, { id = key, meta = table }])
 -- @tparam table ops a list of ops `{ collection, id, kind?, update?, undo?, doc?, where? }`
--- @tparam[opt] table opts `id`: an idempotency key (the same ops again return the existing transaction); `meta`: stored on it
+-- @tparam[opt] table opts `id`: an idempotency key (the same ops again return the existing transaction); `meta`:
+--   stored on it
 -- @tparam[opt] table extra internal: fields `compensate` stores on the transaction
 -- @treturn table the transaction document
--- @errors `invalid` (bad op, id or meta; nothing written), `idempotency` (the id was used for other ops), database errors
--- @usage local t = assert(tm:begin({ { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -5 } } } }, { id = "o-1" }))
+-- @errors `invalid` (bad op, id or meta; nothing written), `idempotency` (the id was used for other ops), database
+--   errors
+-- @usage local t = assert(tm:begin({ { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -5 } }
+--   } }, { id = "o-1" }))
 function Manager:begin(ops, opts, extra)
   local spec, err = self:_spec(ops, opts, extra, "begin", CALLER)
   if not spec then return nil, err end
@@ -219,7 +222,8 @@ end
 -- @syntax T, err = tm:commit(t)
 -- @tparam table t the transaction (from `begin`, or any table with its `_id`)
 -- @treturn table the final document, state `done`
--- @errors `cancelled` (an op could not apply: `missing`, `guard`, `conflict`, ...; `err.reason`), `owned`, `state`, database errors
+-- @errors `cancelled` (an op could not apply: `missing`, `guard`, `conflict`, ...; `err.reason`), `owned`,
+--   `state`, database errors
 -- @usage local done, err = tm:commit(t)
 function Manager:commit(t)
   local T, err = self:_load(t, "commit")
@@ -326,7 +330,8 @@ end
 -- @param from the debited document's id
 -- @param to the credited document's id
 -- @number amount finite and positive
--- @tparam[opt] table opts `field` (default `"balance"`), `min` (the debit's floor: guard `field >= min + amount`), `id`, `meta`
+-- @tparam[opt] table opts `field` (default `"balance"`), `min` (the debit's floor: guard `field >= min + amount`),
+--   `id`, `meta`
 -- @treturn table the transaction (`source`, `destination`, `value` on it)
 -- @errors `guard` (below `min`: nothing stays applied), `missing`, `invalid`, `idempotency`, `busy`, database errors
 -- @usage local T, err = tm:transfer("accounts", "A", "B", 100, { min = 0, id = "order-17" })
@@ -430,9 +435,11 @@ end
 -- @param source a list, or a cursor (anything with a `next` method)
 -- @func fn `fn(item)` returns the item's ops (and meta), or nil to leave it out
 -- @tparam table opts `id` (the job's), `key(item)` (unique within the run), `batch`, `progress(report)`, `wait`
--- @treturn table the report: `items`, `batches`, `committed`, `recovered`, `skipped`, `excluded`, `cancelled`, `failed`, ...
+-- @treturn table the report: `items`, `batches`, `committed`, `recovered`, `skipped`, `excluded`, `cancelled`,
+--   `failed`, ...
 -- @errors `invalid` (bad option, key, ops; `err.report`: the report so far), database errors; misuse raises
--- @usage local report = assert(tm:each(list, function(a) return ops_for(a) end, { id = "job-1", key = function(a) return a._id end }))
+-- @usage local report = assert(tm:each(list, function(a) return ops_for(a) end, { id = "job-1", key = function(a)
+--   return a._id end }))
 function Manager:each(source, fn, opts)
   local report, err = each.run(self, source, fn, opts, HELPER_CALLER)
   return report, err
