@@ -851,6 +851,192 @@ collection_drop(lua_State *L)
 	return 1;
 }
 
+/***
+ * The core's collection handles.
+ * @module mongotx.core
+ */
+
+/***
+ * Inserts a document.
+ * @syntax res, err = coll:insert_one(doc [, { write_concern }])
+ * @tparam table doc the document
+ * @tparam[opt] table opts
+ * @treturn table `{ inserted_id }`
+ * @errors nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage assert(coll:insert_one({ _id = "A", balance = 100 }))
+ * @function Collection:insert_one
+ */
+
+/***
+ * Inserts documents.
+ * @syntax res, err = coll:insert_many(docs [, { ordered, write_concern }])
+ * @tparam table docs a list
+ * @tparam[opt] table opts
+ * @treturn table `{ inserted, inserted_ids }`
+ * @errors nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage assert(coll:insert_many({ { _id = "A" }, { _id = "B" } }))
+ * @function Collection:insert_many
+ */
+
+/***
+ * A cursor over the matching documents.
+ * @syntax cursor = coll:find([filter [, { projection, sort, limit, skip, batch_size, read_preference }]])
+ * @tparam[opt] table filter the query
+ * @tparam[opt] table opts (a `sort` of several keys must be a `core.doc`)
+ * @treturn userdata the cursor
+ * @errors raises on a bad option; errors of the read come from `cursor:next()`
+ * @usage for doc in coll:find({}, { limit = 10 }).next do end
+ * @function Collection:find
+ */
+
+/***
+ * The matching documents as a list.
+ * @syntax list, err = coll:find_all([filter [, opts]])
+ * @tparam[opt] table filter
+ * @tparam[opt] table opts as `find`
+ * @treturn table the documents
+ * @errors nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage local docs = assert(coll:find_all({ balance = { ["$gt"] = 0 } }, { limit = 100 }))
+ * @function Collection:find_all
+ */
+
+/***
+ * The first matching document.
+ * @syntax doc, err = coll:find_one([filter [, opts]])
+ * @tparam[opt] table filter
+ * @tparam[opt] table opts as `find`
+ * @treturn ?table the document, or nil
+ * @errors nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage local a = coll:find_one({ _id = "A" })
+ * @function Collection:find_one
+ */
+
+/***
+ * Counts the matching documents.
+ * @syntax n, err = coll:count([filter [, { limit, skip, read_preference }]])
+ * @tparam[opt] table filter
+ * @tparam[opt] table opts
+ * @treturn integer the count
+ * @errors nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage local n = assert(coll:count({}))
+ * @function Collection:count
+ */
+
+/***
+ * Updates the first matching document.
+ * @syntax res, err = coll:update_one(filter, update [, { upsert, write_concern }])
+ * @tparam table filter
+ * @tparam table update update operators
+ * @tparam[opt] table opts
+ * @treturn table `{ matched, modified, upserted_id }`
+ * @errors nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage assert(coll:update_one({ _id = "A" }, { ["$inc"] = { balance = 5 } }))
+ * @function Collection:update_one
+ */
+
+/***
+ * Updates every matching document.
+ * @syntax res, err = coll:update_many(filter, update [, { upsert, write_concern }])
+ * @tparam table filter
+ * @tparam table update
+ * @tparam[opt] table opts
+ * @treturn table `{ matched, modified, upserted_id }`
+ * @errors nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage assert(coll:update_many({}, { ["$set"] = { open = true } }))
+ * @function Collection:update_many
+ */
+
+/***
+ * Replaces the first matching document.
+ * @syntax res, err = coll:replace_one(filter, doc [, { upsert, write_concern }])
+ * @tparam table filter
+ * @tparam table doc the new document
+ * @tparam[opt] table opts
+ * @treturn table `{ matched, modified, upserted_id }`
+ * @errors nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage assert(coll:replace_one({ _id = "A" }, { balance = 0 }))
+ * @function Collection:replace_one
+ */
+
+/***
+ * Deletes the first matching document.
+ * @syntax res, err = coll:delete_one(filter [, { write_concern }])
+ * @tparam table filter
+ * @tparam[opt] table opts
+ * @treturn table `{ deleted }`
+ * @errors nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage assert(coll:delete_one({ _id = "A" }))
+ * @function Collection:delete_one
+ */
+
+/***
+ * Deletes every matching document.
+ * @syntax res, err = coll:delete_many(filter [, { write_concern }])
+ * @tparam table filter
+ * @tparam[opt] table opts
+ * @treturn table `{ deleted }`
+ * @errors nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage assert(coll:delete_many({}))
+ * @function Collection:delete_many
+ */
+
+/***
+ * Updates or removes one document and returns it, atomically.
+ * @syntax res, err = coll:find_and_modify(query, { update | remove, sort, fields, new, upsert, write_concern })
+ * @tparam table query
+ * @tparam table opts
+ * @treturn table `{ value, n, updated_existing, upserted_id }`
+ * @errors nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage local r = assert(coll:find_and_modify({ _id = "A" }, { update = { ["$inc"] = { n = 1 } }, new = true }))
+ * @function Collection:find_and_modify
+ */
+
+/***
+ * Several writes in one command.
+ * @syntax res, err = coll:bulk_write(requests [, { ordered = true, write_concern }])
+ * @tparam table requests `{ op = "insert", doc }`, `{ op = "update_one" | "update_many", filter, update, upsert }`, `{ op = "replace_one", filter, doc, upsert }`, `{ op = "delete_one" | "delete_many", filter }`
+ * @tparam[opt] table opts
+ * @treturn table `{ ok, inserted, matched, modified, deleted, upserted, items }` (a request's error in `items[i]`)
+ * @errors a failure of the whole command: nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage local r = assert(coll:bulk_write({ { op = "insert", doc = { _id = 1 } } }))
+ * @function Collection:bulk_write
+ */
+
+/***
+ * Creates an index.
+ * @syntax ok, err = coll:create_index(keys [, { name, unique, sparse, expire_after }])
+ * @tparam table keys one field, or a `core.doc` of several
+ * @tparam[opt] table opts
+ * @treturn boolean true
+ * @errors nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage assert(coll:create_index(core.doc("state", 1, "lastModified", 1)))
+ * @function Collection:create_index
+ */
+
+/***
+ * Drops the collection.
+ * @syntax ok, err = coll:drop()
+ * @treturn boolean true (also when it did not exist)
+ * @errors nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage assert(coll:drop())
+ * @function Collection:drop
+ */
+
+/***
+ * The collection's name.
+ * @syntax name = coll:name()
+ * @treturn string
+ * @usage print(coll:name())
+ * @function Collection:name
+ */
+
+/***
+ * Releases the handle.
+ * @syntax coll:close()
+ * @usage coll:close()
+ * @function Collection:close
+ */
+
 int
 mtx_open_collection(lua_State *L)
 {

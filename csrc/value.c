@@ -606,6 +606,25 @@ push_singleton(lua_State *L, bson_type_t t, const char *name)
  */
 
 /***
+ * The key mongotx compares ids by: equal for two ids exactly when the server matches them as one `_id`.
+ * @syntax key, snapshot = core.id_key(v)
+ * @param v an id
+ * @treturn string the key
+ * @return the id as it is sent
+ * @errors nil, message for a value that is not an id; raises for one that cannot be encoded
+ * @usage assert(core.id_key(1) == core.id_key(1.0))
+ * @function id_key
+ */
+
+/***
+ * Blocks the process (OpenResty passes `ngx.sleep` as the policy's sleep instead).
+ * @syntax core.sleep(seconds)
+ * @number seconds
+ * @usage core.sleep(0.01)
+ * @function sleep
+ */
+
+/***
  * A value's `$type` name.
  * @syntax name = v:type()
  * @treturn string

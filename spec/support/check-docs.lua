@@ -25,39 +25,6 @@ local CORE_INTERNAL = {
   snapshot = true, stored_ops = true, steps = true, error = true, monotonic_ms = true,
 }
 
--- Public functions not documented yet: each must lack an entry (a name
--- documented since fails the check until it leaves this list), so the
--- list only shrinks.  Empty it, then delete it.
-local PENDING = {}
-for name in ([[
-mongotx.core.Client:close mongotx.core.Client:collection mongotx.core.Client:command
-mongotx.core.Client:counters mongotx.core.Client:pool mongotx.core.Client:reset_counters
-mongotx.core.Client:set_read_preference mongotx.core.Client:set_write_concern
-mongotx.core.Collection:bulk_write mongotx.core.Collection:close mongotx.core.Collection:count
-mongotx.core.Collection:create_index mongotx.core.Collection:delete_many
-mongotx.core.Collection:delete_one mongotx.core.Collection:drop mongotx.core.Collection:find
-mongotx.core.Collection:find_all mongotx.core.Collection:find_and_modify
-mongotx.core.Collection:find_one mongotx.core.Collection:insert_many
-mongotx.core.Collection:insert_one mongotx.core.Collection:name mongotx.core.Collection:replace_one
-mongotx.core.Collection:update_many mongotx.core.Collection:update_one mongotx.core.Cursor:close
-mongotx.core.Cursor:next mongotx.core.connect mongotx.core.id_key mongotx.core.sleep
-mongotx.ledger.Ledger:balance mongotx.ledger.Ledger:commit mongotx.ledger.Ledger:get
-mongotx.ledger.Ledger:post mongotx.ledger.Ledger:reconcile mongotx.ledger.Ledger:reverse
-mongotx.ledger.Ledger:transfer mongotx.ledger.Ledger:transfer_many mongotx.pool.Database:client
-mongotx.pool.Database:close mongotx.pool.Database:manager mongotx.pool.Database:pool
-mongotx.pool.connect mongotx.queue.Queue:at mongotx.queue.Queue:claim mongotx.queue.Queue:counts
-mongotx.queue.Queue:done mongotx.queue.Queue:fail mongotx.queue.Queue:fenced mongotx.queue.Queue:get
-mongotx.queue.Queue:heartbeat mongotx.queue.Queue:held_write mongotx.queue.Queue:push
-mongotx.queue.Queue:requeue_stale mongotx.queue.Queue:run_one mongotx.queue.Queue:work
-mongotx.queue.Queue:write mongotx.resty.Database:close mongotx.resty.Database:count
-mongotx.resty.Database:find mongotx.resty.Database:manager mongotx.resty.Database:pool
-mongotx.resty.connect mongotx.resty.recovery mongotx.resty.thread mongotx.sync.Sync:change
-mongotx.sync.Sync:repair mongotx.sync.Sync:rerun mongotx.sync.Sync:settle
-mongotx.versioned.Versioned:begin mongotx.versioned.Versioned:gc mongotx.versioned.Versioned:read
-mongotx.versioned.Writer:abandon mongotx.versioned.Writer:delete mongotx.versioned.Writer:publish
-mongotx.versioned.Writer:put
-]]):gmatch("%S+") do PENDING[name] = true end
-
 local expected = {} -- "module<TAB>name" -> true
 local function expect(module, prefix, t, skip)
   for k, v in pairs(t) do
@@ -121,18 +88,12 @@ local problems = {}
 local function sorted(t) local l = {} for k in pairs(t) do l[#l + 1] = k end table.sort(l) return l end
 for _, k in ipairs(sorted(expected)) do
   local name = k:gsub("\t", " ")
-  if not documented[k] and not PENDING[name:gsub(" ", ".")] then
-    problems[#problems + 1] = "no doc comment: " .. name
-  elseif documented[k] and PENDING[name:gsub(" ", ".")] then
-    problems[#problems + 1] = "documented now, remove it from PENDING: " .. name
-  end
+  if not documented[k] then problems[#problems + 1] = "no doc comment: " .. name end
 end
 for _, k in ipairs(sorted(documented)) do
   if not expected[k] then problems[#problems + 1] = "documented but not public: " .. k:gsub("\t", " ") end
 end
-local pending = 0
-for _ in pairs(PENDING) do pending = pending + 1 end
 for _, m in ipairs(problems) do print("check-docs: " .. m) end
-print(("check-docs: %d public functions, %d documented, %d pending (not yet documented), %d problems")
-  :format(#sorted(expected), #sorted(documented), pending, #problems))
+print(("check-docs: %d public functions, %d documented, %d problems")
+  :format(#sorted(expected), #sorted(documented), #problems))
 os.exit(#problems == 0 and 0 or 1)
