@@ -52,7 +52,7 @@ test-luajit: setup
 	@$(MAKE) --no-print-directory all LUA=luajit LUA_PC=luajit BUILD=build/luajit
 	MONGOTX_CPATH="$(CURDIR)/build/luajit/?.so" $(WITH_SERVER) $(SERVER) -- spec/support/busted-luajit $(BUSTED_ARGS)
 
-# mongotx.resty in real nginx (README, "OpenResty"): Debian's nginx with
+# mongotx.resty in real nginx (docs/openresty.md): Debian's nginx with
 # its Lua module, OpenResty's LuaJIT and the LuaJIT build; the spec starts
 # its own test server (it stops it with SIGSTOP) and nginx.  About 30 s.
 test-openresty:

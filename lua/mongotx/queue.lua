@@ -17,7 +17,7 @@
 -- another worker gets `fenced` and changes nothing.  Delivery is
 -- at-least-once: a handler may run twice for one job (its worker stalled
 -- past the lease, or died after the effect and before done), so the
--- effect is exactly-once only when the handler is idempotent (README).
+-- effect is exactly-once only when the handler is idempotent (docs/queue.md).
 --
 -- Fields of a job: _id, type, details, priority, state, ts (server time
 -- from which a ready job may be claimed; claims take the highest priority,

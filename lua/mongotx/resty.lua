@@ -21,7 +21,7 @@
 -- made for each connect and db:manager (by their options), and runs every
 -- call on a client of the process's pool.
 --
--- Limits (README, "OpenResty"): calls work where a handler may yield
+-- Limits (docs/openresty.md): calls work where a handler may yield
 -- (rewrite, access, content, ngx.timer); options of db:manager must be
 -- data (policy functions come from a module named by `policies`); each
 -- worker-thread VM holds its own managers (each its own `instance`).

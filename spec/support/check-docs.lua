@@ -60,6 +60,8 @@ expect("mongotx.sync", "Sync:", methods(assert(db:sync{ collection = "users", pr
 local v = assert(db:versioned{ roots = "roots", items = "items" })
 expect("mongotx.versioned", "Versioned:", methods(v))
 expect("mongotx.versioned", "Writer:", methods(assert(v:begin("r"))))
+expect("mongotx.each", "", require "mongotx.each")
+expect("mongotx.cli", "", require "mongotx.cli")
 expect("mongotx.pool", "", pool)
 local pdb = assert(pool.connect(uri, { database = "mtx_check_docs" }))
 expect("mongotx.pool", "Database:", methods(pdb))
