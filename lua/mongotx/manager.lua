@@ -236,7 +236,7 @@ end
 -- update against the whole `$in` list of the batch's ids, so a step's cost
 -- per transaction grows with the batch; on mongo-java-server, batches of
 -- 50-100 cost the least per transaction, 1000 three times more in those
--- steps (bench/README.md, "Client CPU and batch size").
+-- steps (bench/README.md, "Where the time goes").
 local CHUNK = 100
 
 -- Runs specs as batches of at most CHUNK; the i-th result, or false and
