@@ -8,7 +8,9 @@
 --                             the page, as one chunk (its locals are seen)
 --   <!-- fragment: why -->    not runnable on its own (why says what it
 --                             lacks): only its syntax is checked
--- A block without a marker must run and must not raise.
+-- A block without a marker must run and must not raise.  Every relative
+-- link of README.md, docs/, TESTING.md, ARCHITECTURE.md and bench/README.md
+-- must reach its file and, with a #fragment, a heading there.
 --
 --   spec/support/with-server memory -- lua5.4 spec/support/test-docs.lua [FILE.md...]
 -- Prints a line per block and script, then "N passed, N failed"; exit 1
@@ -126,6 +128,45 @@ for _, file in ipairs(files) do
       report(ok, name, ok and "" or out .. "\n(the chunk as run: " .. path .. ")")
     end
   end
+end
+
+-- Links: every relative link of the documents resolves, to a file and,
+-- with a #fragment, to a heading of that page (GitHub's anchors).
+local function anchors(path)
+  local set, inside = {}, false
+  for l in io.lines(path) do
+    if l:match("^```") then inside = not inside end
+    local h = not inside and l:match("^#+ (.*)")
+    if h then
+      set[(h:gsub("[`*]", ""):gsub("^%s+", ""):gsub("%s+$", ""):lower():gsub("[^%w%- _]", ""):gsub(" ", "-"))] = true
+    end
+  end
+  return set
+end
+local function exists(path)
+  local f = io.open(path)
+  if f then f:close() end
+  return f ~= nil
+end
+local linked = { "TESTING.md", "ARCHITECTURE.md", "bench/README.md" }
+for _, f in ipairs(files) do linked[#linked + 1] = f end
+for _, file in ipairs(linked) do
+  local f = assert(io.open(file))
+  local text = f:read("a"):gsub("\n```.-\n```", "")
+  f:close()
+  local dir, broken = file:match("^(.*)/") or ".", {}
+  for link in text:gmatch("%]%(([^)%s]+)%)") do
+    if not link:match("^%a+:") then
+      local path, frag = link:match("^([^#]*)#?(.*)$")
+      local target = path == "" and file or dir .. "/" .. path
+      if not exists(target) then
+        broken[#broken + 1] = link .. " (no such file)"
+      elseif frag ~= "" and target:match("%.md$") and not anchors(target)[frag] then
+        broken[#broken + 1] = link .. " (no such heading)"
+      end
+    end
+  end
+  report(#broken == 0, file .. " (links)", table.concat(broken, "\n"))
 end
 
 if not arg[1] then
