@@ -24,7 +24,7 @@ SPEC_ENV    = MONGOTX_CPATH="$(CURDIR)/$(BUILD)/?.so"
 SERVER     ?= memory
 WITH_SERVER = spec/support/with-server
 
-.PHONY: all setup test test-docs docs test-ferretdb test-luajit test-openresty memcheck asan fuzz fuzz-ci demo bench bench-openresty bench-memory bench-valgrind torture torture-ci lint clean
+.PHONY: all setup test test-docs docs test-ferretdb test-luajit test-openresty memcheck asan fuzz fuzz-ci demo bench bench-openresty bench-memory bench-valgrind bench-scale torture torture-ci lint clean
 
 all: $(SO)
 
@@ -54,12 +54,13 @@ test-luajit: setup
 
 # mongotx.resty in real nginx (docs/openresty.md): Debian's nginx with
 # its Lua module, OpenResty's LuaJIT and the LuaJIT build; the spec starts
-# its own test server (it stops it with SIGSTOP) and nginx.  About 30 s.
+# its own test server (it stops it with SIGSTOP) and nginx; spec/44 is
+# group commit (mongotx.group) in nginx.  About 2 minutes.
 test-openresty:
 	@spec/support/setup.sh deps java openresty
 	@$(MAKE) --no-print-directory all LUA=luajit LUA_PC=luajit BUILD=build/luajit
 	MONGOTX_OPENRESTY=1 MONGOTX_CPATH="$(CURDIR)/build/luajit/?.so" spec/support/busted-luajit \
-	  $(or $(BUSTED_ARGS),spec/40-openresty_spec.lua)
+	  $(or $(BUSTED_ARGS),spec/40-openresty_spec.lua spec/43-openresty-metrics_spec.lua spec/44-openresty-group_spec.lua)
 
 # The specs under valgrind: every leak or invalid access fails the run.
 # valgrind runs the interpreter itself (not the sh wrapper, which it would
@@ -122,7 +123,7 @@ demo: setup
 # Benchmarks (bench/README.md): figures, not tests; each starts its own
 # server.  bench took 4-8 minutes before the recovery and ledger rows,
 # which add several (batch-1 recovery at +1 ms is slow); it rewrites the table in
-# bench/README.md and bench/throughput.png (BENCH_ARGS: --runs, --scale,
+# bench/results.md and bench/throughput.png (BENCH_ARGS: --runs, --scale,
 # --only, --loopback-only); its latency rows run through toxiproxy, which
 # setup.sh builds with Go the first time.  bench-memory checks that RSS
 # stays flat over 1 000 000 transfers; bench-valgrind runs 10 000 under
@@ -142,12 +143,22 @@ bench-valgrind: setup
 	  --leak-check=full --errors-for-leak-kinds=definite \
 	  --suppressions=spec/support/valgrind.supp $(LUA) bench/memory.lua 10000
 
+# Recovery of backlogs of stale transactions (bench/README.md, "Recovery
+# at scale"): BENCH_SCALE_SIZES (default 1000,10000: a few minutes) and
+# BENCH_SCALE_MODES; BENCH_ARGS="--write" rewrites the table and
+# bench/scale.png.  A million needs MONGOTX_SERVER_HEAP=8g.
+bench-scale: setup
+	@$(MAKE) --no-print-directory all
+	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- $(LUA) bench/scale.lua $(BENCH_ARGS)
+
 # wrk against examples/openresty's transfer endpoint in nginx (bench/README.md,
-# "OpenResty"): 1 and 2 workers, 1, 4, 16 connections, offloaded and
-# direct; the database is checked after every run.  About 2 minutes
-# (BENCH_ARGS: --seconds, --accounts, --threads).  Figures, not a test.
+# "OpenResty: group commit"): grouped against ungrouped, 1 and 2 workers,
+# 1, 16, 64 connections, on loopback and through toxiproxy at +1 ms,
+# medians of 3 runs; the database is checked after every run.  About 12
+# minutes (BENCH_ARGS: --seconds, --accounts, --threads, --runs, --delay,
+# --loopback 1).  Figures, not a test.
 bench-openresty:
-	@spec/support/setup.sh deps java openresty
+	@spec/support/setup.sh deps java openresty toxiproxy
 	@$(MAKE) --no-print-directory all LUA=luajit LUA_PC=luajit BUILD=build/luajit
 	MONGOTX_CPATH="$(CURDIR)/build/luajit/?.so" luajit bench/openresty.lua $(BENCH_ARGS)
 

@@ -1,13 +1,22 @@
 -- make bench-openresty: wrk against the transfer endpoint of
--- examples/openresty (spec/support/nginx.lua starts nginx), with 1 and 2
--- nginx workers, 1, 4 and 16 connections, the transfer offloaded to the
--- worker threads (POST /transfer) and run in the worker itself (POST
--- /direct/transfer).  Prints a markdown table of requests/s and latencies
--- (bench/README.md, "OpenResty"); after every run it checks the database
--- (every transaction done or cancelled, no marker left, the sum of the
--- balances unchanged) and fails when a check does.  Not a timed test.
+-- examples/openresty (spec/support/nginx.lua starts nginx), grouped
+-- (db:manager{ group = {...} }, mongotx.group) against ungrouped, both
+-- offloaded to the worker threads: 1 and 2 nginx workers, 1, 16 and 64
+-- connections, on loopback and through toxiproxy at +1 ms round trip
+-- between nginx and the server (bench/latency.lua).  Each cell runs
+-- --runs times (3) in this one invocation; the table gives the medians
+-- (bench/README.md, "OpenResty: group commit"), checks the issue's
+-- targets, and plots bench/openresty-group.png.  After every run it checks
+-- the database (every transaction done or cancelled, no marker left, the
+-- sum of the balances unchanged) and fails when a check does.  Figures,
+-- not a test.
 --
---   luajit bench/openresty.lua [--seconds 5] [--accounts 100] [--threads 4]
+--   luajit bench/openresty.lua [--seconds 4] [--accounts 100] [--threads 4]
+--                              [--runs 3] [--delay 0] [--loopback 1|0]
+--                              [--metrics 3]
+--
+-- Then the cost of mongotx.metrics.shared (bench/openresty-metrics.lua):
+-- --metrics rounds (0: none) with the manager's metrics off and on.
 --
 -- Runs from the repository's root under LuaJIT with MONGOTX_CPATH naming the
 -- LuaJIT build (the Makefile sets it); starts its own mongo-java-server.
@@ -19,14 +28,16 @@ package.cpath = cpath .. ";" .. package.cpath
 local core = require "mongotx.core"
 local server = require "spec.support.server"
 local nginx = require "spec.support.nginx"
+local latency = require "bench.latency"
 
-local opts = { seconds = 5, accounts = 100, threads = 4 }
+local opts = { seconds = 4, accounts = 100, threads = 4, runs = 3, delay = 0, loopback = 0, metrics = 3 }
 do
   local i = 1
   while arg[i] do
     local name = arg[i]:match("^%-%-(%w+)$")
     if not name or opts[name] == nil or not tonumber(arg[i + 1]) then
-      io.stderr:write("usage: bench/openresty.lua [--seconds n] [--accounts n] [--threads n]\n")
+      io.stderr:write("usage: bench/openresty.lua [--seconds n] [--accounts n] [--threads n] " ..
+                      "[--runs n] [--delay s] [--loopback 1] [--metrics rounds]\n")
       os.exit(2)
     end
     opts[name] = tonumber(arg[i + 1])
@@ -35,6 +46,8 @@ do
 end
 
 local BALANCE = 1000000000
+local WORKERS, CONNECTIONS = { 1, 2 }, { 1, 16, 64 }
+local MODES = { ungrouped = "false", grouped = ("{ max = 100, delay = %.17g }"):format(opts.delay) }
 
 local capture = server.capture
 
@@ -42,8 +55,10 @@ local srv = assert(server.start { kind = "memory" })
 local client = assert(core.connect(srv.uri))
 
 -- A fresh database of opts.accounts accounts a1..aN.
-local function fresh(n)
-  local name = string.format("bench_openresty_%d_%d", os.time() % 100000, n)
+local made = 0
+local function fresh()
+  made = made + 1
+  local name = string.format("bench_openresty_%d_%d", os.time() % 100000, made)
   local docs = {}
   for i = 1, opts.accounts do
     docs[i] = { _id = "a" .. i, balance = BALANCE, pendingTransactions = core.array() }
@@ -66,75 +81,191 @@ local function check(name)
   end
   local sum = 0
   for _, d in ipairs(assert(accounts:find_all({}))) do sum = sum + d.balance end
-  local done = assert(txs:count({ state = "done" }))
   local ok = open == 0 and marked == 0 and sum == BALANCE * opts.accounts
-  return ok, string.format("%d done, %d open, %d marked, sum %s", done, open, marked,
-    sum == BALANCE * opts.accounts and "unchanged" or "CHANGED"), done
+  return ok, string.format("%d open, %d marked, sum %s", open, marked,
+    sum == BALANCE * opts.accounts and "unchanged" or "CHANGED")
+end
+
+local function wrk(n, conns, seconds)
+  return capture(string.format(
+    "BENCH_ACCOUNTS=%d BENCH_PATH=/transfer wrk -t %d -c %d -d %ds -s bench/openresty-wrk.lua %s 2>&1",
+    opts.accounts, math.min(conns, 2), conns, seconds, n:url("/")))
+end
+
+local function start(uri, name, workers, mode)
+  return assert(nginx.start { uri = uri, database = name, workers = workers,
+    threads = opts.threads, vms = 32, configure = ("{ manager = { application = 'bench', " ..
+    "group = %s }, recovery = { every = 1 } }"):format(MODES[mode]) })
+end
+
+-- One run: requests/s, p50 and p99 (ms), errors, database ok, what.
+local failed = 0
+local function run(uri, workers, mode, conns)
+  local name = fresh()
+  local n = start(uri, name, workers, mode)
+  -- every worker makes its manager before the timed part
+  for _ = 1, 4 * workers do n:request("POST", "/transfer", '{"from":"a1","to":"a2","amount":1}') end
+  local out = wrk(n, conns, opts.seconds)
+  n:stop()
+  local r = {}
+  for k, v in out:gmatch("([%w_]+)=(%d+)") do r[k] = tonumber(v) end
+  local ok, what = check(name)
+  if not r.requests then ok, what = false, "wrk: " .. out end
+  if not ok then failed = failed + 1 end
+  client:command(name, { dropDatabase = 1 })
+  return { rps = (r.requests or 0) / ((r.duration_us or 1) / 1e6), p50 = (r.p50_us or 0) / 1000,
+           p99 = (r.p99_us or 0) / 1000, non2xx = r.non2xx or 0, socket = r.socket_errors or 0,
+           ok = ok, what = what }
+end
+
+local function median(list, field)
+  local xs = {}
+  for i, x in ipairs(list) do xs[i] = x[field] end
+  table.sort(xs)
+  local m = #xs
+  if m % 2 == 1 then return xs[(m + 1) / 2] end
+  return (xs[m / 2] + xs[m / 2 + 1]) / 2
 end
 
 -- The server's JIT warms up over the first thousands of transfers: a run
 -- of each mode, not counted, comes first.
 local function warm_up()
-  local name = fresh(0)
-  local n = assert(nginx.start { uri = srv.uri, database = name, workers = 2, threads = opts.threads,
-    vms = 32, recovery = false })
-  for _, path in ipairs { "/transfer", "/direct/transfer" } do
-    capture(string.format("BENCH_ACCOUNTS=%d BENCH_PATH=%s wrk -t 2 -c 8 -d %ds " ..
-      "-s bench/openresty-wrk.lua %s 2>&1", opts.accounts, path, opts.seconds, n:url("/")))
+  for mode in pairs(MODES) do
+    local name = fresh()
+    local n = start(srv.uri, name, 2, mode)
+    wrk(n, 16, opts.seconds)
+    n:stop()
+    client:command(name, { dropDatabase = 1 })
   end
-  n:stop()
-  client:command(name, { dropDatabase = 1 })
 end
 
-warm_up()
-local rows, failed, run = {}, 0, 0
-local load1 = capture("cat /proc/loadavg"):match("^(%S+ %S+ %S+)")
-local started = os.time()
-
-for _, workers in ipairs { 1, 2 } do
-  for _, mode in ipairs { "offloaded", "direct" } do
-    for _, conns in ipairs { 1, 4, 16 } do
-      run = run + 1
-      local name = fresh(run)
-      local n = assert(nginx.start { uri = srv.uri, database = name, workers = workers,
-        threads = opts.threads, vms = 32, configure =
-        "{ manager = { application = 'bench' }, recovery = { every = 1 } }" })
-      -- every worker makes its manager before the timed part
-      for _ = 1, 4 * workers do
-        n:request("POST", mode == "direct" and "/direct/transfer" or "/transfer",
-                  '{"from":"a1","to":"a2","amount":1}')
-      end
-      local out = capture(string.format(
-        "BENCH_ACCOUNTS=%d BENCH_PATH=%s wrk -t %d -c %d -d %ds -s bench/openresty-wrk.lua %s 2>&1",
-        opts.accounts, mode == "direct" and "/direct/transfer" or "/transfer",
-        math.min(conns, 2), conns, opts.seconds, n:url("/")))
-      n:stop()
-      local r = {}
-      for k, v in out:gmatch("([%w_]+)=(%d+)") do r[k] = tonumber(v) end
-      local ok, what = check(name)
-      if not r.requests then
-        ok, what = false, "wrk: " .. out
-      end
-      if not ok then failed = failed + 1 end
-      rows[#rows + 1] = string.format("| %d | %s | %d | %.0f | %.1f | %.1f | %d | %s |",
-        workers, mode, conns, (r.requests or 0) / ((r.duration_us or 1) / 1e6),
-        (r.p50_us or 0) / 1000, (r.p99_us or 0) / 1000,
-        (r.non2xx or 0) + (r.socket_errors or 0), (ok and "ok: " or "FAILED: ") .. what)
-      io.stderr:write(rows[#rows], "\n")
-      client:command(name, { dropDatabase = 1 })
+local levels = { { key = "loopback", label = "loopback", uri = srv.uri } }
+local proxy
+if opts.loopback ~= 1 then
+  local err
+  proxy, err = latency.start(srv.uri)
+  if not proxy then
+    io.stderr:write("bench-openresty: ", err, " (--loopback 1 runs without toxiproxy)\n")
+    os.exit(1)
+  end
+  for _, level in ipairs(latency.LEVELS) do
+    if level.key == "1ms" then
+      levels[2] = { key = "1ms", label = "+1 ms", uri = proxy.uri, level = level }
     end
   end
 end
 
+warm_up()
+local load1 = capture("cat /proc/loadavg"):match("^(%S+ %S+ %S+)")
+local started = os.time()
+local rows, cells, pings = {}, {}, {}
+
+for _, lv in ipairs(levels) do
+  if proxy then
+    proxy:set(lv.level)
+    pings[lv.key] = latency.ping(proxy.uri, 200).median
+  end
+  for _, workers in ipairs(WORKERS) do
+    for _, conns in ipairs(CONNECTIONS) do
+      local res = { ungrouped = {}, grouped = {} }
+      for i = 1, opts.runs do
+        for _, mode in ipairs { "ungrouped", "grouped" } do
+          res[mode][i] = run(lv.uri, workers, mode, conns)
+          local x = res[mode][i]
+          io.stderr:write(string.format("%s %d workers %d conns %s run %d: %.0f req/s p50 %.2f " ..
+            "p99 %.2f ms, %d non-2xx, %d socket errors, %s\n", lv.key, workers, conns, mode, i,
+            x.rps, x.p50, x.p99, x.non2xx, x.socket, x.what))
+        end
+      end
+      local c = { level = lv, workers = workers, conns = conns }
+      for _, mode in ipairs { "ungrouped", "grouped" } do
+        c[mode] = { rps = median(res[mode], "rps"), p50 = median(res[mode], "p50"),
+                    p99 = median(res[mode], "p99"), non2xx = 0, socket = 0, ok = true }
+        for _, x in ipairs(res[mode]) do
+          c[mode].non2xx, c[mode].socket = c[mode].non2xx + x.non2xx, c[mode].socket + x.socket
+          c[mode].ok = c[mode].ok and x.ok
+        end
+      end
+      cells[#cells + 1] = c
+      local u, g = c.ungrouped, c.grouped
+      rows[#rows + 1] = string.format("| %s | %d | %d | %.0f | %.0f | %.2fx | %.2f | %.2f | %.2f | %.2f " ..
+        "| %d / %d | %d / %d | %s |", lv.label, workers, conns, u.rps, g.rps,
+        g.rps / math.max(u.rps, 1), u.p50, g.p50, u.p99, g.p99, u.non2xx, g.non2xx, u.socket,
+        g.socket, (u.ok and g.ok) and "ok" or "FAILED")
+      io.stderr:write(rows[#rows], "\n")
+    end
+  end
+end
+if proxy then proxy:stop() end
+
+-- The issue's targets (#22), checked on the medians.
+local targets = {}
+local function target(ok, what)
+  targets[#targets + 1] = (ok and "- met: " or "- NOT met: ") .. what
+end
+for _, c in ipairs(cells) do
+  local u, g, where = c.ungrouped, c.grouped, string.format("%s, %d worker(s), %d connection(s)",
+    c.level.label, c.workers, c.conns)
+  if c.conns == 64 then
+    local want = c.level.key == "loopback" and 2.5 or 5
+    target(g.rps >= want * u.rps, string.format("grouped >= %.1fx ungrouped requests/s (%s): %.2fx",
+      want, where, g.rps / math.max(u.rps, 1)))
+  end
+  if c.conns >= 16 then
+    target(g.p99 <= u.p99, string.format("grouped p99 <= ungrouped p99 (%s): %.2f vs %.2f ms",
+      where, g.p99, u.p99))
+  end
+  if c.conns == 1 then
+    target(g.p50 <= u.p50 + opts.delay * 1000 + 0.5, string.format("grouped p50 within delay " ..
+      "+ 0.5 ms of ungrouped (%s): %.2f vs %.2f ms", where, g.p50, u.p50))
+  end
+end
+
+-- The plot: requests/s by connections, a line per network, workers and mode.
+do
+  local data = os.tmpname()
+  local f = assert(io.open(data, "w"))
+  local series = {}
+  for _, c in ipairs(cells) do
+    for _, mode in ipairs { "ungrouped", "grouped" } do
+      local key = string.format("%s, %d worker%s, %s", c.level.label, c.workers,
+        c.workers > 1 and "s" or "", mode)
+      if not series[key] then
+        series[key] = {}
+        series[#series + 1] = key
+      end
+      series[key][#series[key] + 1] = string.format("%d %.0f", c.conns, c[mode].rps)
+    end
+  end
+  for _, key in ipairs(series) do
+    f:write(string.format('"%s"\n%s\n\n\n', key, table.concat(series[key], "\n")))
+  end
+  f:close()
+  local rc = os.execute(("gnuplot -e %s bench/openresty-group.gp"):format(server.quote(
+    ("data='%s'; out='bench/openresty-group.png'; n=%d"):format(data, #series))))
+  if rc ~= 0 and rc ~= true then io.stderr:write("bench-openresty: gnuplot failed\n") end
+  os.remove(data)
+end
+
 local load2 = capture("cat /proc/loadavg"):match("^(%S+ %S+ %S+)")
-print(string.format("Measured %s UTC in %.1f minutes, %d s per run, %d accounts, thread_pool " ..
-  "threads=%d; load average %s before, %s after; server: mongo-java-server memory on loopback.",
-  os.date("!%Y-%m-%d %H:%M"), (os.time() - started) / 60, opts.seconds, opts.accounts,
-  opts.threads, load1, load2))
+print(string.format("Measured %s UTC in %.1f minutes: medians of %d runs of %d s, %d accounts, " ..
+  "thread_pool threads=%d, lua_worker_thread_vm_pool_size 32, group = { max = 100, delay = %g }; " ..
+  "load average %s before, %s after; server: mongo-java-server memory%s.",
+  os.date("!%Y-%m-%d %H:%M"), (os.time() - started) / 60, opts.runs, opts.seconds, opts.accounts,
+  opts.threads, opts.delay, load1, load2, pings["1ms"] and string.format(
+  "; ping round trip through toxiproxy at +1 ms: %.2f ms", pings["1ms"]) or ""))
 print()
-print("| nginx workers | transfer | connections | requests/s | p50 ms | p99 ms | errors | database after the run |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+print("| network | nginx workers | connections | ungrouped req/s | grouped req/s | grouped/ungrouped " ..
+      "| ungrouped p50 ms | grouped p50 ms | ungrouped p99 ms | grouped p99 ms " ..
+      "| non-2xx (ungrouped / grouped) | wrk socket errors (ungrouped / grouped) " ..
+      "| database after every run |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for _, row in ipairs(rows) do print(row) end
+print()
+print("Targets (issue 22):")
+for _, t in ipairs(targets) do print(t) end
+if opts.metrics > 0 then failed = failed + require("bench.openresty-metrics")(opts, {
+  srv = srv, fresh = fresh, check = check, capture = capture }) end
 srv:stop()
 if failed > 0 then
   io.stderr:write(failed, " run(s) failed their check\n")

@@ -11,6 +11,13 @@
  * over the tables in next() order, so the first fault found, and so the
  * message, is the one the Lua checks named.
  *
+ * The steps send the caller's content with libmongoc's validation off
+ * (csrc/txn.c, "Checked here"), so whatever that validation refuses is
+ * refused here, before anything is written: an empty key, a string that
+ * is not UTF-8 (which libmongoc 1.23 lets through, later ones do not), and
+ * more (csrc/storable.c, check_path, find_unstorable); spec/31 runs
+ * the same values through both.
+ *
  * A fault returns nil and the message (validate.lua makes the `invalid`
  * error with `op <i>: ` before it); misuse raises.  Only a `where`'s
  * filter grammar stays in Lua: check_ops calls back for it. */
@@ -140,33 +147,6 @@ find_key(lua_State *L, int idx, int depth, int (*bad)(const char *, size_t))
 			}
 		}
 		if (find_key(L, -1, depth + 1, bad)) {
-			lua_insert(L, -3);
-			lua_pop(L, 2);
-			return 1;
-		}
-		lua_pop(L, 1);
-	}
-	return 0;
-}
-
-/* The first NaN or infinite number in the value at idx: pushed, and 1;
- * else 0. */
-static int
-find_non_finite(lua_State *L, int idx, int depth)
-{
-	if (lua_type(L, idx) == LUA_TNUMBER) {
-		if (isfinite((double)lua_tonumber(L, idx)))
-			return 0;
-		lua_pushvalue(L, idx);
-		return 1;
-	}
-	if (lua_type(L, idx) != LUA_TTABLE || depth > WALK_DEPTH)
-		return 0;
-	idx = mtx_absindex(L, idx);
-	luaL_checkstack(L, 4, "mongotx: a value nested too deep");
-	lua_pushnil(L);
-	while (lua_next(L, idx)) {
-		if (find_non_finite(L, -1, depth + 1)) {
 			lua_insert(L, -3);
 			lua_pop(L, 2);
 			return 1;
@@ -453,6 +433,13 @@ has_dollar_part(const char *path, size_t n, int all_positional)
 	return 0;
 }
 
+/* Can s be a key: UTF-8 without a NUL (the encoder's rule for keys)? */
+static int
+is_key(const char *s, size_t n)
+{
+	return strlen(s) == n && mtx_utf8_valid(s, n);
+}
+
 /* One path of an operator's fields (key at -2, value at -1): 1, or the
  * message pushed and 0. */
 static int
@@ -465,9 +452,12 @@ check_path(lua_State *L, int owned, const char *what, const char *opname)
 
 	if (lua_type(L, -2) == LUA_TSTRING)
 		path = lua_tolstring(L, -2, &np);
-	/* (no dot first or last, no two dots in a row) */
+	/* (no dot first or last, no two dots in a row; UTF-8 without a NUL,
+	 * as the encoder takes keys: a built op's path reaches the encoder
+	 * only after this check) */
 	if (lua_type(L, -2) != LUA_TSTRING || np == 0 || path[0] == '$' || path[0] == '.' ||
-	    path[np - 1] == '.' || strstr(path, "..") || has_dollar_part(path, np, !rename)) {
+	    path[np - 1] == '.' || strstr(path, "..") || has_dollar_part(path, np, !rename) ||
+	    !is_key(path, np)) {
 		lua_pushfstring(L, "%s: %s has a bad field name %s", what, opname,
 				push_tostring(L, -2));
 		return 0;
@@ -485,7 +475,7 @@ check_path(lua_State *L, int owned, const char *what, const char *opname)
 	if (rename) {
 		if (lua_type(L, -1) == LUA_TSTRING)
 			to = lua_tolstring(L, -1, &nt);
-		if (!to || nt == 0 || to[0] == '$' || has_dollar_part(to, nt, 0)) {
+		if (!to || nt == 0 || to[0] == '$' || has_dollar_part(to, nt, 0) || !is_key(to, nt)) {
 			lua_pushfstring(L, "%s: $rename of %s needs a field name", what, path);
 			return 0;
 		}
@@ -699,8 +689,8 @@ check_update(lua_State *L, int u, int owned, const char *what)
 		lua_pushfstring(L, "%s is empty", what);
 		return 0;
 	}
-	if (find_non_finite(L, u, 0)) {
-		lua_pushfstring(L, "%s holds %s", what, push_tostring(L, -1));
+	if (mtx_find_bad_scalar(L, u, 0)) {
+		lua_pushfstring(L, "%s holds %s", what, lua_tostring(L, -1));
 		return 0;
 	}
 	if (find_key(L, u, 0, is_empty)) {
@@ -1136,8 +1126,8 @@ check_insert_doc(lua_State *L, const op_slots *s)
 		lua_pushliteral(L, "doc may not hold an empty key");
 		return 0;
 	}
-	if (find_non_finite(L, doc, 0)) {
-		lua_pushfstring(L, "doc holds %s", push_tostring(L, -1));
+	if (mtx_find_bad_scalar(L, doc, 0)) {
+		lua_pushfstring(L, "doc holds %s", lua_tostring(L, -1));
 		return 0;
 	}
 	lua_pushvalue(L, s->id);
@@ -1208,6 +1198,10 @@ check_op(lua_State *L, op_slots *s)
 		return 0;
 	if (!check_where(L, s))
 		return -1;
+	if (mtx_find_bad_scalar(L, s->value[F_WHERE], 0)) {
+		lua_pushfstring(L, "where holds %s", lua_tostring(L, -1));
+		return 0;
+	}
 	lua_createtable(L, 0, 8);
 	lua_replace(L, s->out);
 	lua_pushvalue(L, s->collection);
@@ -1469,8 +1463,8 @@ l_check_value(lua_State *L)
 		lua_pushliteral(L, "it holds an empty key");
 		return 1;
 	}
-	if (find_non_finite(L, 1, 0)) {
-		lua_pushfstring(L, "it holds %s", push_tostring(L, -1));
+	if (mtx_find_bad_scalar(L, 1, 0)) {
+		lua_pushfstring(L, "it holds %s", lua_tostring(L, -1));
 		return 1;
 	}
 	return 0;

@@ -167,10 +167,35 @@ count_writes(const char *name, const bson_t *cmd)
  * array): about 4 000 instructions a command, against 200 for these
  * (bench/README.md, "Per command in libmongoc").  The statements are
  * counted by mongotx where it hands them over (mtx_count_writes). */
+/* The documents of a reply's cursor batch (firstBatch of a find or an
+ * aggregate, nextBatch of a getMore): what a read brought, however the
+ * server cut it into replies.  Other replies carry none. */
+static int64_t
+batch_length(const mongoc_apm_command_succeeded_t *event)
+{
+	const char *name = mongoc_apm_command_succeeded_get_command_name(event);
+	const char *key = strcmp(name, "getMore") ? "cursor.firstBatch" : "cursor.nextBatch";
+	bson_iter_t it, docs;
+	int64_t n = 0;
+
+	if (strcmp(name, "find") && strcmp(name, "getMore") && strcmp(name, "aggregate"))
+		return 0;
+	if (!bson_iter_init(&it, mongoc_apm_command_succeeded_get_reply(event)) ||
+	    !bson_iter_find_descendant(&it, key, &docs) || !BSON_ITER_HOLDS_ARRAY(&docs) ||
+	    !bson_iter_recurse(&docs, &it))
+		return 0;
+	while (bson_iter_next(&it))
+		n++;
+	return n;
+}
+
 static void
 count_succeeded(const mongoc_apm_command_succeeded_t *event)
 {
-	((mtx_counters *)mongoc_apm_command_succeeded_get_context(event))->commands++;
+	mtx_counters *k = (mtx_counters *)mongoc_apm_command_succeeded_get_context(event);
+
+	k->commands++;
+	k->returned += batch_length(event);
 }
 
 static void
@@ -186,6 +211,7 @@ count_pooled_succeeded(const mongoc_apm_command_succeeded_t *event)
 	mtx_pool *p = (mtx_pool *)mongoc_apm_command_succeeded_get_context(event);
 
 	MTX_ATOMIC_ADD(&p->counters.commands, 1);
+	MTX_ATOMIC_ADD(&p->counters.returned, batch_length(event));
 }
 
 static void
@@ -469,7 +495,7 @@ l_connect(lua_State *L)
 	c = (mtx_client *)mtx_newuserdata(L, sizeof *c);
 	c->client = NULL;
 	c->cursors = NULL;
-	c->counters.commands = c->counters.writes = 0;
+	c->counters.commands = c->counters.writes = c->counters.returned = 0;
 	c->pool = NULL;
 	luaL_getmetatable(L, MTX_CLIENT_MT);
 	lua_setmetatable(L, -2);
@@ -589,7 +615,22 @@ client_reset_counters(lua_State *L)
 	mtx_client_handle(L, c);
 	MTX_ATOMIC_SET(&n->commands, 0);
 	MTX_ATOMIC_SET(&n->writes, 0);
+	MTX_ATOMIC_SET(&n->returned, 0);
 	return 0;
+}
+
+/* client:returned() -> the documents the server's find, getMore and
+ * aggregate replies carried since connect or the last reset_counters():
+ * what reads brought, not what the caller took from its cursors. */
+static int
+client_returned(lua_State *L)
+{
+	mtx_client *c = mtx_check_client(L, 1);
+	mtx_counters *n = counters_of(c);
+
+	mtx_client_handle(L, c);
+	lua_pushinteger(L, (lua_Integer)MTX_ATOMIC_GET(&n->returned));
+	return 1;
 }
 
 /* client:pool() -> { id, pid, max_size, in_use, peak, pops } for a client
@@ -749,6 +790,7 @@ mtx_open_client(lua_State *L)
 		{"counters", client_counters},
 		{"pool", client_pool},
 		{"reset_counters", client_reset_counters},
+		{"returned", client_returned},
 		{"set_read_preference", client_set_read_preference},
 		{"set_write_concern", client_set_write_concern},
 		{NULL, NULL},

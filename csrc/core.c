@@ -44,5 +44,6 @@ luaopen_mongotx_core(lua_State *L)
 	mtx_open_checks(L);
 	mtx_open_txn(L);
 	mtx_open_fault(L);
+	mtx_open_signals(L);
 	return 1;
 }

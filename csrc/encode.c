@@ -390,7 +390,10 @@ encode_child(encoder *e, int idx, bson_t *b, const char *key, int keylen)
 	e->tables[e->depth] = p;
 	e->path[e->depth].key = NULL;
 	e->path[e->depth].index = 0;
-	e->outer = outer + b->len;
+	/* b's length holds the child's empty form (its 5 bytes), which the
+	 * child's own length counts: without them, a value exactly at the
+	 * limit fits, one byte over does not */
+	e->outer = outer + b->len - child.len;
 	encode_table_body(e, idx, &child);
 	e->outer = outer;
 	e->depth--;

@@ -189,10 +189,12 @@ typedef struct mtx_cursor mtx_cursor;
 /* What the client sent: commands is round trips, counted by libmongoc's
  * command monitoring (APM, client.c); writes the statements of write
  * commands, counted where mongotx hands them to libmongoc
- * (mtx_count_writes). */
+ * (mtx_count_writes); returned the documents the server's find, getMore
+ * and aggregate replies carried (APM too). */
 typedef struct {
 	int64_t commands;
 	int64_t writes;
+	int64_t returned;
 } mtx_counters;
 
 /* A process-wide pool of libmongoc clients (client.c, connect with
@@ -283,6 +285,13 @@ MTX_HIDDEN int mtx_l_snapshot(lua_State *L);
 
 MTX_HIDDEN int mtx_open_checks(lua_State *L);
 
+/* ---- storable.c: values no stored document should hold ---- */
+
+/* The first NaN or infinite number, or string that is not UTF-8, anywhere
+ * in the value at idx (walked to depth MTX_MAX_DEPTH): what is wrong with
+ * it (and under which key) pushed, and 1; else 0. */
+MTX_HIDDEN int mtx_find_bad_scalar(lua_State *L, int idx, int depth);
+
 /* ---- txn.c: the two-phase-commit steps ---- */
 
 MTX_HIDDEN int mtx_open_txn(lua_State *L);
@@ -291,5 +300,8 @@ MTX_HIDDEN int mtx_open_txn(lua_State *L);
 #define MTX_FAULT_EXIT 86
 MTX_HIDDEN void mtx_fault(const char *point, const char *when);
 MTX_HIDDEN int mtx_open_fault(lua_State *L);
+
+/* signals.c: SIGINT and SIGTERM noted as a flag (the mongotx command). */
+MTX_HIDDEN int mtx_open_signals(lua_State *L);
 
 #endif

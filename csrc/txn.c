@@ -217,7 +217,10 @@ append_marker_eq(bson_t *filter, const fields *f, const bson_t *tid_holder)
 }
 
 /* The transaction id at idx, wrapped as {t: id} so it can be appended
- * under any key. */
+ * under any key.  The steps on documents (apply, finish, undo, fence)
+ * take the transaction's mark there, what names it on a document across
+ * transactions collections (lua/mongotx/stored.lua): its _id, or a
+ * Binary naming its collection and _id. */
 static bson_t *
 check_tid(lua_State *L, int idx)
 {
@@ -880,7 +883,7 @@ op_batch_run(lua_State *L, op_builder build, const char *point)
 }
 
 /* steps:finish_many(coll, list, name) -> bulk result or nil, err.
- * list[t] = a committed transaction { _id, ops }: finish's writes for
+ * list[t] = a committed transaction { _id, ops [, mark] }: finish's writes for
  * every op of those transactions in collection `name` (the collection
  * coll), in one unordered bulk write, in the order of the list and of
  * each one's ops.  Read from the transactions themselves: no table per op
@@ -897,7 +900,12 @@ l_finish_many(lua_State *L)
 	for (t = 1; t <= b.n; t++) {
 		int top = lua_gettop(L), T = batch_item(L, 3, t), ops, k, nops;
 
-		lua_getfield(L, T, "_id");
+		/* its mark (lua/mongotx/stored.lua): `mark`, else its _id */
+		lua_getfield(L, T, "mark");
+		if (lua_isnil(L, -1)) {
+			lua_pop(L, 1);
+			lua_getfield(L, T, "_id");
+		}
 		if (lua_isnil(L, -1))
 			luaL_error(L, "mongotx: batch item %d has no _id", t);
 		bson_reinit(b.tid);

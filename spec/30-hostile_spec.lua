@@ -983,6 +983,17 @@ for _, c in ipairs {
   { "a field name with two dots in a row", "bad field name a%.%.b", true,
     { ["$set"] = { ["a..b"] = 1 } } },
   { "a key that is not UTF-8", "cannot be stored", true, { ["$set"] = { ["\255"] = 1 } } },
+  { "an $inc by a Decimal128 NaN", 'holds Decimal128%("NaN"%) %(under the key balance%)', true,
+    { ["$inc"] = { balance = mongotx.Decimal128("NaN") } } },
+  { "a $mul by a Decimal128 infinity", 'holds Decimal128%("Infinity"%)', true,
+    { ["$mul"] = { balance = mongotx.Decimal128("Infinity") } } },
+  { "a $set of a string that is not UTF-8", "holds a string that is not UTF%-8 %(under the key note%)",
+    true, { ["$set"] = { note = "ok \192\175" } } },
+  { "a $push of a Regex that is not UTF-8", "holds a regex that is not UTF%-8", true,
+    { ["$push"] = { log = mongotx.Regex("\255") } } },
+  { "a $rename to a name that is not UTF-8", "needs a field name", true,
+    { ["$rename"] = { name = "n\255" } } },
+  { "a path holding a NUL", "cannot be stored", true, { ["$inc"] = { ["bal\0ance"] = 1 } } },
 } do
   add { "begin: " .. c[1], code = "invalid", msg = "^op 1: update.*" .. c[2],
         pending = not c[3] and function() return "LuaJIT has no integers to overflow" end or nil,
@@ -1002,6 +1013,10 @@ for _, c in ipairs {
     insert({ a = { b = { ["$x"] = 1 } } }) },
   { "an insert holding a dotted key deep", "dots are paths", insert({ a = { ["b.c"] = 1 } }) },
   { "an insert holding inf deep", "doc holds inf", insert({ a = { INF } }) },
+  { "an insert holding a Decimal128 -Infinity deep", 'doc holds Decimal128%("%-Infinity"%)',
+    insert({ a = { mongotx.Decimal128("-Infinity") } }) },
+  { "an insert holding a surrogate (not UTF-8)", "doc holds a string that is not UTF%-8",
+    insert({ a = { b = "\237\160\128" } }) },
   { "an insert setting the marker", "doc may not set pendingTransactions",
     insert({ pendingTransactions = {} }) },
   { "an insert setting _id (the op's id is its _id)", "doc may not set _id", insert({ _id = "o2" }) },
@@ -1021,6 +1036,29 @@ add { "begin: an update hidden behind __pairs is checked as sent", code = "inval
       msg = "op 1: update: %$unset may not touch pendingTransactions",
       call = begin({ upd("A", setmetatable({ ["$unset"] = { pendingTransactions = "" } },
                                            { __pairs = function() return next, {} end })) }) }
+
+-- Values no reader can use, and names checked as an op's are (issue 20)
+add { "begin: a where comparing with a Decimal128 NaN", code = "invalid",
+      msg = 'op 1: where holds Decimal128%("NaN"%)',
+      call = begin({ { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -1 } },
+                       where = { balance = { ["$gte"] = mongotx.Decimal128("NaN") } } } }) }
+add { "begin: meta holding a string that is not UTF-8", code = "invalid",
+      msg = "meta cannot be stored: it holds a string that is not UTF%-8",
+      call = begin({ inc("A", 1) }, { meta = { note = "\255" } }) }
+for what, field in pairs { ["not UTF-8"] = "bal\255", ["holding a NUL"] = "bal\0ance" } do
+  add { "transfer: a field " .. what .. " (was a raise from the encoder)",
+        code = "invalid", msg = "bad field name", call = function(e)
+          return e.tm:transfer("accounts", "A", "B", 1, { field = field })
+        end }
+end
+add { "manager: a transactions collection whose namespace is too long", code = "invalid",
+      msg = "option collection of manager: collection name of", call = function(e)
+        return e.db:manager{ collection = ("t"):rep(200) }
+      end }
+add { "manager: a transactions collection starting with a dot", code = "invalid",
+      msg = "option collection of manager must be a collection name", call = function(e)
+        return e.db:manager{ collection = ".tx" }
+      end }
 
 local function fixture()
   local db = assert(mongotx.connect(helpers.uri(), { database = helpers.db_name() }))

@@ -466,6 +466,55 @@ describe("#openresty mongotx.resty in nginx", function()
     end)
   end)
 
+  describe("resty.recovery and names that do not exist", function()
+    it("raises for a URI without a database, and makes each pass an error naming a missing " ..
+       "collection, creating nothing", function()
+      local db, name = bank(1, 1000)
+      -- srv.uri names no database: recovery must not sweep "test"
+      assert.is_nil(srv.uri:match("^mongodb://[^/]*/[^?]"))
+      local n = start(name, { workers = 1, recovery = false, init_worker = [[
+        local resty = require "mongotx.resty"
+        local d = ngx.shared.mongotx
+        local ok, err = pcall(resty.recovery, { uri = os.getenv("MONGOTX_URI"),
+          dict = "mongotx", every = 0.2 })
+        d:set("nodb", ok and "started" or tostring(err))
+        resty.recovery { uri = os.getenv("MONGOTX_URI"), dict = "mongotx", every = 0.2,
+          key = "typo", connect = { database = os.getenv("MONGOTX_DATABASE") },
+          manager = { collection = "transaction", application = "typo" },
+          on_report = function(report, err)
+            d:set("report", tostring(report) .. " " .. tostring(err))
+            d:incr("passes", 1, 0)
+          end }
+      ]], locations = [[
+        location = /_said { content_by_lua_block {
+          local d = ngx.shared.mongotx
+          ngx.say(require("cjson").encode({ nodb = d:get("nodb"), typo = d:get("report"),
+                                            passes = d:get("passes") }))
+        } }
+      ]] })
+      finally(function() n:stop() end)
+      local said
+      for _ = 1, 100 do
+        local status, res = n:request("GET", "/_said")
+        assert.are.equal(200, status, res)
+        said = json(res)
+        if (said.passes or 0) >= 3 then break end
+        sleep(0.1)
+      end
+      assert.truthy(tostring(said.nodb):find("recovery needs a database", 1, true), said.nodb)
+      assert.is_true(said.passes >= 3, require("cjson").encode(said))
+      assert.truthy(said.typo:find("^nil mongotx: recovery: database " .. name ..
+        " has no collection transaction: nothing to recover, nothing created"), said.typo)
+      assert.truthy(nginx.readfile(n.log):find("has no collection transaction", 1, true))
+      local names = {}
+      local reply = assert(db.client:command(name, { listCollections = 1 }))
+      for _, c in ipairs(reply.cursor.firstBatch) do names[#names + 1] = c.name end
+      assert.are.same({ "accounts" }, names)
+      reply = assert(db.client:command("test", { listCollections = 1 }))
+      assert.are.same({}, reply.cursor.firstBatch)
+    end)
+  end)
+
   describe("kill -9 of a worker under load", function()
     it("then recovery: the sum unchanged, no marker, every transaction done or cancelled", function()
       local accounts = 10

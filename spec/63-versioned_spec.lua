@@ -243,9 +243,85 @@ describe("#server mongotx.versioned", function()
     assert.are.equal(1, #r.dead)
     assert.are.equal(w.version, r.dead[1])
     assert.are.equal(0, assert(db:collection("nodes"):count({ version = w.version })))
-    ok, err = w:publish()
-    assert.is_nil(ok)
-    assert.are.equal("state", err.code)
+    -- the README's error table: an abandoned version is a conflict, as
+    -- often as publish is called; abandon again does nothing more
+    for _ = 1, 2 do
+      ok, err = w:publish()
+      assert.is_nil(ok)
+      assert.are.equal("conflict", err.code)
+    end
+    assert.is_true(w:abandon())
+    r = root(db)
+    assert.are.same({ w.version }, { table.unpack(r.dead) })
+    assert.are.equal(0, #r.open)
+    assert.are.equal(w.base, r.version)
+  end)
+
+  -- A collection wrapper whose next call of `method` fails with a network
+  -- error, without reaching the server ("before") or after it applied
+  -- the call ("after").
+  local function failing(coll, method)
+    local fail_when
+    local wrapped = setmetatable({
+      [method] = function(_, ...)
+        local when = fail_when
+        fail_when = nil
+        if when == "before" then return nil, { code = "stream", message = "not sent" } end
+        local res, err = coll[method](coll, ...)
+        if res and when == "after" then return nil, { code = "stream", message = "reply lost" } end
+        return res, err
+      end,
+    }, { __index = function(_, k) return function(_, ...) return coll[k](coll, ...) end end })
+    return wrapped, function(when) fail_when = when end
+  end
+
+  it("publish again after a database error: published if the write never arrived, the " ..
+     "same answer after a success or a loss, the loser's clean-up finished", function()
+    local db, _, trees = fresh()
+    local fail
+    trees.roots, fail = failing(trees.roots, "update_one")
+    -- the write never reached the server: the retry publishes
+    local w = assert(trees:begin(patterns.ROOT))
+    assert(w:put("a", { n = 19 }))
+    assert(w:put("b", { n = 21 }))
+    fail("before")
+    local v, err = w:publish()
+    assert.is_nil(v)
+    assert.are.equal("stream", err.code)
+    assert.are.equal(w.base, root(db).version)
+    assert.are.equal(w.version, assert(w:publish()))
+    assert.are.equal(w.version, root(db).version)
+    assert.are.equal(w.version, assert(w:publish())) -- and again: the same answer
+
+    -- a loser whose clean-up (the abort of its version) failed: publish
+    -- again finishes it and answers conflict, as the first would have
+    local a = assert(trees:begin(patterns.ROOT))
+    local b = assert(trees:begin(patterns.ROOT))
+    assert(a:put("a", { n = 18 }))
+    assert(a:put("b", { n = 22 }))
+    assert(b:put("c", { n = 10 }))
+    assert(b:put("d", { n = 30 }))
+    assert.are.equal(a.version, assert(a:publish()))
+    local items
+    items, fail = failing(trees.items, "delete_many")
+    trees.items = items
+    fail("before")
+    v, err = b:publish()
+    assert.is_nil(v)
+    assert.are.equal("stream", err.code)
+    assert.are.equal(2, assert(db:collection("nodes"):count({ version = b.version })))
+    for _ = 1, 2 do
+      v, err = b:publish()
+      assert.is_nil(v)
+      assert.are.equal("conflict", err.code)
+    end
+    assert.are.equal(0, assert(db:collection("nodes"):count({ version = b.version })))
+    local r = root(db)
+    assert.are.equal(a.version, r.version)
+    assert.are.equal(0, #r.open)
+    assert.are.same({ b.version }, { table.unpack(r.dead) })
+    assert.are.same({ a = 18, b = 22, c = 20, d = 20, e = 20 }, (counts(trees)))
+    assert.are.same({}, patterns.versioned_running(db))
   end)
 
   it("reads a root nobody published as version 0 with no items", function()

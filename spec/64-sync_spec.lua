@@ -194,6 +194,23 @@ describe("#server mongotx.sync", function()
     end)
   end
 
+  it("lets an interrupt in propagate go up: the flag stays, no attempt counted, repair retries",
+    function()
+    local db = fresh()
+    local interrupted = assert(db:sync{ collection = "users",
+      propagate = function() error("interrupted!") end })
+    local ok, raised = pcall(interrupted.change, interrupted, "u2", { ["$set"] = { name = "Di" } })
+    assert.is_false(ok)
+    assert.matches("interrupted!$", tostring(raised))
+    local u = user(db, "u2")
+    assert.are.equal("Di", u.name) -- the change is made, flagged
+    assert.are.equal("date", mongotx.type(u.syncing))
+    assert.are.equal(0, u.syncAttempts)
+    assert.is_nil(u.syncError)
+    assert.are.equal(1, assert(patterns.syncer(db):repair { older_than = 0 }).repaired)
+    assert.are.same({}, patterns.sync_final(db))
+  end)
+
   it("parks a master after max_attempts failed propagations, until it changes again", function()
     local db = fresh()
     local bad = patterns.syncer(db, "raise", { max_attempts = 2 })

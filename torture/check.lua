@@ -2,8 +2,8 @@
 -- after the final recovery:
 --   1. every transaction ended done or cancelled (none parked, none in
 --      flight), and a compensating one only for a done original;
---   2. no document carries a marker (pendingTransactions) or a holder
---      (txHeld) any more;
+--   2. no document carries a marker (pendingTransactions, or OTHER's
+--      marker) or a holder (txHeld) any more;
 --   3. the documents are exactly the fixture with the ops of the done
 --      transactions applied once each and those of the cancelled ones not
 --      at all: a model replays the done transactions' stored ops ($inc,
@@ -36,6 +36,12 @@ M.MARKER, M.VERSION = "pendingTransactions", "txVersion"
 -- the ids of open transactions whose effect on a document may raise a
 -- value (README, Guards): bookkeeping like the marker, empty at the end
 M.HELD = "txHeld"
+-- The other configuration the sections with mixed managers use (issue
+-- 27): another transactions collection (whose transactions are keyed
+-- "tx2:<id>" here, their ids may repeat those of `transactions`), and
+-- another marker and version field.  Every marker array must end empty.
+M.OTHER = { collection = "tx2", marker = "otherMarker", version = "otherVersion" }
+local MARKERS = { M.MARKER, M.OTHER.marker }
 
 local function copy(doc)
   local out = {}
@@ -106,6 +112,7 @@ local function visible(doc)
   if doc.txPlaceholder ~= nil then return nil end
   local d = copy(doc)
   d[M.MARKER], d[M.VERSION], d[M.HELD] = nil, nil, nil
+  d[M.OTHER.marker], d[M.OTHER.version] = nil, nil
   return d
 end
 
@@ -123,9 +130,15 @@ function M.database(db, fixture, opts)
   local r = { violations = {}, states = {}, docs = {}, counts = { done = 0, cancelled = 0, other = 0 } }
   local function violation(fmt, ...) r.violations[#r.violations + 1] = fmt:format(...) end
 
-  local tm = assert(db:manager { application = "checker" })
-  -- batches of 1000: mongo-java-server does not cut a reply at 48 MB
-  local txs = assert(tm:find({}, { sort = { _id = 1 }, batch_size = 1000 }))
+  local txs = {}
+  for _, coll in ipairs { "transactions", M.OTHER.collection } do
+    local tm = assert(db:manager { application = "checker", collection = coll })
+    -- batches of 1000: mongo-java-server does not cut a reply at 48 MB
+    for _, T in ipairs(assert(tm:find({}, { sort = { _id = 1 }, batch_size = 1000 }))) do
+      if coll ~= "transactions" then T.key = coll .. ":" .. canon(T._id) end
+      txs[#txs + 1] = T
+    end
+  end
   local model = { docs = {}, removed = {} } -- removed: who removed what
   for name, docs in pairs(fixture) do
     model.docs[name] = {}
@@ -133,7 +146,7 @@ function M.database(db, fixture, opts)
   end
   local done = {}
   for _, T in ipairs(txs) do
-    local id = canon(T._id)
+    local id = T.key or canon(T._id)
     r.states[id], r.docs[id] = T.state, T
     if TERMINAL[T.state] then
       r.counts[T.state] = r.counts[T.state] + 1
@@ -150,12 +163,15 @@ function M.database(db, fixture, opts)
     return canon(a._id) < canon(b._id)
   end)
   for _, T in ipairs(done) do
-    if T.compensates ~= nil and r.states[canon(T.compensates)] ~= "done" then
-      violation("transaction %s compensates %s, which is %s", canon(T._id),
-        canon(T.compensates), tostring(r.states[canon(T.compensates)]))
+    -- (the original is in the compensation's collection)
+    local orig = T.compensates ~= nil and (T.key and T.key:match("^[^:]*:") or "") ..
+      canon(T.compensates)
+    if orig and r.states[orig] ~= "done" then
+      violation("transaction %s compensates %s, which is %s", T.key or canon(T._id),
+        orig, tostring(r.states[orig]))
     end
     for _, op in ipairs(T.ops) do
-      local why = replay(model, op, canon(T._id))
+      local why = replay(model, op, T.key or canon(T._id))
       if why then violation("%s", why) end
     end
   end
@@ -165,17 +181,19 @@ function M.database(db, fixture, opts)
   for name, expected in pairs(model.docs) do
     local actual = {}
     for _, doc in ipairs(assert(db:collection(name):find_all({}, { batch_size = 1000 }))) do
-      local marker = doc[M.MARKER]
-      if marker ~= nil and (type(marker) ~= "table" or #marker > 0) then
-        local whose = {}
-        for _, id in ipairs(type(marker) == "table" and marker or {}) do
-          local T = r.docs[canon(id)] or {}
-          whose[#whose + 1] = ("%s %s (epoch %s, application %s, reason %s)"):format(canon(id),
-            tostring(T.state or "absent"), tostring(T.epoch), tostring(T.application),
-            tostring(T.reason))
+      for _, field in ipairs(MARKERS) do
+        local marker = doc[field]
+        if marker ~= nil and (type(marker) ~= "table" or #marker > 0) then
+          local whose = {}
+          for _, id in ipairs(type(marker) == "table" and marker or {}) do
+            local T = r.docs[canon(id)] or {}
+            whose[#whose + 1] = ("%s %s (epoch %s, application %s, reason %s)"):format(canon(id),
+              tostring(T.state or "absent"), tostring(T.epoch), tostring(T.application),
+              tostring(T.reason))
+          end
+          violation("%s/%s still carries markers (%s) of %s", name, tostring(doc._id), field,
+            table.concat(whose, ", "))
         end
-        violation("%s/%s still carries markers of %s", name, tostring(doc._id),
-          table.concat(whose, ", "))
       end
       local held = doc[M.HELD]
       if held ~= nil and (type(held) ~= "table" or #held > 0) then

@@ -132,9 +132,11 @@ function M.run(ctx)
   local matrix = {}
   for _, c in ipairs(cases) do
     result.cases = result.cases + 1
+    local allowed = { [scenarios.ID] = c.s.allowed, [scenarios.OTHER] = c.s.other }
+    for k, v in pairs(c.s.also or {}) do allowed[k] = v end
     local rep = check.database(check.db(ctx.uri, c.db),
       scenarios.fixture(c.kind, c.s.failing, c.s.balances),
-      { allowed = { [scenarios.ID] = c.s.allowed, [scenarios.OTHER] = c.s.other } })
+      { allowed = allowed })
     local cell = rep.states[scenarios.ID] or "absent"
     if c.fault and c.how == "ok" then cell = cell .. "(no crash)" end
     if c.problem then

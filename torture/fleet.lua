@@ -19,8 +19,10 @@ local M = {}
 local Fleet = {}
 Fleet.__index = Fleet
 
-function M.new(uri, dbname, sizes)
+-- mixed: the workers' configurations differ (issue 27; see spawn).
+function M.new(uri, dbname, sizes, mixed)
   local self = setmetatable({ uri = uri, dbname = dbname, sizes = sizes, live = {}, all = {},
+    mixed = mixed,
     stopfile = os.tmpname(), fixture = workload.fixture(sizes.accounts, sizes.tokens),
     killed = 0 }, Fleet)
   os.remove(self.stopfile)
@@ -29,8 +31,15 @@ function M.new(uri, dbname, sizes)
   return self
 end
 
+-- A worker's name says its configuration (torture/workload.lua,
+-- manager_options): in a mixed fleet, "w<n>" the defaults, "w<n-1>t" the
+-- other transactions collection with the ids of worker w<n-1> (so ids
+-- repeat across the two collections), "w<n>m" the other marker.
 function Fleet:spawn()
-  local name = "w" .. (#self.all + 1)
+  local n = #self.all + 1
+  local name = "w" .. n
+  if self.mixed and n % 3 == 2 then name = "w" .. (n - 1) .. "t"
+  elseif self.mixed and n % 3 == 0 then name = name .. "m" end
   local w = proc.spawn({ "mix", self.uri, self.dbname, name, self.sizes.accounts,
                          self.sizes.tokens, self.stopfile })
   w.name = name

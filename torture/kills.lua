@@ -19,9 +19,8 @@ local M = {}
 M.WORKERS = 6
 M.ACCOUNTS = 20
 
-function M.run(ctx)
-  local seconds = ctx.seconds or (ctx.full and 300 or 45)
-  local f = fleet.new(ctx.uri, "kills", { accounts = M.ACCOUNTS, tokens = 300 })
+local function run(ctx, name, seconds, mixed)
+  local f = fleet.new(ctx.uri, name, { accounts = M.ACCOUNTS, tokens = 300 }, mixed)
   for _ = 1, ctx.workers or M.WORKERS do f:spawn() end
   local stop = core.monotonic_ms() + seconds * 1000
   local stops = 0
@@ -40,8 +39,21 @@ function M.run(ctx)
   end
   local r = f:finish()
   r.notes = ("%d s, %d stops; %s"):format(seconds, stops, r.notes)
-  ctx.say("  kills: %s", r.notes)
+  ctx.say("  %s: %s", name, r.notes)
   return r
+end
+
+function M.run(ctx)
+  return run(ctx, "kills", ctx.seconds or (ctx.full and 300 or 45))
+end
+
+-- Section "mixed" (issue 27): the same with managers configured
+-- differently on the same documents (torture/fleet.lua, mixed): one
+-- worker in three runs in the other transactions collection under the
+-- ids of the worker started before it, one in three with the other
+-- marker and version field; each recovers what its configuration sees.
+function M.mixed(ctx)
+  return run(ctx, "mixed", ctx.seconds or (ctx.full and 120 or 30), true)
 end
 
 return M

@@ -12,6 +12,7 @@
 -- runs only those scenarios of the crash matrix.  Sections (each starts its own servers):
 --   crashpoints-memory, crashpoints-ferretdb   torture/crashpoints.lua
 --   kills        random kill -9 of workers      torture/kills.lua
+--   mixed        the same, managers configured differently (issue 27)
 --   races        fixed two-manager interleavings torture/races.lua
 --   stalls       SIGSTOP past the lease          torture/stalls.lua
 --   queue-crashpoints, queue-kills   mongotx.queue's crash matrix and its
@@ -91,6 +92,8 @@ local sections = {
       return with_server("ferretdb", require("torture.crashpoints").run) end },
   { name = "kills", run = function()
       return with_server("memory", require("torture.kills").run) end },
+  { name = "mixed", run = function()
+      return with_server("memory", require("torture.kills").mixed) end },
   { name = "races", run = function()
       return with_server("memory", require("torture.races").run) end },
   { name = "stalls", run = function()

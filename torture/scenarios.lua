@@ -21,6 +21,8 @@
 --   prepare_manager  manager options for `prepare` (default: lease 1)
 --   run           run(tm, ctx) in the child that crashes at the point
 --   manager       extra manager options for `run`
+--   also          final states allowed for other transactions, by id
+--                 (torture/check.lua's keys: "tx2:T" in the other collection)
 --   balances      accounts' balances other than 1000 (M.fixture)
 --   recover       direction of the final recovery: "forward" (default)
 --                 or "back" (stale pending transactions rolled back)
@@ -316,6 +318,71 @@ for _, s in ipairs {
     manager = M.recovery_manager { stale_pending = function() return "back" end },
     recover = "back", allowed = { cancelled = true }, other = { done = true },
     ci_kinds = { "update", "remove" }, run = recover_TU },
+} do M.list[#M.list + 1] = s end
+
+-- Managers configured differently on the same documents (issue 27;
+-- torture/check.lua, OTHER).  `mgr-collections`: a transaction of
+-- the other transactions collection under T's own id moves 30 from A to
+-- D; its owner claimed it, applied its debit of A and is gone.  T then
+-- runs in `transactions` (its floor guard reads past an open debit) and
+-- the final recovery rolls the other one forward: each applies once.
+-- `-held`: the other one's credit of A is applied instead, so T's guard
+-- waits for it (busy) and T cancels.  `mgr-marker` (`-back`): T is
+-- begun and left pending (its credit of B applied) by a manager with the
+-- other marker and version field (by one with the defaults), and a
+-- manager configured the other way recovers it, crashing at each point.
+local check_other = require("torture.check").OTHER
+local OTHER_TX = { application = "other", collection = check_other.collection, lease = 0.2,
+                   stale_after = 0.2 }
+local OTHER_FIELDS = { application = "other", marker = check_other.marker,
+                       version_field = check_other.version, lease = 0.2, stale_after = 0.2 }
+local OTHER_KEY = check_other.collection .. ":" .. M.ID
+
+-- The other collection's transaction under T's id: 30 from A to D
+-- (`sign` -1), or from D to A (1); its owner applied its op on A only.
+-- (Not T's 100: an op of one applied in place of the other's shows.)
+local function other_holds(sign)
+  return function(tm)
+    local U = assert(tm:begin({
+      { collection = "accounts", id = "A", update = { ["$inc"] = { balance = sign * 30 } } },
+      { collection = "accounts", id = "D", update = { ["$inc"] = { balance = -sign * 30 } } },
+    }, { id = M.ID }))
+    assert(tm:step("claim", U))
+    return tm:step("apply", U, 1)
+  end
+end
+
+local function leave_T(tm, ctx)
+  local T = assert(tm:begin(M.ops(ctx.kind), { id = M.ID }))
+  assert(tm:step("claim", T))
+  return tm:step("apply", T, 2)
+end
+
+local function recover_after_lease(tm)
+  require("mongotx.core").sleep(0.3) -- past the first owner's deadline
+  return recover_once(tm)
+end
+
+local function with_fields(extra)
+  local o = M.recovery_manager(extra)
+  o.marker, o.version_field = check_other.marker, check_other.version
+  return o
+end
+
+for _, s in ipairs {
+  { name = "mgr-collections", prepare = other_holds(-1), prepare_manager = OTHER_TX,
+    allowed = DONE, also = { [OTHER_KEY] = { done = true } }, ci_kinds = { "update" },
+    run = begin_commit },
+  { name = "mgr-collections-held", kinds = { "update" }, prepare = other_holds(1),
+    prepare_manager = OTHER_TX, allowed = CANCELLED, also = { [OTHER_KEY] = { done = true } },
+    manager = BUSY, run = begin_commit },
+  { name = "mgr-marker", prepare = leave_T, prepare_manager = OTHER_FIELDS,
+    manager = M.recovery_manager(), allowed = { done = true },
+    ci_kinds = { "update", "insert" }, run = recover_after_lease },
+  { name = "mgr-marker-back", prepare = leave_T, prepare_manager = SHORT,
+    manager = with_fields { stale_pending = function() return "back" end }, recover = "back",
+    allowed = { cancelled = true }, ci_kinds = { "update", "remove" },
+    run = recover_after_lease },
 } do M.list[#M.list + 1] = s end
 
 function M.find(name)

@@ -6,7 +6,8 @@
 --   worker.lua recover <uri> <dbs-file> [forward|back]
 --       recovery in a fresh process: for each database named in the file,
 --       recover() until no transaction is left in flight (rolling stale
---       pending ones back with "back")
+--       pending ones back with "back"), in `transactions` and in the
+--       other configuration's collection (torture/check.lua, OTHER)
 --   worker.lua mix <uri> <db> <name> <accounts> <tokens> <stop-file> [stall]
 --       random transactions (torture/workload.lua) until the stop file
 --       exists, recover() every 20 of them (manager options by
@@ -78,12 +79,15 @@ elseif mode == "recover" then
   for dbname in f:lines() do
     local db = connect(dbname)
     local direction = arg[4] or "forward"
-    local tm = assert(db:manager(scenarios.recovery_manager {
-      stale_pending = function() return direction end }))
     local left = 0
-    for _, T in ipairs(assert(tm:find({ state = { ["$nin"] = { "done", "cancelled" } } }))) do
-      local after = scenarios.settle(tm, T._id, 15)
-      if after and after.state ~= "done" and after.state ~= "cancelled" then left = left + 1 end
+    -- both transactions collections of the mixed managers (check.OTHER)
+    for _, coll in ipairs { "transactions", require("torture.check").OTHER.collection } do
+      local tm = assert(db:manager(scenarios.recovery_manager {
+        collection = coll, stale_pending = function() return direction end }))
+      for _, T in ipairs(assert(tm:find({ state = { ["$nin"] = { "done", "cancelled" } } }))) do
+        local after = scenarios.settle(tm, T._id, 15)
+        if after and after.state ~= "done" and after.state ~= "cancelled" then left = left + 1 end
+      end
     end
     say(left == 0 and "settled" or "unsettled", dbname, left)
     db:close()
@@ -102,10 +106,17 @@ elseif mode == "mix" then
       if events == stall_at then say("stopping", events) stop_self() say("continued") end
     end or nil,
   })))
+  -- a worker of the other transactions collection ("w<k>t") uses the ids
+  -- of worker w<k> and logs them as the checks key them ("tx2:<id>")
+  local prefix, log = name, say
+  if name:find("t$") then
+    prefix = name:sub(1, -2)
+    log = function(line) say((line:gsub("^(%S+) ", "%1 " .. tm.engine.vctx.collection .. ":", 1))) end
+  end
   local done, n = {}, 0
   while not exists(stopfile) do
     n = n + 1
-    workload.step(tm, name .. "-" .. n, sizes, say, done)
+    workload.step(tm, prefix .. "-" .. n, sizes, log, done)
     if n % 20 == 0 then tm:recover() end
   end
   workload.close(tm, name)

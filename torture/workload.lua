@@ -64,6 +64,10 @@ end
 function M.manager_options(name, extra)
   local role = M.role(name)
   local o = { application = name, lease = 1, stale_after = 1 }
+  -- a mixed fleet's configurations (torture/fleet.lua, spawn)
+  local other = require("torture.check").OTHER
+  if name:find("t$") then o.collection = other.collection end
+  if name:find("m$") then o.marker, o.version_field = other.marker, other.version end
   if role.back then o.stale_pending = function() return "back" end end
   if role.deferred then o.finish, o.finish_batch = "deferred", 5 end
   for k, v in pairs(extra or {}) do o[k] = v end

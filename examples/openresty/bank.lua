@@ -8,6 +8,7 @@
 --                    200 {"id", "state", "from", "to", "amount"}; 4xx/5xx
 --                    {"error": <name>, "message": <what>}.
 --   GET /tx/<id>     the transaction: 200 {...} or 404.
+--   GET /metrics     mongotx's counters of every worker (Prometheus text).
 --   init_worker()    the recovery timer (mongotx.resty.recovery): one
 --                    worker of the instance finishes what crashed workers
 --                    and disconnected clients left.
@@ -36,7 +37,12 @@ local config = {
   accounts = "accounts",
   thread_pool = "mongotx",
   wait = 5,                             -- seconds a call waits for a free thread (then 503)
-  manager = { application = "bank" },  -- db:manager's options (data only)
+  -- db:manager's options (data only). metrics: the lua_shared_dict that
+  -- counts its events (mongotx.metrics.shared), served at GET /metrics;
+  -- group = { max = 100, delay = 0 } runs concurrent transfers of a worker
+  -- as one batch (README, "Group commit"; off by default: bench/README.md
+  -- says why)
+  manager = { application = "bank", metrics = "mongotx_metrics" },
   dict = "mongotx",                     -- lua_shared_dict for the recovery election
   recovery = { every = 5, limit = 1000 },
   max_amount = 2 ^ 53,                  -- exact in a double, and in BSON
@@ -236,6 +242,13 @@ function _M.get_tx(id)
   end
   if not T then return fail(404, "unknown_transaction", "no transaction " .. id) end
   return reply(200, tx_json(T))
+end
+
+-- GET /metrics: the counters of every worker, for Prometheus.
+function _M.metrics()
+  local dict = config.manager and config.manager.metrics
+  if not dict then return fail(404, "no_metrics", "metrics are off (manager.metrics)") end
+  return require("mongotx.metrics.shared").serve(dict)
 end
 
 -- init_worker_by_lua: the recovery timer (one worker of the instance runs

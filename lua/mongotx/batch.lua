@@ -104,7 +104,7 @@ local function apply_items(eng, by_coll, order, deadline)
       for _, item in ipairs(items) do
         if not docs then
           fail(item.entry, err)
-        elseif stored.has_marker(by_id[id_key(item.op.id)], eng.marker, item.entry.T._id) then
+        elseif stored.has_marker(by_id[id_key(item.op.id)], eng.marker, item.tid) then
           item.entry.applied[item.i] = true
         end
       end
@@ -156,7 +156,10 @@ local function apply(eng, entries, deadline, versions)
             if v then version = v.version end
             -- stored: the ops as the create sent them, which the C step
             -- reads the op's filter and update from (recovery's have none)
-            items[#items + 1] = { tid = e.T._id, op = op, version = version, entry = e,
+            -- tid: the mark (mongotx.stored).  A batch's transactions
+            -- all have this manager's form: recovery drives the others
+            -- alone (recovery.lua)
+            items[#items + 1] = { tid = stored.mark(e.T), op = op, version = version, entry = e,
                                   i = i, stored = e.doc and e.doc.ops }
           end
         end
@@ -302,8 +305,11 @@ end
 -- of the transaction document> } as one batch up to the commit point.
 -- Returns results, errs, committed: results[i] the transaction (state
 -- `applied`, or `done` when it went the one-at-a-time way) or false,
--- errs[i] why not, and the committed transactions left to finish (the
--- caller finishes them at once or later: policy.finish).
+-- errs[i] why not, the committed transactions left to finish (the
+-- caller finishes them at once or later: policy.finish), and late[i] =
+-- true for those settled one at a time after the others had committed
+-- (their effects, and what their guards read, come after the others':
+-- mongotx.group reports that order).
 function _M.run(eng, specs)
   local entries, results, errs = {}, {}, {}
   local now, err = eng:clock()
@@ -315,15 +321,19 @@ function _M.run(eng, specs)
   end
   local common = { state = "pending", epoch = 1, attempts = 1, application = eng.application,
                    instance = eng.instance, lease = eng.policy.lease, deadline = deadline,
-                   lastModified = stamp }
+                   lastModified = stamp, markerField = eng.marker,
+                   versionField = eng.version_field }
+  local coll = eng.vctx.collection
   for i, spec in ipairs(specs) do
     local id = spec.id
     if id == nil then id = core.ObjectId() end
     local T = { _id = id, state = "pending", ops = spec.ops, epoch = 1, attempts = 1,
                 application = eng.application, instance = eng.instance,
                 lease = eng.policy.lease, deadline = deadline, meta = spec.meta,
-                lastModified = stamp }
-    local doc = { _id = id, ops = spec.stored or stored.ops(spec.ops), meta = spec.meta }
+                lastModified = stamp, markerField = eng.marker,
+                versionField = eng.version_field, mark = stored.new_mark(coll, id) }
+    local doc = { _id = id, ops = spec.stored or stored.ops(spec.ops), meta = spec.meta,
+                  mark = T.mark }
     local extra = spec.extra
     if extra then
       for k, v in pairs(extra) do T[k], doc[k] = v, v end
@@ -361,15 +371,19 @@ function _M.run(eng, specs)
   if #created > 0 then apply(eng, created, deadline, vs) end
   local ready = live()
   if #ready > 0 then commit(eng, ready) end
+  local late = {}
   for t, e in ipairs(entries) do
-    if e.slow and not e.err then settle(eng, e, deadline, versions and versions[t]) end
+    if e.slow and not e.err then
+      late[t] = true
+      settle(eng, e, deadline, versions and versions[t])
+    end
   end
   local committed = {}
   for i, e in ipairs(entries) do
     results[i], errs[i] = not e.err and e.T, e.err or false
     if not e.err and e.T.state == "applied" then committed[#committed + 1] = e.T end
   end
-  return results, errs, committed
+  return results, errs, committed, late
 end
 
 -- Batched recovery (mongotx.recovery) drives the transactions it claimed

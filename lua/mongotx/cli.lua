@@ -6,6 +6,8 @@
 -- mongotx.cli.policy.
 --
 -- Exit codes: 0 ok, 1 something failed at run time (named on stderr),
+-- 130 and 143 stopped by SIGINT and SIGTERM (recover and prune between
+-- two passes, each pass whole; see mongotx.cli.commands),
 -- 2 bad usage (unknown command or flag, a malformed id or value, a bad
 -- policy file, no URI or a malformed one).  Everything a command takes
 -- is checked before it connects, so bad usage writes nothing.
@@ -15,13 +17,20 @@
 
 local argparse = require "argparse"
 local mongotx = require "mongotx"
+local core = require "mongotx.core"
+local catalog = require "mongotx.catalog"
 local options = require "mongotx.options"
 local args = require "mongotx.cli.args"
 local policy_file = require "mongotx.cli.policy"
 local commands = require "mongotx.cli.commands"
 local output = require "mongotx.cli.output"
+local backlog_file = require "mongotx.metrics.backlog"
 
 local format = string.format
+local unpack = table.unpack or unpack -- luacheck: ignore 143 (LuaJIT)
+local tointeger = math.tointeger or function(n) -- LuaJIT: exact to 2^53
+  if n == math.floor(n) and n > -2 ^ 53 and n < 2 ^ 53 then return n end
+end
 
 local _M = {}
 
@@ -44,7 +53,7 @@ local function seconds(s)
 end
 
 local function count(s)
-  local n = math.tointeger(tonumber(s))
+  local n = tonumber(s) and tointeger(tonumber(s))
   if not n or n < 1 or n > 2147483647 then
     return nil, format("%q is not a whole number from 1 to 2147483647", s)
   end
@@ -55,7 +64,7 @@ local function parser()
   local p = argparse("mongotx", "Look at and steer mongotx transactions.")
     :epilog("Ids: a number, oid:<24 hex digits>, long:<digits>, str:<text> or other text;\n" ..
             "a negative number after --, as in: mongotx rollback -- -7.\n" ..
-            "Exit codes: 0 ok, 1 something failed, 2 bad usage.")
+            "Exit codes: 0 ok, 1 something failed, 2 bad usage, 130/143 stopped by SIGINT/SIGTERM.")
     :command_target("command")
   p:option("--uri", "Server to connect to (default: $MONGOTX_URI).")
   p:option("--database", "Database (default: the URI's, else test).")
@@ -66,6 +75,7 @@ local function parser()
   local status = p:command("status", "Counts by state, parked, stale, the oldest open one.")
   status:option("--stale-after", "Seconds after which a transaction counts as stale.")
     :argname("<sec>"):convert(seconds)
+  status:flag("--prometheus", "Print the backlog as Prometheus gauges (textfile collector).")
 
   local list = p:command("list", "List transactions, oldest change first.")
   list:option("--state", "Only in this state."):choices(STATES):argname("<state>")
@@ -86,6 +96,9 @@ local function parser()
   recover:option("--application", "Recover as this application.", "mongotx-cli")
     :argname("<name>")
   recover:option("--batch", "Transactions per recovery pass.", "200"):argname("<n>"):convert(count)
+  recover:option("--metrics-file", "After every sweep, write the backlog gauges of " ..
+    "status --prometheus to <path> (atomically).")
+    :argname("<path>")
 
   local rollback = p:command("rollback", "Cancel a transaction that has not committed.")
   rollback:argument("id", "Transaction id.")
@@ -106,9 +119,11 @@ local function parser()
 end
 
 -- Prints "mongotx: <message>" on stderr (an error's tostring already
--- starts so) and returns the exit code.
+-- starts so; its id is written as the command line takes it) and returns
+-- the exit code.
 local function fail(code, message)
-  io.stderr:write("mongotx: ", output.visible((tostring(message):gsub("^mongotx: ", "")), true), "\n")
+  io.stderr:write("mongotx: ", output.visible((output.error_text(message):gsub("^mongotx: ", "")),
+    true), "\n")
   return code
 end
 
@@ -160,18 +175,17 @@ local function connect(o)
     end
     return nil, fail(err.code == "invalid" and USAGE or FAILED, err.message or tostring(err))
   end
-  local reply
-  reply, err = db.client:command(db.name, mongotx.doc("listCollections", 1,
-    "filter", { name = o.collection }, "nameOnly", true))
-  if not reply then
+  local exists
+  exists, err = catalog.has_collection(db.client, db.name, o.collection)
+  if exists == nil then
     db:close()
     return nil, fail(FAILED, format("cannot reach %s: %s", shown(o.uri), err.message or
       tostring(err)))
   end
-  if #reply.cursor.firstBatch == 0 then
+  if not exists then
     db:close()
     return nil, fail(FAILED, format("database %s has no collection %s (wrong --database or " ..
-      "--collection?)", db.name, o.collection))
+      "--collection?); nothing was created", db.name, o.collection))
   end
   return db
 end
@@ -196,7 +210,7 @@ function _M.main(argv)
   local p = parser()
   -- usage errors are raised to here instead of exiting inside argparse
   p.error = function(cmd, message) error({ usage = cmd:get_usage(), message = message }, 0) end
-  local ok, o = pcall(p.parse, p, { table.unpack(argv or {}) })
+  local ok, o = pcall(p.parse, p, { unpack(argv or {}) })
   if not ok then
     if type(o) ~= "table" then error(o, 0) end
     io.stderr:write(o.usage, "\n\n")
@@ -220,19 +234,39 @@ function _M.main(argv)
     overrides, why = policy_file.load(o.policy)
     if not overrides then return fail(USAGE, why) end
   end
+  if o.prometheus and o.json then return fail(USAGE, "--json and --prometheus: choose one") end
+  if o.metrics_file then
+    local writable, why = backlog_file.check(o.metrics_file)
+    if not writable then return fail(USAGE, "--metrics-file: cannot write " .. why) end
+  end
   if o.stale_after then overrides.stale_after = o.stale_after end
   overrides.collection, overrides.application = o.collection, o.application or "mongotx-cli"
+  -- SIGINT and SIGTERM are noted from here on (core.catch_signals): recover
+  -- and prune stop at their next pass, the others end what they do
+  core.catch_signals()
   local db, code = connect(o)
   if not db then return code end
+  o.database_name = db.name -- the gauges' label
   local tm, err = db:manager(overrides)
   if not tm then
     db:close()
-    return fail(FAILED, tostring(err))
+    return fail(FAILED, err)
+  end
+  local signal, number = core.signal_caught()
+  if signal then
+    db:close()
+    return fail(128 + number, format("%s stopped by %s before it began: nothing was done",
+      o.command, signal))
   end
   -- a raise (a policy's, say) is a failure named like the others
   ok, code = policy_file.pcall_no_exit(commands[o.command], tm, o, fail)
   db:close()
   if not ok then code = fail(FAILED, format("%s raised an error: %s", o.command, tostring(code))) end
+  signal, number = core.signal_caught()
+  if signal and not o.stopped then -- it came too late to stop anything: said so
+    code = fail(128 + number, format("%s came while %s ran, which ended first (exit code %d)",
+      signal, o.command, code))
+  end
   err = output.stdout:flush().err
   if err and code == OK then
     return fail(FAILED, "cannot write the output: " .. tostring(err))

@@ -260,8 +260,12 @@ local function prepare(tm, report, new, fn, level)
         error(format("each: fn returned a %s for item %d, not a list of ops or nil",
           type(ops), e.n), level)
       end
-      local spec, err = tm:_spec(ops, { id = e.id, meta = meta }, nil, "each", level)
-      if not spec then return bad_item(report, e.n, e.key, err.message) end
+      if meta ~= nil and type(meta) ~= "table" then
+        error(format("each: fn returned a %s meta for item %d, not a table or nil",
+          type(meta), e.n), level)
+      end
+      local ok, err = tm:check(ops, { id = e.id, meta = meta })
+      if not ok then return bad_item(report, e.n, e.key, err.message) end
       e.ops, e.meta = ops, meta
       todo[#todo + 1] = e
     end

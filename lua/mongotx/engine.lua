@@ -78,11 +78,13 @@ function _M.new(ctx)
     steps = core.steps { marker = ctx.marker, version = ctx.version_field,
                          removing = REMOVING, held = HELD, placeholder = PLACEHOLDER,
                          write_concern = ctx.write_concern },
+    forms = {},         -- the forms of transactions begun with other fields (form)
     colls = {},         -- collection handles by name (coll)
     held = {},          -- key(id) -> epoch this engine holds (hold, holds)
     server_clock = clock.new(ctx.db), -- (server_now, clock)
     use_deadline = nil, -- does the server evaluate $$NOW (deadlines)
   }, Engine)
+  self.own = { marker = self.marker, version = self.version_field, steps = self.steps }
   return self
 end
 
@@ -92,7 +94,33 @@ end
 -- one (1 and 1.0).
 local function key(id) return id_key(id) or canon(id) end
 
-local live, has_marker = stored.live, stored.has_marker
+local live, has_marker, mark = stored.live, stored.has_marker, stored.mark
+
+-- The form of T: the fields its documents carry its marker and version
+-- in, those it was begun with (recorded; for an older build's T, this
+-- manager's), and the steps bound to them: { marker, version, steps }.
+-- Every write and read of T's documents goes through it, whoever drives
+-- T (README, "Data model").  A recorded name that is no field name (a
+-- hand-edited transaction, which validate.malformed and fields_error
+-- report first) raises.
+function Engine:form(T)
+  local marker, version = T.markerField, T.versionField
+  if marker == nil then marker = self.marker end
+  if version == nil then version = self.version_field end
+  if marker == self.marker and version == self.version_field then return self.own end
+  local k = tostring(marker) .. "\0" .. tostring(version)
+  local f = self.forms[k]
+  if not f then
+    local why = validate.fields_error(T)
+    if why then error("mongotx: transaction " .. tostring(T._id) .. ": " .. why, 2) end
+    f = { marker = marker, version = version,
+          steps = core.steps { marker = marker, version = version, removing = REMOVING,
+                               held = HELD, placeholder = PLACEHOLDER,
+                               write_concern = self.wopts.write_concern } }
+    self.forms[k] = f
+  end
+  return f
+end
 
 -- The default on_event does nothing: a batch's events (five per
 -- transaction) then cost no table and no call.
@@ -134,6 +162,9 @@ function Engine:retry(step, id, fn, ...)
       return nil, errors.wrap(err, step, id)
     end
     attempt = attempt + 1
+    if self.policy.on_event ~= quiet then
+      self:event("retry", { id = id, step = step, reason = err.code })
+    end
     self.policy.sleep(self.policy.backoff(attempt))
   end
 end
@@ -146,6 +177,28 @@ function Engine:step(name, id, ...)
   local res, err = self:retry(name, id, steps[name], steps, ...)
   if res ~= nil and self.policy.on_event ~= quiet then
     self:event(name, { id = id, result = res })
+  end
+  return res, err
+end
+
+-- A `malformed` error when T's recorded fields cannot drive it (form
+-- would raise), else nil: for the entry points of one transaction (drive,
+-- tm:step), which may be handed a hand-edited one.
+function Engine:fields_error(T)
+  local why = validate.fields_error(T, self.vctx.collection)
+  if why then
+    return errors.new("malformed", "malformed transaction, left as it is: " .. why,
+      { id = T._id })
+  end
+end
+
+-- Runs step `name` (apply, finish, undo, fence) of T on op's document in
+-- collection handle `coll`, with T's form and mark, like step.
+function Engine:op_step(T, name, coll, op, ...)
+  local steps = self:form(T).steps
+  local res, err = self:retry(name, T._id, steps[name], steps, coll, mark(T), op, ...)
+  if res ~= nil and self.policy.on_event ~= quiet then
+    self:event(name, { id = T._id, result = res })
   end
   return res, err
 end
@@ -228,8 +281,10 @@ end
 -- document's version>, marked = <the transaction's marker is on it> } (nil
 -- version for a missing document); one find per collection for them all.
 function Engine:versions_many(list)
-  local by_coll, found = {}, {}
+  local by_coll, found, projection = {}, {}, {}
   for _, T in ipairs(list) do
+    local f = self:form(T)
+    projection[f.marker], projection[f.version] = 1, 1
     for _, op in ipairs(T.ops) do
       local ids = by_coll[op.collection] or {}
       ids[#ids + 1] = op.id
@@ -238,19 +293,19 @@ function Engine:versions_many(list)
   end
   for name, ids in pairs(by_coll) do
     local docs, err = self:coll(name):find_all({ _id = { ["$in"] = ids } },
-      { projection = { [self.marker] = 1, [self.version_field] = 1 } })
+      { projection = projection })
     if not docs then return nil, errors.wrap(err, "versions", #list == 1 and list[1]._id or nil) end
     for _, doc in ipairs(docs) do found[name .. "\0" .. key(doc._id)] = doc end
   end
   local out = {}
   for t, T in ipairs(list) do
-    local vs = {}
+    local vs, f, m = {}, self:form(T), mark(T)
     for i, op in ipairs(T.ops) do
       local doc = found[op.collection .. "\0" .. key(op.id)]
       vs[i] = { marked = false }
       if doc then
-        vs[i].version = doc[self.version_field]
-        vs[i].marked = has_marker(doc, self.marker, T._id)
+        vs[i].version = doc[f.version]
+        vs[i].marked = has_marker(doc, f.marker, m)
       end
     end
     out[t] = vs
@@ -428,7 +483,7 @@ function Engine:apply_one(T, i, v)
   local coll = self:coll(op.collection)
   if v.deadline == nil and self:deadlines() then v.deadline = T.deadline end
   for _ = 1, MAX_CONTENTION do
-    local res, err = self:step("apply", T._id, coll, T._id, op, v.version, v.deadline)
+    local res, err = self:op_step(T, "apply", coll, op, v.version, v.deadline)
     if not res then return nil, err end
     if res.applied then return true end
     -- Why not? Read the document, then (if its version moved) check
@@ -436,7 +491,7 @@ function Engine:apply_one(T, i, v)
     local doc
     doc, err = coll:find_one({ _id = op.id })
     if err then return nil, errors.wrap(err, "apply", T._id) end
-    if has_marker(doc, self.marker, T._id) then return true end
+    if has_marker(doc, self:form(T).marker, mark(T)) then return true end
     if doc and doc[REMOVING] ~= nil then return false, "removing" end
     if op.kind == "insert" then
       if doc then return false, "conflict" end
@@ -448,7 +503,7 @@ function Engine:apply_one(T, i, v)
       local finished = 0
       if op.where then
         local open
-        finished, open = self:release(op, doc, T._id)
+        finished, open = self:release(T, op, doc)
         if finished == nil then return nil, open end
         if finished == 0 and open then return false, "busy" end
       end
@@ -482,7 +537,7 @@ function Engine:refence(T, i, v, doc)
   local fenced = errors.new("fenced", "another owner took the transaction over",
     { step = "apply", id = T._id, op = i })
   if not now or not self:holds(now) then return nil, fenced end
-  v.version = doc[self.version_field]
+  v.version = doc[self:form(T).version]
   if v.deadline then
     local renewed
     renewed, err = self:renew(now)
@@ -506,24 +561,41 @@ function Engine:renew(T)
   return moved and deadline
 end
 
--- The document of op carries the markers of other transactions.  Those
--- that have committed (applied or done) are final: this finishes them on
--- the document (any manager may help a committed transaction along), so
--- that the guard reads their effect.  The open ones a guard may not read
--- past: all of them for most guards, for a floor guard those in the
--- `held` array (their effect may have raised a value; see csrc/txn.c).
--- Returns how many were finished and whether an open one that matters is
--- left, or nil, err.
-function Engine:release(op, doc, tid)
-  local coll, k = self:coll(op.collection), id_key(op.id)
-  local matters = {}
-  for _, x in ipairs(stored.holders(doc, op.floor and HELD or self.marker, tid)) do
+-- The transaction of this collection that `holder` (a mark read on a
+-- document) names, or nil (another collection's, or none); nil, err.
+function Engine:holder(holder)
+  local coll, id = stored.named(holder)
+  if id == nil or (coll ~= nil and coll ~= self.vctx.collection) then return nil end
+  local H, err = self:get(id)
+  if err then return nil, err.code ~= "invalid" and err or nil end
+  if H and key(mark(H)) == key(holder) then return H end
+end
+
+-- The document of op carries the marks of other transactions (in T's
+-- marker array, or in `held`).  Those of this collection that have
+-- committed (applied or done) are final: this finishes them on the
+-- document (any manager may help a committed transaction along), so that
+-- the guard reads their effect.  The others a guard may not read past:
+-- all of them for most guards, for a floor guard those in the `held`
+-- array (their effect may have raised a value; see csrc/txn.c).  Returns
+-- how many were finished and whether an open one that matters is left,
+-- or nil, err.
+function Engine:release(T, op, doc)
+  local coll, k, tm = self:coll(op.collection), id_key(op.id), mark(T)
+  local marker = self:form(T).marker
+  local matters, seen, all = {}, {}, {}
+  for _, x in ipairs(stored.holders(doc, op.floor and HELD or marker, tm)) do
     matters[key(x)] = true
   end
+  for _, field in ipairs { marker, HELD } do
+    for _, x in ipairs(stored.holders(doc, field, tm)) do
+      if not seen[key(x)] then seen[key(x)], all[#all + 1] = true, x end
+    end
+  end
   local finished, open = 0, false
-  for _, holder in ipairs(stored.holders(doc, self.marker, tid)) do
-    local H, err = self:get(holder)
-    if err and err.code ~= "invalid" then return nil, err end
+  for _, holder in ipairs(all) do
+    local H, err = self:holder(holder)
+    if err then return nil, err end
     local hop
     if H and (H.state == "applied" or H.state == "done")
         and not validate.malformed(H, self.vctx) then
@@ -533,7 +605,7 @@ function Engine:release(op, doc, tid)
     end
     if hop then
       local res
-      res, err = self:step("finish", H._id, coll, H._id, hop)
+      res, err = self:op_step(H, "finish", coll, hop)
       if not res then return nil, err end
       if res.finished then finished = finished + 1 end
     elseif matters[key(holder)] then
@@ -570,6 +642,7 @@ function Engine:apply_all(T, versions)
         local decision = self.policy.on_op_failure(T, i, why)
         tries = tries + 1
         if decision == "retry" and tries <= self.policy.retries then
+          self:event("retry", { id = T._id, step = "apply", reason = why })
           self.policy.sleep(self.policy.backoff(tries))
         elseif decision == "fail" then
           return nil, op_failure(T, i, why)
@@ -607,7 +680,7 @@ end
 -- applied -> done: pull every marker (delete removed documents), then done.
 function Engine:finish(T)
   for _, op in ipairs(T.ops) do
-    local res, err = self:step("finish", T._id, self:coll(op.collection), T._id, op)
+    local res, err = self:op_step(T, "finish", self:coll(op.collection), op)
     if not res then return nil, err end
   end
   return self:move(T, "done")
@@ -620,13 +693,13 @@ function Engine:undo_op(T, i)
   local op, coll = T.ops[i], self:coll(T.ops[i].collection)
   local undone
   for _ = 1, 3 do
-    local res, err = self:step("undo", T._id, coll, T._id, op)
+    local res, err = self:op_step(T, "undo", coll, op)
     if not res then return nil, err end
     undone = undone or res
     -- an insert a former owner prepared would land after this undo
     -- deleted the document: fence it too (a placeholder takes the _id)
     if (T.epoch or 0) <= 1 or res.undone and op.kind ~= "insert" then break end
-    res, err = self:step("fence", T._id, coll, T._id, op)
+    res, err = self:op_step(T, "fence", coll, op)
     if not res then return nil, err end
     if res.fenced then break end
     -- the marker appeared between undo and fence: undo again
@@ -653,7 +726,8 @@ end
 -- Drives T to done or cancelled from whatever state it is in.  `versions`
 -- are those read before this manager claimed T, when it just did.
 function Engine:drive(T, versions)
-  local failure, err
+  local failure, err = self:fields_error(T)
+  if failure then return nil, failure end
   for _ = 1, MAX_ROUNDS do
     local state = T.state
     if state == "done" or state == "cancelled" then
@@ -698,6 +772,6 @@ function Engine:drive(T, versions)
   return nil, errors.new("state", "the transaction did not settle", { id = T._id })
 end
 
-_M.key, _M.op_failure = key, op_failure
+_M.key, _M.op_failure, _M.failure_text = key, op_failure, failure_text
 
 return _M

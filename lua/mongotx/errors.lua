@@ -18,8 +18,9 @@
 --   mismatch     mongotx.ledger's committer found a cached balance its entries contradict
 --   unsupported  mongotx.ledger: the server does not enforce the unique index on
 --                (changes.account, changes.seqId) (FerretDB v1); nothing was posted
---   policy       a policy function raised (in a recover report) or returned
---                what it may not (queue:fail's backoff)
+--   policy       a policy function raised (in a recover report; errors.guard_policy
+--                tells it from other raises) or returned what it may not
+--                (queue:fail's backoff)
 --   propagation  mongotx.sync: the caller's propagate failed (the change
 --                is made and stays flagged for repair)
 --   plus the C core's codes, libmongoc's domain names (server, stream,
@@ -34,6 +35,36 @@ function _M.new(code, message, fields)
   local err = { code = code, message = message }
   for k, v in pairs(fields or {}) do err[k] = v end
   return core.error(err)
+end
+
+-- The raise of a policy function, told apart from any other (an
+-- interrupt, out of memory, a bug of mongotx): recovery counts the first
+-- as a failure of the transaction it drove, and lets the others through,
+-- recording nothing (mongotx.recovery).  guard_policy(name, fn) is fn with
+-- its raises turned into a "policy" error (raised); an interrupt of Lua's
+-- standalone interpreter and a memory error are raised on as they came.
+-- Is v, what a pcall caught, an interrupt of Lua's standalone interpreter
+-- (its SIGINT hook raises "interrupted!" wherever the code is) or a memory
+-- error?  Neither is a failure of the code it stopped.
+function _M.is_interrupt(v)
+  return v == "not enough memory" or (type(v) == "string" and v:find("interrupted!$") ~= nil)
+end
+
+local function raised_by(name, ok, ...)
+  if ok then return ... end
+  local raised = ...
+  if _M.is_interrupt(raised) then error(raised, 0) end
+  error(_M.new("policy", string.format("policy %s raised: %s", name, tostring(raised)),
+    { policy = name }), 0)
+end
+
+function _M.guard_policy(name, fn)
+  return function(...) return raised_by(name, pcall(fn, ...)) end
+end
+
+-- Is v (what a pcall caught) a policy's raise (guard_policy)?
+function _M.is_policy(v)
+  return type(v) == "table" and v.code == "policy" and v.policy ~= nil
 end
 
 -- Adds the step and transaction id to an error from the C core.

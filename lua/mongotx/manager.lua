@@ -21,6 +21,7 @@ local batch = require "mongotx.batch"
 local recovery = require "mongotx.recovery"
 local stepwise = require "mongotx.stepwise"
 local each = require "mongotx.each"
+local group = require "mongotx.group"
 
 local canon = validate.canon
 local live = stored.live
@@ -61,8 +62,19 @@ function _M.new(db, opts)
   local policy = setmetatable({}, { __index = default_policy })
   for k in pairs(default_policy) do
     if opts[k] ~= nil then policy[k] = opts[k] end
+    -- a raise of the caller's policy, told apart from any other (recovery)
+    if type(opts[k]) == "function" and k ~= "on_event" then
+      policy[k] = errors.guard_policy(k, opts[k])
+    end
   end
   local collection = opts.collection or "transactions"
+  -- its namespace's length, by the function that checks an op's
+  -- collection (mongotx.options checked the rest)
+  local ok, bad = core.check_collection(collection, nil,
+    math.max(0, core.MAX_NAMESPACE - #db.name - 1))
+  if not ok then
+    return nil, errors.new("invalid", "option collection of manager: " .. bad, { step = "manager" })
+  end
   local tx = db.client:collection(db.name, collection)
   local self = setmetatable({
     db = db,
@@ -81,7 +93,8 @@ function _M.new(db, opts)
   }, Manager)
   -- read by callers and examples
   self.application, self.instance = self.engine.application, self.engine.instance
-  local ok, err = tx:create_index(core.doc("state", 1, "lastModified", 1))
+  local err
+  ok, err = tx:create_index(core.doc("state", 1, "lastModified", 1))
   if not ok then return nil, err end
   return self
 end
@@ -177,6 +190,15 @@ function Manager:_spec(ops, opts, extra, what, level, built)
   return { ops = norm, stored = stored_form, id = id, meta = opts.meta, extra = extra }
 end
 
+-- Checks ops and opts ({ id, meta }) as begin does, writing nothing:
+-- true, or nil and the error begin would return (mongotx.each checks its
+-- items so).
+function Manager:check(ops, opts)
+  local spec, err = self:_spec(ops, opts, nil, "check", CALLER)
+  if not spec then return nil, err end
+  return true
+end
+
 -- Creates the transaction (state initial) after checking every op.  With
 -- opts.id, repeating begin is safe: the same ops return the existing
 -- transaction, other ops are an `idempotency` error.
@@ -197,8 +219,10 @@ function Manager:begin(ops, opts, extra)
   if not spec then return nil, err end
   local id = spec.id
   if id == nil then id = core.ObjectId() end
+  local eng = self.engine
   local doc = { _id = id, state = "initial", ops = spec.stored, epoch = 0,
-                attempts = 0, meta = spec.meta }
+                attempts = 0, meta = spec.meta, markerField = eng.marker,
+                versionField = eng.version_field, mark = stored.new_mark(eng.vctx.collection, id) }
   for k, v in pairs(extra or {}) do doc[k] = v end
   local res
   res, err = self.engine:step("create", id, self.tx, doc)
@@ -240,14 +264,15 @@ end
 local CHUNK = 100
 
 -- Runs specs as batches of at most CHUNK; the i-th result, or false and
--- its error.
+-- its error, and late[i] = true for those settled after the others of
+-- their batch (batch.run).
 function Manager:_run_batch(specs, errs)
-  local results, todo, where, m = {}, {}, {}, 0
+  local results, late, todo, where, m = {}, {}, {}, {}, 0
   local function run()
-    local res, bad, committed = batch.run(self.engine, todo)
+    local res, bad, committed, slow = batch.run(self.engine, todo)
     for k = 1, m do
       local i = where[k]
-      results[i], errs[i] = res[k], bad[k]
+      results[i], errs[i], late[i] = res[k], bad[k], slow[k] or nil
     end
     self:_finish_committed(committed)
     todo, where, m = {}, {}, 0
@@ -262,7 +287,7 @@ function Manager:_run_batch(specs, errs)
     end
   end
   if m > 0 then run() end
-  return results, errs
+  return results, errs, late
 end
 
 -- The committed transactions of a batch: finished now (policy.finish =
@@ -279,6 +304,12 @@ function Manager:_finish_committed(committed)
   end
 end
 
+-- What tm:run checks before it runs (as _transfer_call).
+function Manager:_run_call(ops, opts, extra, level)
+  local spec, err = self:_spec(ops, opts, extra, "run", level + 1)
+  return spec, err
+end
+
 -- begin + commit in one go, the fast way (batch.lua): the transaction is
 -- created pending and owned.  Returns it at `done` (or at `applied` with
 -- policy.finish = "deferred"), or nil, err.
@@ -292,7 +323,7 @@ end
 -- @errors as `begin` and `commit`
 -- @usage local T = assert(tm:run(ops, { id = "o-2" }))
 function Manager:run(ops, opts, extra)
-  local spec, err = self:_spec(ops, opts, extra, "run", CALLER)
+  local spec, err = self:_run_call(ops, opts, extra, CALLER)
   if not spec then return nil, err end
   local results, errs = self:_run_batch({ spec }, { false })
   if results[1] then return results[1] end
@@ -324,6 +355,17 @@ function Manager:_transfer_spec(collection, from, to, amount, opts, level)
     "transfer", level + 1, true)
 end
 
+-- What tm:transfer checks before it runs: the spec, or nil, err (raises
+-- at `level` for wrong argument types).  mongotx.group checks each
+-- grouped call with it.
+function Manager:_transfer_call(collection, from, to, amount, opts, level)
+  local spec, err
+  opts, err = validate.options(opts, transfer_options, "transfer", level + 1)
+  if not opts then return nil, err end
+  spec, err = self:_transfer_spec(collection, from, to, amount, opts, level + 1)
+  return spec, err
+end
+
 --- Moves `amount` of `field` from one document to another: `run` of two `$inc` ops.
 -- @syntax T, err = tm:transfer(collection, from, to, amount [, { field = "balance", min, id, meta }])
 -- @string collection the accounts' collection
@@ -336,14 +378,18 @@ end
 -- @errors `guard` (below `min`: nothing stays applied), `missing`, `invalid`, `idempotency`, `busy`, database errors
 -- @usage local T, err = tm:transfer("accounts", "A", "B", 100, { min = 0, id = "order-17" })
 function Manager:transfer(collection, from, to, amount, opts)
-  local spec, err
-  opts, err = validate.options(opts, transfer_options, "transfer", CALLER)
-  if not opts then return nil, err end
-  spec, err = self:_transfer_spec(collection, from, to, amount, opts, CALLER)
+  local spec, err = self:_transfer_call(collection, from, to, amount, opts, CALLER)
   if not spec then return nil, err end
   local results, errs = self:_run_batch({ spec }, { false })
   if results[1] then return results[1] end
   return nil, errs[1]
+end
+
+-- Runs calls of tm:transfer and tm:run that concurrent callers made as
+-- one batch, each answered as its call alone would be (mongotx.group).
+function Manager:_group(calls, wait)
+  local out, order = group.run_calls(self, calls, wait)
+  return out, order
 end
 
 -- A batch of specs checked one by one: a bad one gets its error and is
@@ -475,6 +521,10 @@ function Manager:rollback(t, reason)
   if reason ~= nil and type(reason) ~= "string" then error("reason must be a string", CALLER) end
   local T, err = self:_load(t, "rollback")
   if not T then return nil, err end
+  if reason ~= nil and core.check_value(reason) then
+    return nil, errors.new("invalid", "reason: " .. core.check_value(reason),
+      { step = "rollback", id = T._id })
+  end
   if reason ~= nil and #reason > options.MAX_REASON then
     return nil, errors.new("invalid", format("reason takes %d bytes, more than the %d that " ..
       "fit in the transaction document", #reason, options.MAX_REASON),
@@ -647,8 +697,9 @@ function Manager:_prune_placeholders(filter)
     for _, op in ipairs(validate.malformed(T, self.engine.vctx) and {} or T.ops) do
       if op.kind == "insert" then
         local res
-        res, err = self.engine:coll(op.collection):delete_one({ _id = op.id, [self.engine.fields.placeholder] = T._id,
-          [self.engine.marker] = { ["$exists"] = false } }, self.engine.wopts)
+        res, err = self.engine:coll(op.collection):delete_one({ _id = op.id,
+          [self.engine.fields.placeholder] = stored.mark(T),
+          [self.engine:form(T).marker] = { ["$exists"] = false } }, self.engine.wopts)
         if not res then return nil, errors.wrap(err, "prune", T._id) end
       end
     end
@@ -707,14 +758,14 @@ function Manager:inspect(id)
   local eng, docs = self.engine, {}
   local why = validate.malformed(T, eng.vctx)
   if why then return T, docs, why end
-  local f = eng.fields
-  local projection = { [f.marker] = 1, [f.version] = 1, [f.held] = 1, [f.removing] = 1 }
+  local f, form = eng.fields, eng:form(T)
+  local projection = { [form.marker] = 1, [form.version] = 1, [f.held] = 1, [f.removing] = 1 }
   for i, op in ipairs(T.ops) do
     local doc
     doc, err = eng:coll(op.collection):find_one({ _id = op.id }, { projection = projection })
     if err then return nil, errors.wrap(err, "inspect", T._id) end
     docs[i] = { collection = op.collection, id = op.id, exists = doc ~= nil,
-                marker = doc and doc[f.marker], version = doc and doc[f.version],
+                marker = doc and doc[form.marker], version = doc and doc[form.version],
                 held = doc and doc[f.held], removing = doc and doc[f.removing] }
   end
   return T, docs
@@ -734,25 +785,48 @@ function Manager:find(filter, opts)
   return list
 end
 
+-- How many (state, parked) groups tm:stats() reads in its one reply: the
+-- engine writes `parked = true` or nothing, so there are up to 12; more
+-- means the documents were written by something else.
+local STATS_GROUPS = 1000
+local OPEN = { initial = true, pending = true, applied = true, canceling = true }
+
 -- Counts by state, plus `parked`: the unfinished ones recovery gave up on
 -- (the final transitions clear the flag; one an older version left on a
--- finished transaction is not counted).
+-- finished transaction is not counted).  One aggregation, grouped by
+-- state and `parked` (FerretDB v1 has no $cond to count inside a group):
+-- one round trip and one pass over the collection where there were seven
+-- counts, and seven scans on a server without secondary indexes
+-- (mongo-java-server).
 
---- Counts of transactions by state, plus `parked`.
+--- Counts of transactions by state, plus `parked`: one aggregation, one round trip.
 -- @syntax counts, err = tm:stats()
 -- @treturn table `{ initial, pending, applied, done, canceling, cancelled, parked }`
--- @errors database errors
+-- @errors database errors; `server` when the documents carry 1 000 kinds of `parked`
 -- @usage local s = assert(tm:stats())
 function Manager:stats()
-  local out = {}
-  for _, state in ipairs(STATES) do
-    local n, err = self.tx:count({ state = state })
-    if not n then return nil, errors.wrap(err, "stats") end
-    out[state] = n
+  local name = self.engine.vctx.collection
+  local reply, err = self.db.client:command(self.db.name, core.doc(
+    "aggregate", name,
+    "pipeline", { { ["$match"] = { state = { ["$in"] = STATES } } },
+                  { ["$group"] = { _id = { state = "$state", parked = "$parked" },
+                                   n = { ["$sum"] = 1 } } } },
+    "cursor", { batchSize = STATS_GROUPS }))
+  if not reply then return nil, errors.wrap(err, "stats") end
+  local groups = reply.cursor.firstBatch
+  if #groups >= STATS_GROUPS then
+    self.db.client:command(self.db.name, core.doc("killCursors", name,
+      "cursors", { reply.cursor.id }))
+    return nil, errors.new("server", format("stats: %d or more kinds of `parked` values",
+      STATS_GROUPS), { step = "stats" })
   end
-  local n, err = self.tx:count({ parked = true, state = ACTIVE })
-  if not n then return nil, errors.wrap(err, "stats") end
-  out.parked = n
+  local out = { parked = 0 }
+  for _, state in ipairs(STATES) do out[state] = 0 end
+  for _, g in ipairs(groups) do
+    local state = g._id.state
+    out[state] = out[state] + g.n
+    if g._id.parked == true and OPEN[state] then out.parked = out.parked + g.n end
+  end
   return out
 end
 

@@ -67,6 +67,23 @@ local function field_ok(s)
   return name_ok(s, "^%$") and not s:find(".", 1, true) and not RESERVED[s]
     and pcall(core.encode, { [s] = true })
 end
+_M.field_ok = field_ok -- (a transaction's recorded fields: validate.fields_error)
+
+-- A name mongotx stores as a value (an application, a worker): not empty,
+-- and UTF-8 as every stored string (core.check_value).
+local function text_ok(v)
+  return v ~= "" and core.check_value(v) == nil
+end
+_M.text_ok = text_ok
+
+-- A collection name, by the rules of an op's collection (one function
+-- for both: core.check_collection); the namespace's length, which needs
+-- the database's name, is the caller's to check (db:manager).
+local function collection_name(v)
+  if type(v) ~= "string" then return "type", "a string" end
+  local ok, why = core.check_collection(v)
+  if not ok then return "value", "a collection name (" .. why .. ")" end
+end
 
 local write_concern_keys = { w = true, j = true, wtimeout = true }
 
@@ -116,9 +133,8 @@ local checks = {
       primaryPreferred = true, secondaryPreferred = true, nearest = true }),
   tls = tls,
   -- db:manager (and transfer_many's collection)
-  collection = typed("string", "a collection name (not empty, no $, not system.*)",
-    function(v) return name_ok(v, "%$") and v:sub(1, 7) ~= "system." end),
-  application = typed("string", "a non-empty string", function(v) return v ~= "" end),
+  collection = collection_name,
+  application = typed("string", "a non-empty UTF-8 string", text_ok),
   marker = typed("string", "a top-level field name (UTF-8, not empty, no $ first, no dots, " ..
     "not _id, txRemoving, txHeld or txPlaceholder)", field_ok),
   fencing = typed("string", '"auto", "deadline" or "version"',
@@ -141,7 +157,7 @@ local checks = {
   dry_run = typed("boolean"),
   -- mongotx.queue: push, work
   priority = typed("number", "a whole number from -1000000 to 1000000", whole(-1e6, 1e6)),
-  worker = typed("string", "a non-empty string", function(v) return v ~= "" end),
+  worker = typed("string", "a non-empty UTF-8 string", text_ok),
   types = typed("table"),
   max_jobs = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
   stop = typed("function"),
@@ -251,7 +267,12 @@ function _M.connect_args(uri, opts, level)
   for k, v in pairs(opts) do
     if k ~= "database" then core_opts[k] = v end
   end
-  return opts.database or uri:match("^mongodb[^:]*://[^/]*/([^?]+)") or "test", core_opts
+  return opts.database or _M.uri_database(uri) or "test", core_opts
+end
+
+-- The database a URI names in its path, or nil.
+function _M.uri_database(uri)
+  return uri:match("^mongodb[^:]*://[^/]*/([^?]+)")
 end
 
 -- What a transaction's ops and meta may take of its 16 MiB document,

@@ -31,6 +31,7 @@
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
+local options = require "mongotx.options"
 local clock = require "mongotx.clock"
 local points = require "mongotx.points"
 
@@ -165,6 +166,10 @@ local function job_ref(job, step)
   return id, epoch
 end
 
+local function held_filter(id, epoch, attempts)
+  return { _id = id, epoch = epoch, state = "running", attempts = attempts }
+end
+
 -- The write of heartbeat, done or fail on the job held at `epoch` (and,
 -- for fail, with `attempts` claims): true, or false when no job matched
 -- (fenced, or a caller's edited attempts), or nil, err.
@@ -180,8 +185,8 @@ end
 -- @errors database errors
 -- @usage -- used by heartbeat, done and fail
 function Queue:held_write(step, id, epoch, update, attempts)
-  local res, err = self:write(step, self.jobs.update_one,
-    { _id = id, epoch = epoch, state = "running", attempts = attempts }, update, self.wopts)
+  local res, err = self:write(step, self.jobs.update_one, held_filter(id, epoch, attempts),
+    update, self.wopts)
   if not res then return nil, err end
   return res.matched == 1
 end
@@ -228,8 +233,8 @@ function Queue:push(kind, details, opts)
   local why
   opts, why = validate.options(opts, push_options, "push", CALLER)
   if not opts then return nil, why end
-  if kind == "" or kind:find("%z") then
-    return invalid("push", "push: type must be a non-empty string without NUL")
+  if not options.text_ok(kind) or kind:find("%z") then
+    return invalid("push", "push: type must be a non-empty UTF-8 string without NUL")
   end
   local stored
   stored, why = validate.value(details)
@@ -246,6 +251,9 @@ function Queue:push(kind, details, opts)
   local job = { _id = id, type = kind, details = stored, priority = opts.priority or 0,
                 state = "ready", ts = Date(floor(now + (opts.at or 0) * 1000)),
                 created = Date(floor(now)), attempts = 0, epoch = 0 }
+  local fits
+  fits, err = validate.fits(job, "push: details", "queue", "push", id)
+  if not fits then return nil, err end
   local res
   res, err = self:write("push", self.jobs.insert_one, job, self.wopts)
   if res then return job end
@@ -296,7 +304,9 @@ end
 -- @usage local job = q:claim("w1")
 function Queue:claim(worker, types)
   if type(worker) ~= "string" then error("claim: worker must be a string", CALLER) end
-  if worker == "" then return invalid("claim", "claim: worker may not be empty") end
+  if not options.text_ok(worker) then
+    return invalid("claim", "claim: worker must be a non-empty UTF-8 string")
+  end
   local of, why = claim_types(types, "claim")
   if of == false then return nil, why end
   local now, err = self.clock:now()
@@ -353,8 +363,12 @@ function Queue:done(job, result)
   local now, err = self.clock:now()
   if not now then return nil, err end
   local set = { state = "done", finished = Date(floor(now)), result = stored }
+  local update = { ["$set"] = set, ["$unset"] = { lease_until = "" } }
   local held
-  held, err = self:held_write("done", id, epoch, { ["$set"] = set, ["$unset"] = { lease_until = "" } })
+  held, err = validate.fits({ q = held_filter(id, epoch), u = update }, "done: result",
+    "queue", "done", id)
+  if not held then return nil, err end
+  held, err = self:held_write("done", id, epoch, update)
   if held == nil then return nil, err end
   if held then return true end
   local doc = self.jobs:find_one({ _id = id, epoch = epoch, state = "done" })

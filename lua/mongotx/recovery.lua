@@ -53,6 +53,9 @@ local function triage(eng, T, now, me)
   end
   local age = T.lastModified and (now - T.lastModified:value()) / 1000 or math.huge
   if not eng.policy.may_recover(T, age, me) then return "skipped" end
+  -- the owner (this engine holds T at its epoch) drives it at once: a
+  -- claim would wait for its own deadline (policy.may_recover)
+  if eng:holds(T) then return "own" end
   if T.state == "initial" and eng.policy.stale_initial(T) == "expire" then
     local moved, err = eng:step("cancelled", T._id, eng.tx, T._id, "initial", T.epoch, "expired")
     if moved == nil then return nil, err end
@@ -79,6 +82,12 @@ end
 -- "cancelled", "skipped" or "parked", or nil, err.
 local function recover_one(eng, T, now, me)
   local route, err = triage(eng, T, now, me)
+  if route == "own" then
+    local final
+    final, err = eng:drive(T, nil)
+    if final then return "done" end
+    return failed_or_cancelled(eng, T, err)
+  end
   if route ~= "claim" then return route, err end
   local versions
   if T.state == "initial" or T.state == "pending" then
@@ -111,12 +120,20 @@ end
 
 local function fail(e, err) e.err = e.err or err end
 
+-- What a step of entry e raised: a policy's raise (errors.guard_policy)
+-- fails e; anything else (an interrupt, out of memory, a bug of mongotx)
+-- is not e's failure and goes on up, recorded on no transaction.
+local function raised_in(e, raised)
+  if not errors.is_policy(raised) then error(raised, 0) end
+  fail(e, errors.new("policy", raised.message, { id = e.T._id, policy = raised.policy }))
+end
+
 -- fn(eng, e, ...), a step of entry e alone, which may call the policies
 -- (on_op_failure, backoff, ...): one that raises fails e only, not the
 -- rest of its batch.
 local function guarded(fn, eng, e, ...)
   local ok, raised = pcall(fn, eng, e, ...)
-  if not ok then fail(e, errors.new("policy", tostring(raised), { id = e.T._id })) end
+  if not ok then raised_in(e, raised) end
 end
 
 -- Drives entry e on alone, from where it stands now.
@@ -223,7 +240,7 @@ end
 -- between the two) unwinds alone.
 local function back(eng, entries)
   local function each(e, _, op)
-    if not e.err and not e.slow then return { tid = e.T._id, op = op, entry = e } end
+    if not e.err and not e.slow then return { tid = stored.mark(e.T), op = op, entry = e } end
   end
   for _, step in ipairs { "undo", "fence" } do
     local by_coll, order = by_collection(entries, each)
@@ -257,7 +274,7 @@ local function back(eng, entries)
       elseif res.moved == #ids then
         e.outcome = "cancelled"
         eng:hold(e.T._id, nil)
-        eng:event("cancelled", { id = e.T._id })
+        eng:event("cancelled", { id = e.T._id, reason = e.T.reason })
       else
         e.slow = "cancelled" -- somebody else moved some: look at each
       end
@@ -305,7 +322,7 @@ local function claim(eng, entries, now)
       if e.was == "pending" then
         local ok, way = pcall(eng.policy.stale_pending, e.T)
         if not ok then
-          fail(e, errors.new("policy", tostring(way), { id = e.T._id }))
+          raised_in(e, way)
         elseif way == "back" then
           local T
           T, err = eng:cancel(e.T, "rolled back by recovery")
@@ -335,9 +352,11 @@ local function recover_batch(eng, entries, now, me)
   for _, e in ipairs(entries) do
     local ok, route, err = pcall(triage, eng, e.T, now, me)
     if not ok then
-      fail(e, errors.new("policy", tostring(route), { id = e.T._id }))
+      raised_in(e, route)
     elseif route == "claim" then
       claims[#claims + 1] = e
+    elseif route == "own" then
+      guarded(alone, eng, e)
     elseif route then
       e.outcome = route
     else
@@ -370,51 +389,73 @@ local function recover_batch(eng, entries, now, me)
   end
 end
 
--- Up to `limit` well-formed active transactions that are not parked and
--- were not tried in the last stale_after seconds (`triedAt`, set when a
--- try fails: a failure is tried again no sooner than a stale transaction
--- is first, so passes in quick succession, as a `mongotx recover` sweep
--- runs them, cannot spend its max_attempts in seconds; stale_after = 0
--- waits for nothing), oldest first, read before recovery writes anything.  A malformed one
--- (validate.malformed) is counted in report.malformed and listed in
--- report.errors (the first `limit` of them), never written: it is evidence
--- for an operator.  Malformed ones do not count against the limit, so
--- however many pile up they cannot starve the well-formed ones behind
--- them; they only cost a read per pass until someone removes them.
-local function stale_list(eng, limit, report, now)
-  local filter = { state = { ["$in"] = ACTIVE }, parked = { ["$ne"] = true } }
+-- How many documents a pass reads beyond its `limit`: room for the
+-- malformed ones among the oldest (below).  The read is bounded, so a
+-- pass costs what it drives whatever the backlog, on a server that sends
+-- a whole result in one reply (mongo-java-server) as on one that sends
+-- 101 documents, then 16 MiB at a time (MongoDB).
+_M.MARGIN = 100
+
+-- How many documents one reply of the server brings at most: the
+-- client holds that many undecoded (a few hundred bytes each) and `size`
+-- of them decoded, whatever `limit` is.
+_M.READ = 1000
+
+-- The cursor over the active transactions a pass may take: not parked,
+-- not tried in the last stale_after seconds (`triedAt`, set when a try
+-- fails: a failure is tried again no sooner than a stale transaction is
+-- first, so passes in quick succession, as a `mongotx recover` sweep runs
+-- them, cannot spend its max_attempts in seconds; stale_after = 0 waits
+-- for nothing), not changed since the pass began (the pass's own writes
+-- move lastModified on: on a server whose cursor reads on as it goes,
+-- MongoDB, a transaction this pass claimed and failed must not come back
+-- in a later chunk), oldest first; at most limit + MARGIN of them, READ
+-- a reply.
+local function stale_cursor(eng, limit, size, now)
+  local filter = { state = { ["$in"] = ACTIVE }, parked = { ["$ne"] = true },
+                   lastModified = { ["$not"] = { ["$gt"] = Date(now) } } }
   if eng.policy.stale_after > 0 then
     filter["$or"] = { { triedAt = { ["$exists"] = false } },
       { triedAt = { ["$lt"] = Date(math.floor(now - eng.policy.stale_after * 1000)) } } }
   end
-  local cursor = eng.tx:find(filter, { sort = { lastModified = 1 } })
-  local list, listed = {}, 0
-  while #list < limit do
+  local most = limit + _M.MARGIN
+  return eng.tx:find(filter, { sort = { lastModified = 1 }, limit = most,
+                               batch_size = math.min(most, math.max(size, _M.READ)) })
+end
+
+-- The next up to `n` well-formed transactions of the cursor, and true
+-- when the cursor has ended; nil, err.  A malformed one
+-- (validate.malformed) is counted in report.malformed and listed in
+-- report.errors (the first `limit` of them), never written: it is
+-- evidence for an operator.  Malformed ones do not count against the
+-- limit, only against the margin: up to MARGIN of them older than the
+-- well-formed ones cannot starve these; more hold them back until someone
+-- removes them (every pass reports the ones it reads).
+local function next_chunk(eng, cursor, n, limit, report)
+  local list = {}
+  while #list < n do
     local T, err = cursor:next()
     if not T then
-      cursor:close()
       if err then return nil, errors.wrap(err, "recover") end
-      return list
+      return list, true
     end
     local why = validate.malformed(T, eng.vctx)
     if not why then
       list[#list + 1] = T
     else
       report.malformed = report.malformed + 1
-      if listed < limit then
-        listed = listed + 1
+      if report.malformed <= limit then
         report.errors[#report.errors + 1] = { id = T._id, error = errors.new("malformed",
           "malformed transaction, left as it is: " .. why, { step = "recover", id = T._id }) }
       end
     end
   end
-  cursor:close()
   return list
 end
 
 -- Counts a failure of T in the report and on T, so that a transaction
 -- that keeps failing is parked (with this reason) instead of blocking
--- every pass, and notes when (triedAt, by the server's clock: stale_list
+-- every pass, and notes when (triedAt, by the server's clock: stale_cursor
 -- waits before the next try).
 local function failed(eng, report, T, e)
   report.failed = report.failed + 1
@@ -423,31 +464,33 @@ local function failed(eng, report, T, e)
     ["$set"] = { reason = tostring(e) }, ["$currentDate"] = { triedAt = true } }, eng.wopts)
 end
 
+-- The list cut into batches of at most `size`; a transaction begun with
+-- other marker or version fields than this manager's (mongotx.stored) is
+-- a batch of its own: a batch's steps are bound to one form.
+local function chunks(eng, list, size)
+  local out, cur = {}, {}
+  for _, T in ipairs(list) do
+    if eng:form(T) ~= eng.own then
+      out[#out + 1] = { T }
+    else
+      cur[#cur + 1] = T
+      if #cur == size then out[#out + 1], cur = cur, {} end
+    end
+  end
+  if #cur > 0 then out[#out + 1] = cur end
+  return out
+end
+
 -- How many transactions a pass recovers together by default.
 _M.BATCH = 100
 
--- Finds up to `limit` stale transactions and drives each to done or
--- cancelled under the policies, `size` at a time (1: each alone).
--- Returns a report: { examined, done, cancelled, skipped, parked, failed,
--- malformed, errors = { {id, error}, ... } } (the shape callers and
--- specs compare whole; client:counters() tells the round trips).
-function _M.recover(eng, limit, size)
-  local now, err = eng:server_now()
-  if not now then return nil, err end
-  local me = eng:me()
-  local report = { examined = 0, done = 0, cancelled = 0, skipped = 0, parked = 0,
-                   failed = 0, malformed = 0, errors = {} }
-  -- Oldest first; whether each one is stale enough is the policy's call
-  -- (a holder may have declared a shorter lease than this manager's).
-  local list
-  list, err = stale_list(eng, limit, report, now)
-  if not list then return nil, err end
-  report.examined = #list
-  for first = 1, #list, size or 1 do
+-- Drives the transactions of `list` (a chunk of the pass, at most `size`)
+-- together (alone when there is one; chunks() sets apart those of another
+-- form); outcomes and failures go into the report.
+local function drive(eng, list, report, now, me)
+  for _, chunk in ipairs(chunks(eng, list, #list)) do
     local entries = {}
-    for i = first, math.min(first + (size or 1) - 1, #list) do
-      entries[#entries + 1] = { T = live(list[i]), was = list[i].state }
-    end
+    for i, T in ipairs(chunk) do entries[i] = { T = live(T), was = T.state } end
     local ok, raised
     if #entries == 1 then
       local e = entries[1]
@@ -457,9 +500,7 @@ function _M.recover(eng, limit, size)
       ok, raised = pcall(recover_batch, eng, entries, now, me)
     end
     for _, e in ipairs(entries) do
-      if not ok and not e.outcome then
-        fail(e, errors.new("policy", tostring(raised), { id = e.T._id }))
-      end
+      if not ok and not e.outcome then raised_in(e, raised) end
       if e.outcome and not e.err then
         report[e.outcome] = report[e.outcome] + 1
       else
@@ -467,6 +508,40 @@ function _M.recover(eng, limit, size)
       end
     end
   end
+end
+
+-- Finds up to `limit` stale transactions and drives each to done or
+-- cancelled under the policies, `size` at a time (1: each alone).  The
+-- pass streams: it decodes `size` transactions, drives them and lets
+-- them go before it reads on, so what it holds is bounded by the batch
+-- (and the server's reply of at most READ), not by `limit`; what it reads
+-- is bounded by limit + MARGIN.
+-- Returns a report: { examined, done, cancelled, skipped, parked, failed,
+-- malformed, errors = { {id, error}, ... } } (the shape callers and
+-- specs compare whole; client:counters() tells the round trips), or nil,
+-- err when the read fails (what was driven before stays driven).
+function _M.recover(eng, limit, size)
+  size = size or 1
+  local now, err = eng:server_now()
+  if not now then return nil, err end
+  local me = eng:me()
+  local report = { examined = 0, done = 0, cancelled = 0, skipped = 0, parked = 0,
+                   failed = 0, malformed = 0, errors = {} }
+  -- Oldest first; whether each one is stale enough is the policy's call
+  -- (a holder may have declared a shorter lease than this manager's).
+  local cursor = stale_cursor(eng, limit, size, now)
+  local ended = false
+  while not ended and report.examined < limit do
+    local list
+    list, ended = next_chunk(eng, cursor, math.min(size, limit - report.examined), limit, report)
+    if not list then
+      cursor:close()
+      return nil, ended -- the read's error
+    end
+    report.examined = report.examined + #list
+    if #list > 0 then drive(eng, list, report, now, me) end
+  end
+  cursor:close()
   eng:event("recover", report)
   return report
 end

@@ -31,6 +31,9 @@
 
 local core = require "mongotx.core"
 local pool = require "mongotx.pool"
+local catalog = require "mongotx.catalog"
+local options = require "mongotx.options"
+local group = require "mongotx.group"
 
 local type, pairs, ipairs, select, tostring, error, pcall, setmetatable, getmetatable =
   type, pairs, ipairs, select, tostring, error, pcall, setmetatable, getmetatable
@@ -88,12 +91,18 @@ end
 
 local unpack = table.unpack or unpack -- luacheck: ignore 143
 
--- The values of a pack()ed string.
-local function unpack_all(bytes)
+-- The values of a pack()ed string as a list, and how many.
+local function unpack_list(bytes)
   local t = decode(bytes)
   local out = {}
   for i = 1, t.n do out[i] = restore_errors(t[tostring(i)], 0) end
-  return unpack(out, 1, t.n)
+  return out, t.n
+end
+
+-- The values of a pack()ed string.
+local function unpack_all(bytes)
+  local out, n = unpack_list(bytes)
+  return unpack(out, 1, n)
 end
 
 -- The thread side ----------------------------------------------------------
@@ -136,6 +145,8 @@ local function get_manager(spec)
       if opts[k] == nil then opts[k] = v end
     end
   end
+  -- metrics = "<lua_shared_dict>": the events counted there (mongotx.metrics.shared)
+  if opts and opts.metrics ~= nil then opts = require("mongotx.metrics.shared").wrap(opts) end
   tm, err = db:manager(opts)
   if tm then managers[spec] = tm end
   return tm, err
@@ -165,6 +176,17 @@ function DB_CALLS.count(db, collection, filter)
   return n, cerr
 end
 
+-- Is there a collection `name` (mongotx.catalog, which creates nothing)?
+-- And the database's name.  For recovery's first pass.
+function DB_CALLS.has_collection(db, name)
+  local client, err = db:client()
+  if not client then return nil, err end
+  local ok, exists, herr = pcall(catalog.has_collection, client, db.name, name)
+  client:close()
+  if not ok then error(exists, 0) end
+  return exists, herr, db.name
+end
+
 -- The pool's figures, and `vm`: which Lua state ran the call.
 function DB_CALLS.pool(db)
   local info, err = db:pool()
@@ -178,6 +200,33 @@ end
 
 local METHOD = {}
 for _, m in ipairs(pool.METHODS) do METHOD[m] = true end
+
+-- A batch of grouped calls (group_runner below): args[1] lists { m =
+-- <method>, a = <its arguments, pack()ed> }, args[2] is how long the
+-- driver waited.  Returns, pack()ed, one { ok = <the results, pack()ed> },
+-- { raise = <message> } or { again = true } per call, and the order they
+-- took effect in (mongotx.group.run_calls).
+local function run_group(tm, list, wait)
+  local calls = {}
+  for i, c in ipairs(list) do
+    local a, n = unpack_list(c.a)
+    a.method, a.n = c.m, n
+    calls[i] = a
+  end
+  local res, order = tm:_group(calls, wait)
+  if not res then return pack(2, nil, order) end -- no client of the pool came free
+  local out = {}
+  for i, r in ipairs(res) do
+    if r == group.AGAIN then
+      out[i] = { again = true }
+    elseif r.raise then
+      out[i] = { raise = r.raise }
+    else
+      out[i] = { ok = pack(r.n, unpack(r, 1, r.n)) }
+    end
+  end
+  return pack(2, out, order)
+end
 
 local function run(kind, spec, method, args)
   local a = decode(args)
@@ -197,6 +246,7 @@ local function run(kind, spec, method, args)
   end
   local tm, err = get_manager(spec)
   if not tm then return pack(2, nil, err) end
+  if kind == "group" then return run_group(tm, list[1], list[2]) end
   if not METHOD[method] then error("no method " .. tostring(method), 0) end
   return pack_all(tm[method](tm, unpack(list, 1, n)))
 end
@@ -331,23 +381,113 @@ function _M.connect(uri, opts)
   return self
 end
 
+-- Group commit (mongotx.group): the worker side.  The driver runs in a
+-- timer of its own (ngx.timer.at 0), not in the coroutine of the handler
+-- that started it: a handler's coroutine ends with its request (a client
+-- abort under lua_check_client_abort, an ngx.exit in another of its
+-- threads), and a batch run there would leave its callers waiting.  A
+-- caller waits on a semaphore of its own.
+
+-- The batch runner: the calls of `items` as one tm:_group in one worker
+-- thread.  Returns one { ok = <results, pack()ed> } | { raise = msg } |
+-- group.AGAIN per item.
+local function group_runner(tm)
+  return function(items, info)
+    local list = {}
+    for i, item in ipairs(items) do list[i] = { m = item.method, a = item.args } end
+    -- the results and the order they took effect in, or nil and why not
+    local res, order = call(tm.db, 1, "group", tm.spec, nil, list, info.wait)
+    local out = {}
+    for i = 1, #items do
+      if not res then
+        out[i] = { ok = pack(2, nil, order) } -- overloaded, or no manager: each caller learns it
+      elseif res[i].again then
+        out[i] = group.AGAIN
+      else
+        out[i] = res[i]
+      end
+    end
+    return out, res and order
+  end
+end
+
+local function new_group(tm, o)
+  local ngx = ngx -- luacheck: ignore 113
+  local semaphore = require "ngx.semaphore"
+  return group.new {
+    max = o.max, delay = o.delay, run = group_runner(tm),
+    signal = semaphore.new,
+    spawn = function(fn) return ngx.timer.at(0, function() fn() end) end,
+    now = function()
+      ngx.update_time()
+      return ngx.now()
+    end,
+  }
+end
+
+-- tm:transfer and tm:run under group: the call joins its worker's next
+-- batch.  ngx.ctx.mongotx_group says which batch of this manager in this
+-- worker ran it ({ batch, position }: for logs).
+local function grouped(self, method, ...)
+  local ok, args = pcall(pack, select("#", ...), ...)
+  if not ok then
+    return nil, core.error({ code = "invalid", step = method,
+      message = "an argument cannot be sent to a worker thread: " .. tostring(args) })
+  end
+  local r, ticket = self.group:call({ method = method, args = args })
+  local ngx = ngx -- luacheck: ignore 113
+  ngx.ctx.mongotx_group = { batch = ticket.batch, position = ticket.position }
+  if r.raise then reraise(r.raise, 2) end
+  return unpack_all(r.ok)
+end
+
+-- The groups of this worker, by manager (and thread pool and options).
+local groups = {}
+
+-- The group option of db:manager: nil or false (off), or { max =, delay = }
+-- (each defaulting to GROUP_DEFAULT's).
+local GROUP_DEFAULT = { max = 100, delay = 0 }
+
+local function group_option(g)
+  if g == nil or g == false then return false end
+  if type(g) ~= "table" then error("option group of manager must be a table or false", 3) end
+  for k in pairs(g) do
+    if k ~= "max" and k ~= "delay" then error("unknown option group." .. tostring(k), 3) end
+  end
+  return { max = g.max or GROUP_DEFAULT.max, delay = g.delay or GROUP_DEFAULT.delay }
+end
+
 -- db:manager(opts): opts are db:manager's, as data: a function cannot
 -- reach a worker thread, so policies that are functions come from a
 -- module named by `policies` (a module that returns a table of them, which
--- each worker-thread VM requires; options given here win).
+-- each worker-thread VM requires; options given here win).  Plus `group`:
+-- false (the default), or { max = 100, delay = 0 }: tm:transfer and tm:run
+-- of concurrent handlers of this worker run as one batch (mongotx.group).
 
 --- @type Database
 
 --- A manager whose calls run in worker threads; every method of mongotx's manager but `step`.
 -- @syntax tm, err = db:manager(opts)
--- @tparam[opt] table opts `db:manager`'s, as data; `policies` names a module of policy functions
+-- @tparam[opt] table opts `db:manager`'s, as data; `policies` names a module of policy functions;
+--   `metrics` names a `lua_shared_dict` the events are counted in (`mongotx.metrics.shared`);
+--   `group`: `false` (the default) or `{ max = 100, delay = 0 }`, group commit of this worker's
+--   concurrent `tm:transfer` and `tm:run` calls (docs/openresty.md)
 -- @treturn table the manager
--- @errors as `db:manager`; `overloaded` (every thread busy for `wait` seconds) from its calls
--- @usage local tm = assert(db:manager{ application = "bank" })
+-- @errors as `db:manager`; `overloaded` (every thread busy for `wait` seconds) from its calls;
+--   a bad `group` or `metrics` raises
+-- @usage local tm = assert(db:manager{ application = "bank", group = { max = 100, delay = 0 } })
 function Database:manager(opts)
   if opts ~= nil and type(opts) ~= "table" then
     error("options of manager must be a table, not " .. type(opts), 2)
   end
+  local g
+  if opts then
+    local copy = {}
+    for k, v in pairs(opts) do copy[k] = v end
+    g, copy.group = copy.group, nil
+    opts = copy
+  end
+  g = group_option(g)
   for k, v in pairs(opts or {}) do
     if type(v) == "function" then
       error(format("option %s of manager is a function, which cannot reach a worker thread: " ..
@@ -357,11 +497,24 @@ function Database:manager(opts)
   if opts and opts.policies ~= nil and type(opts.policies) ~= "string" then
     error("option policies of manager must be a module name (a string)", 2)
   end
+  if opts and opts.metrics ~= nil and type(opts.metrics) ~= "string" then
+    error("option metrics of manager must name a lua_shared_dict (a string)", 2)
+  end
   local ok, spec = pcall(encode, { db = self.spec, manager = opts })
   if not ok then error("options of manager must be BSON data: " .. tostring(spec), 2) end
   local info, err = call(self, 2, "manager", spec, nil)
   if not info then return nil, err end
-  return setmetatable({ db = self, spec = spec, application = info.application }, Manager)
+  local tm = setmetatable({ db = self, spec = spec, application = info.application }, Manager)
+  if g and self.offload then
+    -- one group per manager (its spec) and worker: managers made for the
+    -- same options, as by concurrent first requests, share it
+    local gkey = format("%s\0%s\0%.17g\0%.17g", self.thread_pool, spec, g.max, g.delay)
+    local made, group_obj = true, groups[gkey]
+    if not group_obj then made, group_obj = pcall(new_group, tm, g) end
+    if not made then error(group_obj, 2) end
+    groups[gkey], tm.group = group_obj, group_obj
+  end
+  return tm
 end
 
 -- db:find(collection, filter [, opts]) -> list, db:count(collection,
@@ -414,10 +567,22 @@ function Database.close() end -- the pool lives as long as the worker process
 -- tm:<method>(...) for every method of a manager but step (a stepwise
 -- walk holds versions in one manager, and calls land on any VM).
 for _, method in ipairs(pool.METHODS) do
-  if method ~= "step" then
+  if method ~= "step" and method ~= "_group" then
     Manager[method] = function(self, ...)
       return call(self.db, 1, "call", self.spec, method, ...)
     end
+  end
+end
+
+-- Where a handler may wait on a semaphore: elsewhere a call goes alone,
+-- and fails as it would have anyway.
+local YIELDS = { rewrite = true, server_rewrite = true, access = true, content = true, timer = true }
+
+for _, method in ipairs(group.METHODS) do
+  local alone = Manager[method]
+  Manager[method] = function(self, ...)
+    if not self.group or not YIELDS[ngx.get_phase()] then return alone(self, ...) end -- luacheck: ignore 113
+    return grouped(self, method, ...)
   end
 end
 
@@ -474,6 +639,13 @@ function _M.recovery(opts)
     error("option ttl of recovery must be a number of seconds > every", 2)
   end
   local mopts = opts.manager or {}
+  -- connect's `database`, else the URI's: not mongotx.connect's "test",
+  -- which a URI that names no database would have swept in silence
+  if (type(opts.connect) ~= "table" or opts.connect.database == nil)
+      and not options.uri_database(opts.uri) then
+    error("recovery needs a database: in the uri (mongodb://host/<database>) or " ..
+          "connect = { database = ... }", 2)
+  end
   local key = opts.key or ("mongotx:recovery:" .. tostring(mopts.application or "mongotx"))
   local me = tostring(ngx.worker.pid())
   local tm, running, stopped
@@ -495,10 +667,23 @@ function _M.recovery(opts)
     if dict:get(key) == me then dict:delete(key) end
   end
 
+  -- The manager, made once its transactions collection is there: one
+  -- made for a mistyped name would create that collection (and sweep it
+  -- for ever, finding nothing), so until then each pass is an error
+  -- naming the database and collection, and creates nothing.
   local function pass()
     if not tm then
       local db, err = _M.connect(opts.uri, opts.connect)
       if not db then return nil, err end
+      local collection = mopts.collection or "transactions"
+      local exists, name
+      exists, err, name = call(db, 1, "db", db.spec, "has_collection", collection)
+      if exists == nil then return nil, err end
+      if not exists then
+        return nil, core.error({ code = "invalid", step = "recovery", message = format(
+          "database %s has no collection %s: nothing to recover, nothing created (wrong " ..
+          "database in uri or connect, or collection in manager?)", name, collection) })
+      end
       tm, err = db:manager(mopts)
       if not tm then return nil, err end
     end

@@ -149,6 +149,8 @@ function _M.step(eng, cache, name, T, i)
   local function refuse(code, message)
     return nil, errors.new(code, message, { step = name, id = T._id })
   end
+  local bad = eng:fields_error(T)
+  if bad then return nil, bad end
   if name == "claim" then return step_claim(eng, cache, T, refuse) end
   local want = STEP_STATES[name]
   local again = T.state ~= want and STEP_AFTER[name] and STEP_AFTER[name][T.state]
@@ -163,7 +165,7 @@ function _M.step(eng, cache, name, T, i)
   if name == "undo" then return step_undo(eng, cache, T, i) end
   if name == "finish" then
     local op = T.ops[i]
-    return eng:step("finish", T._id, eng:coll(op.collection), T._id, op)
+    return eng:op_step(T, "finish", eng:coll(op.collection), op)
   end
   return step_move(eng, cache, name, T, refuse)
 end

@@ -1,10 +1,23 @@
 -- How a transaction and its markers look in the database: shared by the
 -- manager (lua/mongotx/manager.lua) and the batched protocol
 -- (lua/mongotx/batch.lua).
+--
+-- A transaction's mark is what its applies push into the marker array
+-- (and `txHeld`, `txRemoving`, a fence's placeholder): what names it on a
+-- document, so it must be unique across transactions collections.  In
+-- the `transactions` collection (the tutorial's) it is the transaction's
+-- _id, so that a writer following the tutorial's recipe finds it there;
+-- in any other collection a string naming the collection and the _id
+-- (new_mark), recorded in the transaction as `mark`.  A transaction also records
+-- the marker and version fields it was begun with (`markerField`,
+-- `versionField`): whoever drives it uses those (Engine:form), not its
+-- own options.  One an older build stored records none of them: its mark
+-- is its _id and its fields are the driving manager's, as then.
 
 local core = require "mongotx.core"
 
-local ipairs, pairs, next, type = ipairs, pairs, next, type
+local ipairs, pairs, next, type, tonumber = ipairs, pairs, next, type, tonumber
+local format, char = string.format, string.char
 local core_id_key = core.id_key
 
 local _M = {}
@@ -16,6 +29,52 @@ local _M = {}
 local function id_key(id) return (core_id_key(id)) end
 _M.id_key = id_key
 
+
+-- The collection whose transactions are marked with their _id.
+local HOME = "transactions"
+_M.HOME = HOME
+-- What every other mark starts with; no transaction id may
+-- (validate.check_tid), so no mark of one collection is another's.
+local MARK_PREFIX = "$mongotx:"
+_M.MARK_PREFIX = MARK_PREFIX
+
+-- The mark a new transaction of collection `coll` with this _id records
+-- (nil: none, its _id is its mark): MARK_PREFIX, the collection's name, a
+-- `$` (which no collection name holds) and the hex of the BSON of { i =
+-- id }.  Distinct transactions have distinct marks: their collections or
+-- their ids differ, and so do the BSON of distinct ids.  (A string: a
+-- Binary's subtype does not survive mongo-java-server, and FerretDB
+-- cannot $pull a document.)
+function _M.new_mark(coll, id)
+  if coll == HOME then return nil end
+  local bson = core.encode({ i = id })
+  return MARK_PREFIX .. coll .. "$" .. bson:gsub(".", function(c)
+    return format("%02x", c:byte())
+  end)
+end
+
+-- T's mark (see above).
+function _M.mark(T)
+  local m = T.mark
+  if m == nil then return T._id end
+  return m
+end
+
+-- The transactions collection and _id a mark names; nil, id for a bare
+-- _id (the mark of `transactions`, or of an older build's transaction in
+-- any collection); nil for a mark that is not well formed.
+function _M.named(mark)
+  if type(mark) ~= "string" or mark:sub(1, #MARK_PREFIX) ~= MARK_PREFIX then
+    return nil, mark
+  end
+  local coll, hex = mark:match("^([^$]+)%$(%x+)$", #MARK_PREFIX + 1)
+  if not coll or #hex % 2 == 1 then return nil end
+  local ok, doc = pcall(core.decode, (hex:gsub("%x%x", function(h)
+    return char(tonumber(h, 16))
+  end)))
+  if not ok or type(doc) ~= "table" or doc.i == nil then return nil end
+  return coll, doc.i
+end
 
 -- An op's update, undo and where hold `$` keys, which servers refuse in a
 -- stored document (MongoDB before 5.0, FerretDB): the transaction keeps

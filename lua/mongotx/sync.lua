@@ -31,7 +31,8 @@
 -- syncId (which also voids the clear of any run from an older read) and
 -- propagated as it is now (`rerun`, at most RERUNS times, then the flag
 -- is left to repair).  It returns
--- true, or nil and a message; a raise counts as nil, message.  A failed
+-- true, or nil and a message; a raise counts as nil, message (but an
+-- interrupt or out of memory goes up, counted nowhere).  A failed
 -- propagation leaves the flag, counts an attempt (syncAttempts, with the
 -- message in syncError) and is retried by repair; after max_attempts
 -- failures repair leaves the document flagged (parked) for a person to
@@ -129,7 +130,11 @@ end
 -- @usage -- see change
 function Sync:settle(master, reruns)
   local ok, done, reason = pcall(self.propagate, master)
-  if not ok then done, reason = nil, tostring(done) end
+  if not ok then
+    -- an interrupt is not propagate's failure: it goes up, the flag stays
+    if errors.is_interrupt(done) then error(done, 0) end
+    done, reason = nil, tostring(done)
+  end
   -- The state propagated, as the condition of the writes that end it:
   -- syncId says no change came after the read; syncSeq too, and catches
   -- a read that saw a change half applied (mongo-java-server returns one
@@ -218,6 +223,9 @@ function Sync:change(id, update)
   into("$set", ID, token)
   into("$set", ATTEMPTS, 0)
   into("$unset", FAILURE, "")
+  local ok
+  ok, err = validate.fits({ q = { _id = sent }, u = full }, "the update", "sync", "change", id)
+  if not ok then return nil, err end
   local res
   res, err = write("change", self.coll.update_one, self.coll, { _id = sent }, full, self.wopts)
   if not res then return nil, err end
@@ -235,7 +243,6 @@ function Sync:change(id, update)
     -- a later change came first: its own propagation covers this one
     return master
   end
-  local ok
   ok, err = self:settle(master)
   if not ok then return nil, err end
   return master

@@ -105,6 +105,25 @@ function _M.value(v)
   return snap
 end
 
+-- A document or update `module` (mongotx.<module>) is about to send for
+-- `step`, made of a caller's value (`what`: "the document", "the update",
+-- ...) and the fields the module adds (versions, flags, a job's fields):
+-- true when it encodes
+-- within 16 MiB (what the encoder, and the server, take), else nil and an
+-- `invalid` error naming `what`, so that nothing is written.  An update is
+-- checked as the statement the server reads, { q = filter, u = update }:
+-- servers differ on how far past 16 MiB they take one (mongo-java-server
+-- drops the connection a few bytes short of it).  Only what is sent is
+-- checked: an update that makes a stored document grow past 16 MiB is
+-- the server's error.
+function _M.fits(doc, what, module, step, id)
+  local ok, why = pcall(encode, doc)
+  if ok then return true end
+  return nil, errors.new("invalid", format("%s cannot be stored: with the fields mongotx.%s " ..
+    "adds it takes more than 16 MiB (%s)", what, module, (tostring(why):gsub("^mongotx: ", ""))),
+    { step = step, id = id })
+end
+
 local check_update, operator_key, touched = core.check_update, core.operator_key, core.touched
 
 -- Checks an id (a transaction's, or an op's document) for use in a
@@ -129,6 +148,10 @@ function _M.check_tid(id)
   if core.type(sent) == "object" then
     return invalid("a transaction id may not be a document (it goes into marker " ..
       "arrays, where $pull reads a document as a condition)")
+  end
+  if type(sent) == "string" and sent:sub(1, #stored.MARK_PREFIX) == stored.MARK_PREFIX then
+    return invalid(string.format("a transaction id may not start with %q " ..
+      "(mongotx's marks: docs/guards.md, \"Data model\")", stored.MARK_PREFIX))
   end
   return sent, key
 end
@@ -425,6 +448,32 @@ function _M.malformed(T, ctx)
   for _, f in ipairs { "epoch", "attempts", "lease" } do
     if T[f] ~= nil and type(T[f]) ~= "number" then
       return f .. " is not a number: " .. (core.type(T[f]) or type(T[f]))
+    end
+  end
+  return _M.fields_error(T, ctx.collection)
+end
+
+-- Why the marker and version fields and the mark T records
+-- (mongotx.stored) are not fit to drive it with, or nil; with `coll` (T's
+-- collection), a mark must be the one T's collection and _id make.
+function _M.fields_error(T, coll)
+  local field_ok = require("mongotx.options").field_ok
+  for _, f in ipairs { "markerField", "versionField" } do
+    local v = T[f]
+    if v ~= nil and not (type(v) == "string" and field_ok(v)) then
+      return f .. " is not a field name mongotx may write"
+    end
+  end
+  if T.markerField ~= nil and T.markerField == T.versionField then
+    return "markerField and versionField are one field"
+  end
+  if T.mark ~= nil then
+    -- (ids compared as the server does: the one read back may be encoded
+    -- otherwise than the one the mark was made of, Int64(1) as 1)
+    local named, id = stored.named(T.mark)
+    if named == nil or named == stored.HOME or stored.id_key(id) ~= stored.id_key(T._id)
+        or (coll and named ~= coll) then
+      return "mark is not this transaction's mark"
     end
   end
 end

@@ -195,7 +195,9 @@ function Writer:_insert(step, item, doc)
     return nil, errors.new("invalid", "this writer already wrote this item",
       { step = step, id = item })
   end
-  local version = core.doc("root", self.root, "itemId", sent, "version", self.version)
+  -- the _id given here, not added by the insert: fits() sees what is sent
+  local version = core.doc("_id", core.ObjectId(), "root", self.root, "itemId", sent,
+    "version", self.version)
   if doc then
     -- stored whole under `doc`: the content may use any field name
     local why
@@ -204,6 +206,8 @@ function Writer:_insert(step, item, doc)
       return nil, errors.new("invalid", "the document: " .. why, { step = step, id = item })
     end
     version.doc = doc
+    ok, err = validate.fits(version, "the document", "versioned", step, item)
+    if not ok then return nil, err end
   else
     version.deleted = true
   end
@@ -230,7 +234,8 @@ end
 -- @param item the item's id
 -- @tparam table doc its content
 -- @treturn boolean true
--- @errors `invalid`, `state`, database errors
+-- @errors `invalid` (also a document that does not fit in 16 MiB with the item's fields; nothing written),
+--   `state`, database errors
 -- @usage assert(w:put("notes", { name = "notes.txt" }))
 function Writer:put(item, doc)
   if type(doc) ~= "table" then error("put needs a document table", CALLER) end
@@ -254,15 +259,18 @@ end
 -- Moves this writer's version from open to dead and deletes its items:
 -- they can never be published.  true, or nil, err.
 -- nil, `state` when the version turns out published (by a publish whose
--- reply was lost): its items stay.
+-- reply was lost): its items stay.  Again after an error, or after a
+-- publish that lost: does what is left (the abort is conditioned on the
+-- version being open, the delete deletes what is there).
 
 --- Gives the version up: moved to dead, its items deleted.
 -- @syntax ok, err = w:abandon()
 -- @treturn boolean true
--- @errors `state` (it was published), database errors
+-- @errors `state` (it was published), database errors (call abandon again: it finishes the clean-up)
 -- @usage w:abandon()
 function Writer:abandon()
-  local ok, err = usable(self, "abandon")
+  local ok, err = true, nil
+  if self.state ~= "abandoned" and self.state ~= "lost" then ok, err = usable(self, "abandon") end
   if not ok then return nil, err end
   self.state = "abandoned"
   local killed
@@ -277,6 +285,9 @@ function Writer:abandon()
       return nil, errors.new("state", "version " .. self.version .. " was published " ..
         "(by a publish whose reply was lost)", { step = "abandon", id = self.root })
     end
+    -- dead already (an earlier call that an error cut short, or gc)
+    ok, err = self.v:_discard(self.root, { self.version })
+    if not ok then return nil, err end
   end
   return true
 end
@@ -284,18 +295,27 @@ end
 -- Publishes: the root's version becomes this writer's, on condition
 -- that it is still the one the writer started from and the writer's
 -- version is still open.  Returns the published version, or nil,
--- `conflict` (another writer published first, or gc aborted this one;
--- this writer's items are discarded: begin again) or the database's
--- error (then the outcome is unknown: publish again, which tells, or
--- leave the version to gc).
+-- `conflict` (another writer published first, gc aborted this one, or
+-- this writer abandoned it; its items are discarded: begin again) or
+-- the database's error (then the outcome is unknown: publish again, which
+-- tells, or leave the version to gc).  Called again it answers the same:
+-- the version once published, `conflict` once lost or abandoned (a
+-- clean-up an error cut short is done again first).
 
 --- Publishes the version: one write to the root, on condition it is still at `w.base`.
 -- @syntax version, err = w:publish()
 -- @treturn integer the published version
--- @errors `conflict` (another writer published first: begin again), database errors (call publish again to learn
---   the outcome)
+-- @errors `conflict` (another writer published first, gc aborted it, or this writer abandoned it: begin again),
+--   database errors (call publish again: it answers as if the error had not happened; again after an answer,
+--   the same answer)
 -- @usage local version, err = w:publish()
 function Writer:publish()
+  if self.state == "published" then return self.version end
+  if self.state == "abandoned" then
+    return nil, errors.new("conflict", "this writer abandoned version " .. self.version ..
+      ": begin again", { step = "publish", id = self.root, version = self.version })
+  end
+  if self.state == "lost" then return self:_lost() end
   local ok, err = usable(self, "publish")
   if not ok then return nil, err end
   local res
@@ -319,7 +339,15 @@ function Writer:publish()
     return self.version
   end
   self.state = "lost"
-  ok, err = self.v:_abort(self.root, self.version)
+  return self:_lost()
+end
+
+-- publish's answer once the writer lost: its version is made dead and its
+-- items deleted (again, after an error), then `conflict`.
+function Writer:_lost()
+  local ok, err = self.v:_kill(self.root, self.version)
+  -- dead now, by this kill or before (neither open nor published)
+  if ok then ok, err = self.v:_discard(self.root, { self.version }) end
   if not ok then return nil, err end
   return nil, errors.new("conflict", "the root moved on from version " .. self.base ..
     " (another writer published, or gc aborted this one)",

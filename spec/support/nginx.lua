@@ -24,6 +24,8 @@
 --   http           more http-level directives
 --   check_client_abort  lua_check_client_abort on (a client that goes
 --                  away ends its request's handler)
+--   metrics_dict   the size of lua_shared_dict mongotx_metrics ("1m"),
+--                  served at /metrics
 --
 -- The nginx master runs in the foreground of a shell that also watches the
 -- Lua process which started it: when that process is gone, nginx is
@@ -80,6 +82,7 @@ http {
   lua_package_cpath "%s;;";
   lua_worker_thread_vm_pool_size %d;
   lua_shared_dict mongotx 1m;
+  lua_shared_dict mongotx_metrics %s;
   lua_check_client_abort %s;
   %s
   init_worker_by_lua_block {
@@ -103,11 +106,12 @@ http {
     location = /direct/transfer { content_by_lua_block { require("bank").transfer{ offload = false } } }
     location ~ ^/tx/(?<txid>[^/]+)$ { content_by_lua_block { require("bank").get_tx(ngx.var.txid) } }
     location = /ping { content_by_lua_block { ngx.say("pong") } }
+    location = /metrics { content_by_lua_block { require("bank").metrics() } }
     %s
   }
 }
 ]]):format(M.MODULES, M.MODULES, o.workers or 1, o.threads or 4, paths, CPATH, o.vms or 8,
-           o.check_client_abort and "on" or "off", o.http or "", o.configure or "{}",
+           o.metrics_dict or "1m", o.check_client_abort and "on" or "off", o.http or "", o.configure or "{}",
            recovery, o.init_worker or "", o.port, o.locations or "")
 end
 
@@ -219,6 +223,60 @@ function Nginx:spawn(method, path, body, opts)
         if s then
           os.remove(res)
           return parse(s, out)
+        end
+        sleep(0.05)
+      end
+      return nil, "still running"
+    end,
+  }
+end
+
+-- many(list [, { parallel = true, max_time = 30 }]) -> handle: list[i] =
+-- { method, path, body, headers }, sent by one curl process, in order
+-- one after another or all at once (--parallel); handle:wait(seconds) ->
+-- results, results[i] = { status = <0 when it failed>, body = }, or nil,
+-- "still running".
+function Nginx:many(list, opts)
+  opts = opts or {}
+  local config, outs = {}, {}
+  for i, r in ipairs(list) do
+    local out = scratch(self, "response")
+    outs[i] = out
+    config[#config + 1] = ("url = %q\nrequest = %q\noutput = %q\nmax-time = %g\n" ..
+      "write-out = \"%d %%{http_code}\\n\"\n"):format(self:url(r.path), r.method, out,
+      opts.max_time or 30, i)
+    if r.body then
+      local file = scratch(self, "request")
+      writefile(file, r.body)
+      config[#config + 1] = ("header = \"Content-Type: application/json\"\ndata-binary = %q\n")
+        :format("@" .. file)
+    end
+    for k, v in pairs(r.headers or {}) do
+      config[#config + 1] = ("header = %q\n"):format(k .. ": " .. v)
+    end
+    if i < #list then config[#config + 1] = "next\n" end
+  end
+  local file, res = scratch(self, "curl-config"), scratch(self, "result")
+  writefile(file, table.concat(config))
+  local flags = opts.parallel and ("--parallel --parallel-immediate --parallel-max " .. #list) or ""
+  execute(("(curl -s %s -K %s > %s.tmp 2>/dev/null; mv %s.tmp %s) &"):format(flags, q(file),
+    q(res), q(res), q(res)))
+  return {
+    wait = function(_, seconds)
+      for _ = 1, (seconds or 120) * 20 do
+        local s = readfile(res)
+        if s then
+          os.remove(res)
+          os.remove(file)
+          local results = {}
+          for i in ipairs(list) do results[i] = { status = 0, body = "" } end
+          for i, code in s:gmatch("(%d+) (%d+)") do
+            i = tonumber(i)
+            results[i].status = tonumber(code)
+            results[i].body = readfile(outs[i]) or ""
+            os.remove(outs[i])
+          end
+          return results
         end
         sleep(0.05)
       end

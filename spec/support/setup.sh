@@ -12,16 +12,21 @@
 #               OpenResty's LuaJIT (luajit2) for make test-openresty
 #     toxiproxy toxiproxy v2.12.0 (server and cli) built with Go, and curl,
 #               for make bench's runs at a network's latency (bench/latency.lua)
-#   default: deps java
+#     prometheus Python's prometheus_client (PyPI, pinned) in a venv: the
+#               independent parser spec/70-metrics_spec.lua checks the
+#               exposition format with (spec/support/promparse.py)
+#   default: deps java prometheus
 #
 # Artifacts go to $MONGOTX_CACHE (default ~/.cache/mongotx):
 #   server.classpath  classes/  bin/ferretdb  bin/toxiproxy-server  bin/toxiproxy-cli
+#   venv/ (prometheus_client)
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CACHE=${MONGOTX_CACHE:-$HOME/.cache/mongotx}
 FERRETDB_VERSION=v1.24.0
 TOXIPROXY_VERSION=v2.12.0
+PROMETHEUS_CLIENT_VERSION=0.21.1
 
 say() { printf 'setup: %s\n' "$*"; }
 die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
@@ -231,8 +236,26 @@ do_toxiproxy() {
   say "toxiproxy $TOXIPROXY_VERSION: ready ($CACHE/bin/toxiproxy-server, toxiproxy-cli)"
 }
 
+# prometheus_client from PyPI in a venv of Debian's python3 (python3-venv),
+# so that neither the system's Python nor pip's --user site changes.
+do_prometheus() {
+  apt_install python3 python3-venv
+  local venv=$CACHE/venv
+  if [[ -x $venv/bin/python ]] && [[ $("$venv/bin/python" -c 'import importlib.metadata as m
+print(m.version("prometheus_client"))' 2>/dev/null) == "$PROMETHEUS_CLIENT_VERSION" ]]; then
+    say "prometheus_client $PROMETHEUS_CLIENT_VERSION: present ($venv)"
+    return
+  fi
+  rm -rf "$venv"
+  /usr/bin/python3 -m venv "$venv" || die "python3 -m venv $venv failed"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check \
+    "prometheus_client==$PROMETHEUS_CLIENT_VERSION" \
+    || die "pip install prometheus_client==$PROMETHEUS_CLIENT_VERSION failed (PyPI)"
+  say "prometheus_client $PROMETHEUS_CLIENT_VERSION: ready ($venv)"
+}
+
 targets=("$@")
-((${#targets[@]})) || targets=(deps java)
+((${#targets[@]})) || targets=(deps java prometheus)
 for t in "${targets[@]}"; do
   case $t in
     deps) do_deps ;;
@@ -242,6 +265,7 @@ for t in "${targets[@]}"; do
     fuzz) do_fuzz ;;
     openresty) do_openresty ;;
     toxiproxy) do_toxiproxy ;;
-    *) die "unknown target '$t' (deps|java|ferretdb|all|fuzz|openresty|toxiproxy)" ;;
+    prometheus) do_prometheus ;;
+    *) die "unknown target '$t' (deps|java|ferretdb|all|fuzz|openresty|toxiproxy|prometheus)" ;;
   esac
 done

@@ -9,8 +9,9 @@
 --   <!-- fragment: why -->    not runnable on its own (why says what it
 --                             lacks): only its syntax is checked
 -- A block without a marker must run and must not raise.  Every relative
--- link of README.md, docs/, TESTING.md, ARCHITECTURE.md and bench/README.md
--- must reach its file and, with a #fragment, a heading there.
+-- link of README.md, docs/, TESTING.md, ARCHITECTURE.md, bench/README.md
+-- and bench/results.md must reach its file and, with a #fragment, a
+-- heading there.
 --
 --   spec/support/with-server memory -- lua5.4 spec/support/test-docs.lua [FILE.md...]
 -- Prints a line per block and script, then "N passed, N failed"; exit 1
@@ -148,7 +149,7 @@ local function exists(path)
   if f then f:close() end
   return f ~= nil
 end
-local linked = { "TESTING.md", "ARCHITECTURE.md", "bench/README.md" }
+local linked = { "TESTING.md", "ARCHITECTURE.md", "bench/README.md", "bench/results.md" }
 for _, f in ipairs(files) do linked[#linked + 1] = f end
 for _, file in ipairs(linked) do
   local f = assert(io.open(file))

@@ -7,6 +7,7 @@
 local core = require "mongotx.core"
 local output = require "mongotx.cli.output"
 local progress = require "mongotx.cli.progress"
+local gauges = require "mongotx.metrics.backlog"
 
 local json, id_text, cell = output.json, output.id_text, output.cell
 local record, add = output.record, output.add
@@ -34,10 +35,16 @@ end
 local STATES = { "initial", "pending", "applied", "done", "canceling", "cancelled" }
 
 function _M.status(tm, o, fail)
+  if o.prometheus then
+    local text, err = gauges.render(tm, o.database_name, o.collection)
+    if not text then return fail(FAILED, tostring(err)) end
+    stdout:write(text)
+    return OK
+  end
   local stats, err = tm:stats()
   local backlog
   if stats then backlog, err = tm:backlog() end
-  if not backlog then return fail(FAILED, tostring(err)) end
+  if not backlog then return fail(FAILED, err) end
   if o.json then
     local rec = record()
     for _, s in ipairs(STATES) do add(rec, s, stats[s]) end
@@ -75,7 +82,7 @@ end
 
 function _M.list(tm, o, fail)
   local now, err = tm:server_now()
-  if not now then return fail(FAILED, tostring(err)) end
+  if not now then return fail(FAILED, err) end
   local filter = {}
   if o.state then filter.state = o.state end
   if o.parked then -- unfinished ones, as status counts them
@@ -86,7 +93,7 @@ function _M.list(tm, o, fail)
   end
   local list
   list, err = tm:find(filter, { sort = { lastModified = 1 }, limit = o.limit })
-  if not list then return fail(FAILED, tostring(err)) end
+  if not list then return fail(FAILED, err) end
   if o.json then
     for _, T in ipairs(list) do say(json(T)) end
     return OK
@@ -117,7 +124,7 @@ function _M.show(tm, o, fail)
     return OK
   end
   local now, err = tm:server_now()
-  if not now then return fail(FAILED, tostring(err)) end
+  if not now then return fail(FAILED, err) end
   local list = { "id", id_text(T._id) }
   for _, f in ipairs(TX_FIELDS) do
     if T[f] ~= nil then
@@ -173,11 +180,15 @@ local COUNTS = { "examined", "done", "cancelled", "skipped", "parked", "failed",
 -- transactions were looked at.  A pass that moved nothing but was full
 -- may have had unmovable ones before movable ones: the next pass reads
 -- twice as many, until one is not full.
+-- A SIGINT or SIGTERM (core.catch_signals, set by mongotx.cli) stops the
+-- sweep before its next pass, and total.stopped names the signal.
 local function sweep(tm, o, bar)
   local total = { passes = 0 }
   for _, k in ipairs(COUNTS) do total[k] = 0 end
   local rows, batch, moved, seen = {}, o.batch, 0, {}
   while true do
+    total.stopped = core.signal_caught()
+    if total.stopped then break end
     local n = batch
     if o.limit then n = math.min(n, o.limit - total.examined) end
     if n <= 0 then break end
@@ -207,9 +218,26 @@ local function sweep(tm, o, bar)
   return total
 end
 
+-- The one line a recover stopped by a signal ends with (on standard
+-- error, --json or not), and its exit code: 128 + the signal's number.
+-- Every pass that ran is complete: the transactions it settled hold no
+-- claim; one that failed is tried again after stale_after, as always.
+local function stopped(tm, o, fail, total, secs)
+  local text = format("recover stopped by %s after %d passes in %.1f s: %d examined, %d done, " ..
+    "%d cancelled, %d parked, %d failed; no transaction is left half-driven or claimed",
+    total.stopped, total.passes, secs, total.examined, total.done, total.cancelled,
+    total.parked, total.failed)
+  if total.failed > 0 then
+    text = text .. format(" (the failed ones are tried again after %s)",
+      seconds_text(tm.policy.stale_after))
+  end
+  o.stopped = true
+  return fail(128 + select(2, core.signal_caught()), text)
+end
+
 local function recover_once(tm, o, fail)
   local backlog, err = tm:backlog()
-  if not backlog then return fail(FAILED, tostring(err)) end
+  if not backlog then return fail(FAILED, err) end
   local todo = o.limit and math.min(o.limit, backlog.active) or backlog.active
   local bar = progress.new(stdout, "recover", todo, not o.json and progress.is_terminal())
   local start = core.monotonic_ms()
@@ -217,7 +245,7 @@ local function recover_once(tm, o, fail)
   total, err = sweep(tm, o, bar)
   if not total then
     bar:finish(0)
-    return fail(FAILED, tostring(err))
+    return fail(FAILED, err)
   end
   local moved = total.done + total.cancelled + total.parked
   bar:finish(moved + total.failed)
@@ -227,8 +255,16 @@ local function recover_once(tm, o, fail)
     for _, k in ipairs(COUNTS) do add(rec, k, total[k]) end
     add(rec, "passes", total.passes)
     add(rec, "seconds", secs)
+    add(rec, "stopped", total.stopped)
     say(json(rec))
-  else
+  end
+  if total.stopped then
+    if not o.json and #total.rows > 0 then
+      output.table(stdout, { "ID", "CODE", "MESSAGE" }, total.rows)
+    end
+    return stopped(tm, o, fail, total, secs)
+  end
+  if not o.json then
     local list = {}
     for _, k in ipairs(COUNTS) do list[#list + 1], list[#list + 2] = k, tostring(total[k]) end
     list[#list + 1], list[#list + 2] = "time", format("%.1f s, %d passes, %.0f/s", secs,
@@ -246,20 +282,41 @@ local function recover_once(tm, o, fail)
   return OK
 end
 
+-- A sweep, then with --metrics-file the backlog gauges written there (a
+-- failure to is named on stderr; the next sweep tries again).
+local function sweep_and_write(tm, o, fail)
+  local code = recover_once(tm, o, fail)
+  if not o.metrics_file then return code end
+  local text, err = gauges.render(tm, o.database_name, o.collection)
+  if text then text, err = gauges.write(o.metrics_file, text) end
+  if not text then return fail(FAILED, "--metrics-file: " .. tostring(err)) end
+  return code
+end
+
 -- recover, or with --loop a worker that sweeps every o.loop seconds until
 -- stopped, carrying on after failures (a server away for a while).
 function _M.recover(tm, o, fail)
-  if not o.loop then return recover_once(tm, o, fail) end
+  if not o.loop then return sweep_and_write(tm, o, fail) end
   while true do
-    recover_once(tm, o, fail)
+    local code = sweep_and_write(tm, o, fail)
+    if o.stopped then return code end
     stdout:flush()
-    core.sleep(o.loop)
+    -- in slices, so that a signal ends the wait within one
+    local wake = core.monotonic_ms() + o.loop * 1000
+    while core.monotonic_ms() < wake do
+      local signal, number = core.signal_caught()
+      if signal then
+        o.stopped = true
+        return fail(128 + number, format("recover --loop stopped by %s between sweeps", signal))
+      end
+      core.sleep(math.max(0, math.min(0.1, (wake - core.monotonic_ms()) / 1000)))
+    end
   end
 end
 
 function _M.rollback(tm, o, fail)
   local ok, err = tm:rollback({ _id = o.id }, o.reason)
-  if not ok then return fail(FAILED, tostring(err)) end
+  if not ok then return fail(FAILED, err) end
   if o.json then
     say(json(record("id", o.id, "state", "cancelled")))
   else
@@ -270,7 +327,7 @@ end
 
 function _M.compensate(tm, o, fail)
   local C, err = tm:compensate({ _id = o.id })
-  if not C then return fail(FAILED, tostring(err)) end
+  if not C then return fail(FAILED, err) end
   if o.json then
     say(json(record("id", o.id, "compensation", C._id, "state", C.state)))
   else
@@ -281,7 +338,7 @@ end
 
 function _M.unpark(tm, o, fail)
   local ok, err = tm:unpark(o.id)
-  if not ok then return fail(FAILED, tostring(err)) end
+  if not ok then return fail(FAILED, err) end
   if o.json then
     say(json(record("id", o.id, "parked", false)))
   else
@@ -293,7 +350,7 @@ end
 -- prune in steps of o.batch, with a bar; --dry-run only counts.
 function _M.prune(tm, o, fail)
   local todo, err = tm:prune { older_than = o.older_than, dry_run = true }
-  if not todo then return fail(FAILED, tostring(err)) end
+  if not todo then return fail(FAILED, err) end
   if o.dry_run then
     if o.json then say(json(record("event", "summary", "would_delete", todo)))
     else say(format("would delete %d finished transactions", todo)) end
@@ -302,11 +359,19 @@ function _M.prune(tm, o, fail)
   local bar = progress.new(stdout, "prune", todo, not o.json and progress.is_terminal())
   local start, deleted = core.monotonic_ms(), 0
   while true do
+    local signal, number = core.signal_caught()
+    if signal then -- each step deletes what it deletes whole: stop between two
+      bar:finish(deleted)
+      if o.json then say(json(record("event", "summary", "deleted", deleted, "stopped", signal))) end
+      o.stopped = true
+      return fail(128 + number, format("prune stopped by %s: deleted %d of %d finished " ..
+        "transactions in %.1f s", signal, deleted, todo, (core.monotonic_ms() - start) / 1000))
+    end
     local n
     n, err = tm:prune { older_than = o.older_than, limit = o.batch }
     if not n then
       bar:finish(deleted)
-      return fail(FAILED, format("prune: %s (%d deleted before)", tostring(err), deleted))
+      return fail(FAILED, format("prune: %s (%d deleted before)", output.error_text(err), deleted))
     end
     deleted = deleted + n
     bar:update(deleted)

@@ -96,9 +96,11 @@ end
 
 _M.stdout = setmetatable({ file = io.stdout }, Writer)
 
+local math_type = math.type or function() return "float" end -- LuaJIT: doubles only
+
 local function number(n)
   if n ~= n or n == huge or n == -huge then return "null" end
-  if math.type(n) == "integer" or (n == floor(n) and n > -2 ^ 53 and n < 2 ^ 53) then
+  if math_type(n) == "integer" or (n == floor(n) and n > -2 ^ 53 and n < 2 ^ 53) then
     return format("%d", n)
   end
   local s = format("%.14g", n) -- shorter, unless it would not read back the same
@@ -157,10 +159,15 @@ end
 
 local json
 
+-- The digits of an Int64, exact (its value() is a double in LuaJIT).
+local function int64_digits(v)
+  return (tostring(v):match("^Int64%((%-?%d+)%)$"))
+end
+
 local VALUES = {
   objectId = function(v) return '{"$oid":' .. quote(v:value()) .. "}" end,
   date = function(v) return '{"$date":' .. quote(_M.iso_time(v:value())) .. "}" end,
-  long = function(v) return tostring(v:value()) end,
+  long = function(v) return int64_digits(v) end,
   binData = function(v)
     local bytes, subtype = v:value()
     return format('{"$binary":{"base64":%s,"subType":"%02x"}}', quote(base64(bytes)), subtype)
@@ -206,18 +213,42 @@ function _M.add(rec, k, v)
   order[#order + 1], rec[k] = k, v
 end
 
--- An id as the command line takes it (mongotx.cli.args): a string that
--- reads as something else gets the str: prefix.
+-- An id as the command line takes it (mongotx.cli.args), for each type a
+-- transaction id may have: a string that reads as something else gets
+-- the str: prefix.  A number is one whatever its BSON type (Lua 5.4
+-- decodes an Int64 to an integer, LuaJIT one within 2^53 to a double): the
+-- server matches an _id by its numeric value.  Anything else (an op's
+-- document id may be a document) prints as JSON.
 function _M.id_text(id)
-  local kind = core.type(id)
-  if kind == "objectId" then return "oid:" .. id:value() end
-  if kind == "long" then return "long:" .. tostring(id:value()) end
-  if type(id) == "number" then return number(id) end
-  if type(id) == "string" then
+  local t = type(id)
+  if t == "number" then return number(id) end
+  if t == "boolean" then return "bool:" .. tostring(id) end
+  if t == "string" then
     if args.plain_string(id) then return id end
     return "str:" .. id
   end
-  return tostring(id)
+  local kind = core.type(id)
+  if kind == "objectId" then return "oid:" .. id:value() end
+  if kind == "long" then return "long:" .. int64_digits(id) end
+  if kind == "date" then return format("date:%d", id:value()) end
+  if kind == "binData" then
+    local bytes, subtype = id:value()
+    local hex = bytes:gsub(".", function(c) return format("%02x", c:byte()) end)
+    return subtype == 0 and "bin:" .. hex or format("bin:%d:%s", subtype, hex)
+  end
+  return json(id)
+end
+
+-- An error as tostring() writes it, but with its transaction id as the
+-- command line takes it (id_text) instead of as Lua prints it.
+function _M.error_text(err)
+  local s = tostring(err)
+  if type(err) == "table" and err.step ~= nil and err.id ~= nil then
+    local from = " of " .. tostring(err.id) .. ": " -- as csrc/error.c writes it
+    local at = s:find(from, 1, true)
+    if at then s = s:sub(1, at - 1) .. " of " .. _M.id_text(err.id) .. ": " .. s:sub(at + #from) end
+  end
+  return s
 end
 
 -- A value in a table cell (made visible by table() and fields()).

@@ -16,12 +16,15 @@ for k in pairs(default_policy) do names[k] = true end
 -- pcall(fn, ...) with os.exit raising instead of exiting: a policy file,
 -- or a policy it gave, that calls os.exit would end the command with an
 -- exit code of its choosing (0 for a rollback that did not happen).
+local function restore(exit, ...)
+  os.exit = exit -- luacheck: ignore 122
+  return ...
+end
+
 function _M.pcall_no_exit(fn, ...)
   local exit = os.exit
   os.exit = function() error("called os.exit", 2) end -- luacheck: ignore 122
-  local res = table.pack(pcall(fn, ...))
-  os.exit = exit -- luacheck: ignore 122
-  return table.unpack(res, 1, res.n)
+  return restore(exit, pcall(fn, ...))
 end
 
 -- The overrides in `path` (a plain copy of the table's raw contents), or

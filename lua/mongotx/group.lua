@@ -1,0 +1,313 @@
+-- mongotx.group: group commit.  Calls of tm:transfer and tm:run that
+-- concurrent callers make one at a time are collected and run as one
+-- batch (the way tm:transfer_many runs), and each caller gets exactly
+-- what its own call would have returned alone.
+--
+-- Two halves:
+--
+--   group.new{...}   the queue, scheduler-neutral: the first call to find
+--                    no batch in flight starts a driver (spawn); the
+--                    driver waits until `max` calls are queued or the
+--                    oldest has waited `delay` seconds, runs them as one
+--                    batch (run), wakes every caller with its own result,
+--                    and goes on with the calls that arrived meanwhile.
+--                    How to wait, wake and start a driver is injected:
+--                    ngx.semaphore and ngx.timer in mongotx.resty, or a
+--                    coroutine scheduler's (spec/43-group_spec.lua).
+--   run_calls(tm, calls, wait)
+--                    the batch, on the manager's side (tm:_group): each
+--                    call checked as its call alone checks it, then the
+--                    ones that passed as one batch of the protocol.
+--
+-- For a program with its own scheduler (mongotx.pool users):
+--
+--   local g = group.wrap(tm, { max = 100, delay = 0,
+--     signal = function() return <object with :wait(seconds), :post()> end,
+--     spawn = function(fn) <run fn in a new task>; return true end,
+--     now = function() return <seconds> end })
+--   local t, err = g:transfer("accounts", "A", "B", 100, { min = 0 })
+--
+-- signal():wait(seconds) returns when post() was called (true) or when the
+-- time is up (false); it and every call of g yield to the scheduler.
+
+local errors = require "mongotx.errors"
+local stored = require "mongotx.stored"
+local engine = require "mongotx.engine"
+
+local type, ipairs, pairs, pcall, error, select, setmetatable, tostring =
+  type, ipairs, pairs, pcall, error, select, setmetatable, tostring
+local min, format = math.min, string.format
+local unpack = table.unpack or unpack -- luacheck: ignore 143
+local id_key, tid_key, is_floor = stored.id_key, engine.key, stored.is_floor
+
+local _M = {}
+
+-- What a batch runner answers for a call that must wait for the next
+-- batch (run_calls: it conflicts with a call before it in this one).
+_M.AGAIN = setmetatable({}, { __tostring = function() return "group.AGAIN" end })
+local AGAIN = _M.AGAIN
+
+-- The queue ----------------------------------------------------------------
+
+local Group = {}
+Group.__index = Group
+
+-- new{ run, signal, spawn, now [, max = 100] [, delay = 0] }:
+--   run(items, { wait = <seconds the driver waited> }) -> results, one
+--     per item (group.AGAIN: put it in the next batch; never for the
+--     first item), and optionally the order the calls took effect in (a
+--     list of item indices; by default theirs); a raise fails every call
+--     of the batch with it
+--   signal() -> an object with :wait(seconds) -> woken? and :post()
+--   spawn(fn) -> ok, err: runs fn in a task of its own; when it cannot,
+--     the call runs as a batch of one in the caller's task
+--   now() -> seconds
+function _M.new(o)
+  if type(o) ~= "table" then error("group.new takes a table of options", 2) end
+  for _, k in ipairs { "run", "signal", "spawn", "now" } do
+    if type(o[k]) ~= "function" then error("option " .. k .. " of group.new must be a function", 2) end
+  end
+  local max, delay = o.max or 100, o.delay or 0
+  if type(max) ~= "number" or max < 1 or max ~= math.floor(max) then
+    error("option max of group must be a whole number >= 1", 2)
+  end
+  if type(delay) ~= "number" or delay ~= delay or delay < 0 or delay == math.huge then
+    error("option delay of group must be a number of seconds >= 0", 2)
+  end
+  return setmetatable({ run = o.run, signal = o.signal, spawn = o.spawn, now = o.now,
+                        max = max, delay = delay, queue = {}, driving = false,
+                        waiting = false, kick = o.signal(), batches = 0 }, Group)
+end
+
+-- Runs one batch of tickets and wakes their callers; returns the tickets
+-- the runner put off, in their order.
+local function run_batch(self, batch, waited)
+  local items = {}
+  for i, t in ipairs(batch) do items[i] = t.item end
+  self.batches = self.batches + 1
+  local ok, results, order = pcall(self.run, items, { wait = waited })
+  if ok and type(results) ~= "table" then
+    ok, results = false, "mongotx.group: the batch runner returned a " .. type(results)
+  end
+  local position = {}
+  for k, i in ipairs(ok and order or {}) do position[i] = k end
+  local again = {}
+  for i, t in ipairs(batch) do
+    local r = ok and results[i]
+    if ok and r == AGAIN and i > 1 then
+      again[#again + 1] = t
+    else
+      if ok and r == AGAIN then
+        ok, results = false, "mongotx.group: the batch runner put off the first call"
+      end
+      t.done, t.ok, t.result = true, ok, ok and r or results
+      t.batch, t.position = self.batches, position[i] or i
+      t.signal:post()
+    end
+  end
+  return again
+end
+
+-- The driver: batches until the queue is empty.
+local function drive(self)
+  while #self.queue > 0 do
+    local started = self.now()
+    local left = self.queue[1].at + self.delay - started
+    if #self.queue < self.max and left > 0 then
+      self.waiting = true
+      self.kick:wait(left)
+      self.waiting = false
+    end
+    local queue, n = self.queue, min(#self.queue, self.max)
+    local batch, rest = {}, {}
+    for i = 1, n do batch[i] = queue[i] end
+    for i = n + 1, #queue do rest[i - n] = queue[i] end
+    self.queue = rest
+    local again = run_batch(self, batch, self.now() - started)
+    if #again > 0 then
+      for _, t in ipairs(self.queue) do again[#again + 1] = t end
+      self.queue = again
+    end
+  end
+end
+
+local function drive_all(self)
+  local ok, err = pcall(drive, self)
+  if not ok then
+    -- never leave a caller waiting: the calls still queued fail with err
+    local queue = self.queue
+    self.queue = {}
+    for _, t in ipairs(queue) do
+      t.done, t.ok, t.result = true, false, "mongotx.group: " .. tostring(err)
+      t.signal:post()
+    end
+  end
+  self.driving = false
+end
+
+-- g:call(item) -> the runner's result for item, and the ticket ({ batch,
+-- position }: which batch of this group ran it, and where in the order
+-- its calls took effect).  Raises what the runner raised.
+function Group:call(item)
+  local t = { item = item, at = self.now(), signal = self.signal(), done = false }
+  local queue = self.queue
+  queue[#queue + 1] = t
+  if not self.driving then
+    self.driving = true
+    local ok = self.spawn(function() drive_all(self) end)
+    if not ok then
+      -- no task for a driver: this call alone, here (the queue held only it)
+      self.driving, self.queue = false, {}
+      local again = run_batch(self, { t }, 0)
+      assert(#again == 0)
+    end
+  elseif #queue >= self.max and self.waiting then
+    self.waiting = false -- one post per wait
+    self.kick:post()
+  end
+  while not t.done do
+    local _, err = t.signal:wait(60)
+    if err and err ~= "timeout" then error("mongotx.group: cannot wait: " .. tostring(err), 2) end
+  end
+  if not t.ok then error(t.result, 0) end
+  return t.result, t
+end
+
+-- The batch, on the manager's side ------------------------------------------
+
+-- What each method checks before it runs (Manager:_transfer_call,
+-- _run_call), with the level that leaves a raise without a position, as
+-- the ungrouped call's is when it runs under pcall.
+local CHECK = {
+  transfer = function(tm, c) return pcall(tm._transfer_call, tm, c[1], c[2], c[3], c[4], c[5], 1) end,
+  run = function(tm, c) return pcall(tm._run_call, tm, c[1], c[2], c[3], 1) end,
+}
+
+_M.METHODS = { "transfer", "run" }
+
+-- May spec join the batch whose admitted ops are `ops` (by document key:
+-- "any" when some op there is no floor guard, "floor" when all are) and
+-- ids `ids`?  A guard must read what it would read alone after the calls
+-- before it: the debits of floor guards before it (they apply in order,
+-- first in a batch), but never an effect that a batch applies after its
+-- guards (mongotx.batch, "apply").  So a guard on a document that an
+-- earlier call changes otherwise, and an id already in the batch, wait
+-- for the next batch.
+local function admit(spec, ops, ids)
+  local id = spec.id ~= nil and tid_key(spec.id)
+  if id and ids[id] then return false end
+  local keys = {}
+  for i, op in ipairs(spec.ops) do
+    local k = op.collection .. "\0" .. (id_key(op.id) or tostring(op.id))
+    keys[i] = k
+    if op.where ~= nil and (ops[k] == "any" or (ops[k] and not is_floor(op.where))) then
+      return false
+    end
+  end
+  if id then ids[id] = true end
+  for i, op in ipairs(spec.ops) do
+    local k = keys[i]
+    if op.where ~= nil and is_floor(op.where) then
+      ops[k] = ops[k] or "floor"
+    else
+      ops[k] = "any"
+    end
+  end
+  return true
+end
+
+-- run_calls(tm, calls, wait): calls[i] = { method = "transfer" | "run", n
+-- = <how many arguments>, <the arguments> }.  Returns one result per
+-- call: { n = 1, T } or { n = 2, nil, err } as the call alone returns,
+-- { raise = <message> } for what it raises, or group.AGAIN (the call
+-- conflicts with one before it here); and the order the calls answered
+-- took effect in: theirs, but those the batch settled one at a time after
+-- the others had committed (a guard that failed at first is tried again
+-- then: mongotx.batch) last.  So each answer is what its call alone gives
+-- when the calls run one at a time in that order.  Emits
+-- on_event("group", { size = <calls answered>, wait = wait, application })
+-- once.
+function _M.run_calls(tm, calls, wait)
+  local out, specs, errs, where = {}, {}, {}, {}
+  local ops, ids = {}, {}
+  for i, c in ipairs(calls) do
+    local check = CHECK[c.method]
+    if not check then error(format("mongotx.group: no grouped method %s", tostring(c.method)), 2) end
+    local ok, spec, err = check(tm, c)
+    if not ok then
+      out[i] = { raise = type(spec) == "string" and spec or tostring(spec) }
+    elseif not spec then
+      out[i] = { n = 2, nil, err }
+    elseif not admit(spec, ops, ids) then
+      out[i] = AGAIN -- (never the first: it meets an empty batch)
+    else
+      local k = #specs + 1
+      specs[k], errs[k], where[k] = spec, false, i
+    end
+  end
+  local late = {}
+  if #specs > 0 then
+    local results
+    results, errs, late = tm:_run_batch(specs, errs)
+    for k, i in ipairs(where) do
+      if results[k] then
+        out[i] = { n = 1, results[k] }
+      else
+        out[i] = { n = 2, nil, errs[k] or errors.new("internal", "no result", { step = "group" }) }
+      end
+    end
+  end
+  local order, last = {}, {}
+  for i = 1, #calls do
+    if out[i] ~= AGAIN then order[#order + 1] = i end
+  end
+  local size, is_last = #order, {}
+  for k, i in ipairs(where) do
+    if late[k] then last[#last + 1], is_last[i] = i, true end
+  end
+  if #last > 0 then
+    local first = {}
+    for _, i in ipairs(order) do
+      if not is_last[i] then first[#first + 1] = i end
+    end
+    order = first
+    for _, i in ipairs(last) do order[#order + 1] = i end
+  end
+  tm.engine:event("group", { size = size, wait = wait, application = tm.application })
+  return out, order
+end
+
+-- A manager (mongotx, or mongotx.pool's) behind a group: group.wrap(tm,
+-- opts) with opts as group.new's but run (tm:_group).  Its transfer and
+-- run answer as tm's.
+local Wrapped = {}
+Wrapped.__index = Wrapped
+
+function _M.wrap(tm, opts)
+  if type(opts) ~= "table" then error("group.wrap takes a manager and a table of options", 2) end
+  local o = {}
+  for k, v in pairs(opts) do o[k] = v end
+  o.run = function(items, info)
+    local out, order = tm:_group(items, info.wait)
+    if out then return out, order end
+    local err = order
+    out = {} -- (mongotx.pool: no client came free) each caller gets err
+    for i = 1, #items do out[i] = { n = 2, nil, err } end
+    return out
+  end
+  return setmetatable({ tm = tm, group = _M.new(o) }, Wrapped)
+end
+
+for _, method in ipairs(_M.METHODS) do
+  Wrapped[method] = function(self, ...)
+    local r = self.group:call({ method = method, n = select("#", ...), ... })
+    if r.raise then
+      -- as the call alone raises: at the caller, unless it says where
+      if r.raise:find("^[^\n]-:%d+: ") then error(r.raise, 0) end
+      error(r.raise, 2)
+    end
+    return unpack(r, 1, r.n)
+  end
+end
+
+return _M

@@ -1,0 +1,308 @@
+-- mongotx.metrics: counters and latency histograms fed from the engine's
+-- events (policy.on_event: the same call on every path, one at a time,
+-- batched or recovering; docs/metrics.md), rendered in the Prometheus
+-- text exposition format (mongotx.metrics.exposition).
+--
+--   local metrics = require "mongotx.metrics"
+--   local m = metrics.new()
+--   local tm = db:manager(m:wrap{ application = "shop", on_event = mine })
+--   io.write(m:render())          -- mine still gets every event
+--
+-- Labels are few and bounded: the manager's `application`, and where a
+-- family says so a `reason` (why a transaction was cancelled or a step
+-- tried again) or an `outcome`; never a transaction id.
+--
+-- Where the figures live is a store: { incr = function(self, key, n),
+-- set = function(self, key, v), get = function(self, key), keys =
+-- function(self) -> list }.  By default a table of this Lua state;
+-- mongotx.metrics.shared keeps them in an nginx lua_shared_dict, summed
+-- over the workers of an instance.  A key is "<family>\t<labels>\t<part>"
+-- (labels as rendered, part "" for a counter or gauge, "b<i>", "s" or "c"
+-- for a histogram's bucket i, sum and count), so any store renders alike.
+
+local exposition = require "mongotx.metrics.exposition"
+local core = require "mongotx.core"
+local engine = require "mongotx.engine"
+
+local pairs, ipairs, type, pcall, setmetatable, tostring = pairs, ipairs, type, pcall,
+  setmetatable, tostring
+local sort, concat = table.sort, table.concat
+local key_of, now_ms = engine.key, core.monotonic_ms
+
+local _M = {}
+
+-- Seconds (latencies and waits) and sizes (group commit batches).
+local SECONDS = { 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30 }
+local SIZES = { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512 }
+
+-- The families, in the order rendered: name, type, help, histogram bounds.
+local FAMILIES = {
+  { "mongotx_transactions_begun_total", "counter",
+    "Transactions this manager created (begin, run, transfer and their batches)." },
+  { "mongotx_transactions_done_total", "counter",
+    "Transactions this manager moved to done." },
+  { "mongotx_transactions_cancelled_total", "counter",
+    "Transactions this manager moved to cancelled, by reason: an op that could not apply " ..
+    "(guard, missing, conflict, busy, removing, contention), rollback (a caller or operator), " ..
+    "recovery (a stale pending one rolled back), expired (a stale initial one), unknown." },
+  { "mongotx_transaction_seconds", "histogram",
+    "Seconds from a transaction's create (or first claim) in this process to done or " ..
+    "cancelled (outcome).", SECONDS },
+  { "mongotx_retries_total", "counter",
+    "Steps tried again after a backoff: reason is a transient error's code, or busy " ..
+    "(a guard waited for an open transaction) and the other op failures a policy retries." },
+  { "mongotx_recovery_passes_total", "counter", "Recovery passes (tm:recover) run." },
+  { "mongotx_recovered_total", "counter",
+    "Transactions recovery passes examined, by outcome: done, cancelled, parked, skipped " ..
+    "(not stale enough, or taken by another), failed." },
+  { "mongotx_recovery_malformed", "gauge",
+    "Malformed transaction documents the last recovery pass found (left for an operator)." },
+  { "mongotx_parked_total", "counter",
+    "Transactions recovery parked after max_attempts tries." },
+  { "mongotx_unparked_total", "counter", "Transactions unparked (tm:unpark)." },
+  { "mongotx_compensations_total", "counter", "Compensating transactions created." },
+  { "mongotx_group_size", "histogram",
+    "Transactions per group-commit batch.", SIZES },
+  { "mongotx_group_wait_seconds", "histogram",
+    "Seconds a group-commit batch waited for its calls before it ran.", SECONDS },
+  { "mongotx_round_trips_total", "counter",
+    "Commands the manager's client sent to the server (client:counters(); metrics.new's " ..
+    "client option), mongotx's and any other." },
+  { "mongotx_metrics_dropped_total", "counter",
+    "Metric updates lost because the lua_shared_dict was full (mongotx.metrics.shared)." },
+}
+local FAMILY = {}
+for _, f in ipairs(FAMILIES) do FAMILY[f[1]] = f end
+_M.FAMILIES = FAMILIES
+
+-- Why a transaction was cancelled, from the reason stored on it: the
+-- engine's op failures by their text, recovery's and expiry's, anything
+-- else a caller's or operator's rollback.
+local OP_FAILURE = {}
+for code, text in pairs(engine.failure_text) do OP_FAILURE[text] = code end
+
+local function cancel_reason(reason)
+  if type(reason) ~= "string" then return "unknown" end
+  if reason == "expired" then return "expired" end
+  if reason == "rolled back by recovery" then return "recovery" end
+  local text = reason:match("^op %d+ %(.*%): (.-)$")
+  return text and OP_FAILURE[text] or "rollback"
+end
+_M.cancel_reason = cancel_reason
+
+-- The default store: a table in this Lua state.
+local Table = {}
+Table.__index = Table
+
+function Table:incr(key, n) self.values[key] = (self.values[key] or 0) + n end
+function Table:set(key, v) self.values[key] = v end
+function Table:get(key) return self.values[key] end
+function Table:keys()
+  local list = {}
+  for k in pairs(self.values) do list[#list + 1] = k end
+  return list
+end
+
+function _M.table_store()
+  return setmetatable({ values = {} }, Table)
+end
+
+-- How many transactions a Lua state times at once (two generations of
+-- this many: one that never ends here, taken over by another process,
+-- is forgotten after two generations of others).
+_M.TIMED = 10000
+
+local Metrics = {}
+Metrics.__index = Metrics
+
+-- new([opts]): opts.store (default a table store), opts.client (a
+-- mongotx.core client whose round trips to render; db.client).
+function _M.new(opts)
+  opts = opts or {}
+  return setmetatable({ store = opts.store or _M.table_store(), client = opts.client,
+                        keys = {}, started = {}, older = {}, timed = 0 }, Metrics)
+end
+
+-- The key of a family's series (`labels` a list of name, value pairs);
+-- cached, so an event builds no string once its series was seen.
+function Metrics:key(family, app, name2, value2, part)
+  local by_app = self.keys[family]
+  if not by_app then by_app = {}; self.keys[family] = by_app end
+  local id = name2 and value2 .. "\t" .. (part or "") or part or ""
+  local of_app = by_app[app]
+  if not of_app then of_app = {}; by_app[app] = of_app end
+  local k = of_app[id]
+  if not k then
+    local pairs_ = { "application", app }
+    if name2 then pairs_[3], pairs_[4] = name2, value2 end
+    k = family .. "\t" .. exposition.labels(pairs_) .. "\t" .. (part or "")
+    of_app[id] = k
+  end
+  return k
+end
+
+function Metrics:count(family, app, name2, value2, n)
+  self.store:incr(self:key(family, app, name2, value2), n or 1)
+end
+
+-- One observation v of a histogram: its bucket, its sum, its count.
+function Metrics:observe(family, app, name2, value2, v)
+  local bounds = FAMILY[family][4]
+  for i, b in ipairs(bounds) do
+    if v <= b then
+      self.store:incr(self:key(family, app, name2, value2, "b" .. i), 1)
+      break
+    end
+  end
+  self.store:incr(self:key(family, app, name2, value2, "s"), v)
+  self.store:incr(self:key(family, app, name2, value2, "c"), 1)
+end
+
+-- Timing: when this Lua state first saw a transaction (ms), by its key.
+function Metrics:start(id)
+  local k = key_of(id)
+  if self.started[k] or self.older[k] then return end
+  if self.timed >= _M.TIMED then
+    self.older, self.started, self.timed = self.started, {}, 0
+  end
+  self.started[k], self.timed = now_ms(), self.timed + 1
+end
+
+function Metrics:stop(id, app, outcome)
+  local k = key_of(id)
+  local t0 = self.started[k] or self.older[k]
+  if not t0 then return end
+  if self.started[k] then self.started[k], self.timed = nil, self.timed - 1
+  else self.older[k] = nil end
+  self:observe("mongotx_transaction_seconds", app, "outcome", outcome, (now_ms() - t0) / 1000)
+end
+
+local OUTCOMES = { "done", "cancelled", "parked", "skipped", "failed" }
+
+-- What each event adds (app: the manager's application).  A step whose
+-- result is false did not move the transaction (somebody else did).
+local ON = {}
+
+function ON.create(m, app, info)
+  local res = info.result
+  if res == false or type(res) == "table" and res.created == false then return end
+  m:count("mongotx_transactions_begun_total", app)
+  m:start(info.id)
+end
+
+function ON.claim(m, _, info)
+  if info.result ~= false then m:start(info.id) end
+end
+
+function ON.done(m, app, info)
+  if info.result == false then return end
+  m:count("mongotx_transactions_done_total", app)
+  m:stop(info.id, app, "done")
+end
+
+function ON.cancelled(m, app, info)
+  local res = info.result
+  if res == false then return end
+  local reason = cancel_reason(type(res) == "table" and res.reason or info.reason)
+  m:count("mongotx_transactions_cancelled_total", app, "reason", reason)
+  m:stop(info.id, app, "cancelled")
+end
+
+function ON.retry(m, app, info)
+  m:count("mongotx_retries_total", app, "reason", tostring(info.reason))
+end
+
+function ON.recover(m, app, report)
+  m:count("mongotx_recovery_passes_total", app)
+  for _, outcome in ipairs(OUTCOMES) do
+    local n = report[outcome]
+    if type(n) == "number" and n > 0 then
+      m:count("mongotx_recovered_total", app, "outcome", outcome, n)
+    end
+  end
+  if type(report.malformed) == "number" then
+    m.store:set(m:key("mongotx_recovery_malformed", app), report.malformed)
+  end
+end
+
+function ON.park(m, app) m:count("mongotx_parked_total", app) end
+function ON.unpark(m, app) m:count("mongotx_unparked_total", app) end
+function ON.compensate(m, app) m:count("mongotx_compensations_total", app) end
+
+function ON.group(m, app, info)
+  if type(info.size) == "number" then m:observe("mongotx_group_size", app, nil, nil, info.size) end
+  if type(info.wait) == "number" then
+    m:observe("mongotx_group_wait_seconds", app, nil, nil, info.wait)
+  end
+end
+
+-- An on_event for managers of application `app` that counts, then calls
+-- `chained` (the caller's own on_event, if any) with the same arguments:
+-- a failure of the counting never keeps it from the caller's.
+function Metrics:on_event(app, chained)
+  app = tostring(app or "mongotx")
+  local m = self
+  return function(name, info)
+    local f = ON[name]
+    if f and type(info) == "table" then pcall(f, m, app, info) end
+    if chained then return chained(name, info) end
+  end
+end
+
+-- A copy of db:manager's options `opts` whose on_event counts into this
+-- registry and then calls opts.on_event.
+function Metrics:wrap(opts)
+  local out = {}
+  for k, v in pairs(opts or {}) do out[k] = v end
+  out.on_event = self:on_event(out.application, out.on_event)
+  return out
+end
+
+-- The figures in the exposition format (a string ending in a newline,
+-- or "" when there are none yet).
+function Metrics:render()
+  local store = self.store
+  if self.client then
+    local counters = self.client:counters()
+    store:set("mongotx_round_trips_total\t\t", counters.commands)
+  end
+  -- series by family, then by labels: { [labels] = { [part] = value } }
+  local by_family = {}
+  for _, k in ipairs(store:keys()) do
+    local family, labels, part = k:match("^([^\t]*)\t(.*)\t([^\t]*)$")
+    if family and FAMILY[family] then
+      local v = store:get(k)
+      if type(v) == "number" then
+        local series = by_family[family] or {}
+        by_family[family] = series
+        series[labels] = series[labels] or {}
+        series[labels][part] = v
+      end
+    end
+  end
+  local out = {}
+  for _, f in ipairs(FAMILIES) do
+    local name, kind, help, bounds = f[1], f[2], f[3], f[4]
+    local series = by_family[name]
+    if series then
+      exposition.header(out, name, kind, help)
+      local list = {}
+      for labels in pairs(series) do list[#list + 1] = labels end
+      sort(list)
+      for _, labels in ipairs(list) do
+        local parts = series[labels]
+        if kind == "histogram" then
+          local counts = {}
+          for i = 1, #bounds do counts[i] = parts["b" .. i] end
+          exposition.histogram(out, name, labels, bounds, counts, parts.s, parts.c)
+        else
+          exposition.sample(out, name, labels, parts[""] or 0)
+        end
+      end
+    end
+  end
+  if #out == 0 then return "" end
+  return concat(out, "\n") .. "\n"
+end
+
+return _M

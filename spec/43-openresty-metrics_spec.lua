@@ -1,0 +1,160 @@
+-- mongotx.metrics.shared in real nginx (README, "Metrics"): the events of
+-- every worker process and worker-thread VM summed in one
+-- lua_shared_dict and served by examples/openresty at GET /metrics, read
+-- back with Python's prometheus_client parser (spec/support/prometheus.lua)
+-- and compared with what the database holds; and a full dict, which loses
+-- counts (counted in mongotx_metrics_dropped_total) but never a transfer.
+--
+-- `make test-openresty` runs it (MONGOTX_OPENRESTY=1, LuaJIT); the other
+-- targets report it pending.
+local helpers = require "spec.helpers"
+
+if os.getenv("MONGOTX_OPENRESTY") ~= "1" then
+  describe("#openresty mongotx.metrics.shared in nginx", function()
+    pending("needs nginx and its Lua module: make test-openresty runs it")
+  end)
+  return
+end
+
+local server = require "spec.support.server"
+local nginx = require "spec.support.nginx"
+local prom = require "spec.support.prometheus"
+local core = helpers.core
+local mongotx = require "mongotx"
+local metrics = require "mongotx.metrics"
+
+describe("#openresty mongotx.metrics.shared in nginx", function()
+  local srv, db, name, n
+
+  setup(function()
+    srv = assert(server.start { kind = "memory" })
+  end)
+
+  teardown(function()
+    if srv then srv:stop() end
+  end)
+
+  before_each(function()
+    name = helpers.db_name()
+    db = assert(mongotx.connect(srv.uri, { database = name }))
+    assert(db:collection("accounts"):insert_many {
+      { _id = "A", balance = 1000, pendingTransactions = core.array() },
+      { _id = "B", balance = 1000, pendingTransactions = core.array() },
+    })
+  end)
+
+  after_each(function()
+    if n then n:stop() end
+    n = nil
+    db:close()
+  end)
+
+  -- Test endpoints: /_park counts a park event of application "probe" in
+  -- whichever worker answers and says which; /_fill fills the dict with
+  -- other keys until it is full.
+  local LOCATIONS = [[
+    location = /_park { content_by_lua_block {
+      local m = require("mongotx.metrics.shared").new("mongotx_metrics")
+      m:on_event("probe")("park", { id = 1, reason = "x" })
+      ngx.say(ngx.worker.pid())
+    } }
+    location = /_fill { content_by_lua_block {
+      local dict, i = ngx.shared.mongotx_metrics, 0
+      while dict:safe_add("junk:" .. i, string.rep("x", 64)) do i = i + 1 end
+      ngx.say(i)
+    } }
+  ]]
+
+  local function transfer(from, to, amount)
+    return n:request("POST", "/transfer", string.format('{"from":"%s","to":"%s","amount":%d}',
+      from, to, amount))
+  end
+
+  local function scrape()
+    local status, body = n:request("GET", "/metrics")
+    assert.are.equal(200, status, body)
+    return assert(prom.parse(body)), body
+  end
+
+  local function count(filter) return assert(db:collection("transactions"):count(filter)) end
+
+  it("sums the workers and their thread VMs, as the database holds them", function()
+    n = assert(nginx.start { uri = srv.uri, database = name, workers = 2, recovery = false,
+                             locations = LOCATIONS })
+    local calls = {}
+    for i = 1, 16 do
+      local amount = i % 4 == 0 and 5000 or 1 -- every fourth overdraws: cancelled
+      calls[i] = n:spawn("POST", "/transfer", string.format(
+        '{"from":"%s","to":"%s","amount":%d}', i % 2 == 0 and "A" or "B",
+        i % 2 == 0 and "B" or "A", amount))
+    end
+    for _, c in ipairs(calls) do assert.truthy(c:wait(30)) end
+    -- the worker itself (offload = false) counts into the same dict
+    assert.are.equal(200, (n:request("POST", "/direct/transfer", '{"from":"A","to":"B","amount":1}')))
+    -- a park counted in each of both workers lands in one sum
+    local pids, parks = {}, 0
+    for _ = 1, 60 do
+      local spawned = {}
+      for i = 1, 8 do spawned[i] = n:spawn("GET", "/_park") end
+      for _, s in ipairs(spawned) do
+        local status, body = s:wait(10)
+        assert.are.equal(200, status)
+        pids[body:match("%d+")] = true
+        parks = parks + 1
+      end
+      if next(pids, next(pids)) then break end
+    end
+    assert.truthy(next(pids, next(pids)), "one worker answered every /_park")
+
+    local families, text = scrape()
+    local bank = { application = "bank" }
+    assert.are.equal(count {}, prom.value(families, "mongotx_transactions_begun_total", bank), text)
+    assert.are.equal(17, count {})
+    assert.are.equal(count { state = "done" },
+      prom.value(families, "mongotx_transactions_done_total", bank))
+    -- cancelled by reason, as the reasons stored on the transactions say
+    -- (parallel transfers of A and B may also wait and give up: busy)
+    local by_reason = {}
+    for _, T in ipairs(assert(db:collection("transactions"):find_all { state = "cancelled" })) do
+      local reason = metrics.cancel_reason(T.reason)
+      by_reason[reason] = (by_reason[reason] or 0) + 1
+    end
+    -- (the four overdrafts at least: guard, or busy when they met an open credit)
+    assert.truthy(count { state = "cancelled" } >= 4)
+    local fam = assert(prom.family(families, "mongotx_transactions_cancelled"))
+    local reported = {}
+    for _, sample in ipairs(fam.samples) do
+      assert.are.equal("bank", sample.labels.application)
+      reported[sample.labels.reason] = tonumber(sample.value)
+    end
+    assert.are.same(by_reason, reported)
+    assert.are.equal(17, prom.value(families, "mongotx_transaction_seconds_count",
+      { application = "bank", outcome = "done" }) + prom.value(families,
+      "mongotx_transaction_seconds_count", { application = "bank", outcome = "cancelled" }))
+    assert.are.equal(parks, prom.value(families, "mongotx_parked_total", { application = "probe" }))
+    assert.are.equal(0, prom.value(families, "mongotx_metrics_dropped_total"))
+  end)
+
+  it("loses counts, not transfers, when the dict is full, and says how many", function()
+    n = assert(nginx.start { uri = srv.uri, database = name, workers = 1, recovery = false,
+                             locations = LOCATIONS })
+    assert.are.equal(200, (transfer("A", "B", 1))) -- its keys exist before the dict fills
+    local status, filled = n:request("GET", "/_fill")
+    assert.are.equal(200, status)
+    assert.truthy(tonumber(filled) > 0)
+    for _ = 1, 3 do assert.are.equal(200, (transfer("A", "B", 1))) end
+    assert.are.equal(422, (transfer("A", "B", 100000))) -- a guard: a series not seen before
+    assert.are.equal(5, count {})
+    assert.are.equal(4, count { state = "done" })
+    local _, sum = helpers.balances(db:collection("accounts"))
+    assert.are.equal(2000, sum)
+    local families = scrape()
+    local bank = { application = "bank" }
+    -- the counters that had a key go on counting; the new series are lost
+    assert.are.equal(5, prom.value(families, "mongotx_transactions_begun_total", bank))
+    assert.are.equal(4, prom.value(families, "mongotx_transactions_done_total", bank))
+    assert.is_nil(prom.value(families, "mongotx_transactions_cancelled_total",
+      { application = "bank", reason = "guard" }))
+    assert.truthy(prom.value(families, "mongotx_metrics_dropped_total") >= 1)
+  end)
+end)
