@@ -741,7 +741,16 @@ client_set_read_preference(lua_State *L)
  */
 
 /***
- * Sets the counters to 0.
+ * The documents the server's find, getMore and aggregate replies carried since connect or `reset_counters`:
+ * what reads brought, not what the caller took from its cursors.
+ * @syntax n = client:returned()
+ * @treturn integer the documents
+ * @usage print(client:returned())
+ * @function Client:returned
+ */
+
+/***
+ * Sets the counters (and `returned`) to 0.
  * @syntax client:reset_counters()
  * @usage client:reset_counters()
  * @function Client:reset_counters

@@ -194,11 +194,13 @@ end
 
 --- The `mongotx` command: `bin/mongotx` calls this (docs/operating.md).
 -- Commands: status, list, show, recover, rollback, compensate, unpark, prune;
--- `mongotx --help` and `mongotx <command> --help` list their options.
+-- `mongotx --help` and `mongotx <command> --help` list their options. `status --prometheus` prints the backlog
+-- as Prometheus gauges; `recover --metrics-file PATH` writes them after every sweep (docs/metrics.md).
+-- SIGINT and SIGTERM stop `recover` and `prune` after the pass in hand (exit 130, 143).
 -- @syntax code = cli.main(argv); from a shell:
 --   mongotx [--uri URI] [--database DB] [--collection C] [--policy FILE.lua] [--json] COMMAND ...
 -- @tparam table argv the arguments (`arg`)
--- @treturn integer the exit code: 0 ok, 1 something failed at run time, 2 bad usage
+-- @treturn integer the exit code: 0 ok, 1 something failed at run time, 2 bad usage, 130/143 stopped by SIGINT/SIGTERM
 -- @errors a message on stderr, and the exit code
 -- @usage -- shell: MONGOTX_URI=mongodb://db1:27017 mongotx --database bank recover --loop 10
 -- os.exit(require("mongotx.cli").main({ "--database", "bank", "status" }))

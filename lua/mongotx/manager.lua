@@ -193,6 +193,14 @@ end
 -- Checks ops and opts ({ id, meta }) as begin does, writing nothing:
 -- true, or nil and the error begin would return (mongotx.each checks its
 -- items so).
+
+--- Runs `begin`'s checks on ops and opts, writing nothing.
+-- @syntax ok, err = tm:check(ops [, { id, meta }])
+-- @tparam table ops the ops, as for `begin`
+-- @tparam[opt] table opts `id`, `meta`, as for `begin`
+-- @treturn boolean true when `begin` would take them
+-- @errors `invalid` (naming the op, id or meta), as `begin` returns it; a wrong Lua type raises
+-- @usage local ok, err = tm:check({ { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -5 } } } })
 function Manager:check(ops, opts)
   local spec, err = self:_spec(ops, opts, nil, "check", CALLER)
   if not spec then return nil, err end
