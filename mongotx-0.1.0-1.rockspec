@@ -40,6 +40,7 @@ build = {
   modules = {
     ["mongotx.core"] = {
       sources = {
+        "csrc/bulk.c",
         "csrc/checks.c", "csrc/client.c", "csrc/collection.c", "csrc/core.c", "csrc/cursor.c",
         "csrc/decode.c", "csrc/encode.c", "csrc/error.c", "csrc/fault.c",
         "csrc/ids.c", "csrc/options.c", "csrc/scratch.c", "csrc/signals.c", "csrc/storable.c",
