@@ -410,10 +410,16 @@ _M.READ = 1000
 -- move lastModified on: on a server whose cursor reads on as it goes,
 -- MongoDB, a transaction this pass claimed and failed must not come back
 -- in a later chunk), oldest first; at most limit + MARGIN of them, READ
--- a reply.
+-- a reply.  "Since the pass began" has SLACK_MS of slack: a create stamps
+-- lastModified with its manager's estimate of the server's clock
+-- (mongotx.clock), which may run ahead of the server by that estimate's
+-- error, and a transaction begun just before the pass belongs in it.  A
+-- write of the pass's own that comes back within the slack is driven
+-- again, which is safe (the pass holds its claim).
+local SLACK_MS = 1000
 local function stale_cursor(eng, limit, size, now)
   local filter = { state = { ["$in"] = ACTIVE }, parked = { ["$ne"] = true },
-                   lastModified = { ["$not"] = { ["$gt"] = Date(now) } } }
+                   lastModified = { ["$not"] = { ["$gt"] = Date(now + SLACK_MS) } } }
   if eng.policy.stale_after > 0 then
     filter["$or"] = { { triedAt = { ["$exists"] = false } },
       { triedAt = { ["$lt"] = Date(math.floor(now - eng.policy.stale_after * 1000)) } } }
