@@ -295,7 +295,7 @@ MTX_HIDDEN int mtx_open_checks(lua_State *L);
  * it (and under which key) pushed, and 1; else 0. */
 MTX_HIDDEN int mtx_find_bad_scalar(lua_State *L, int idx, int depth);
 
-/* ---- txn.c: the two-phase-commit steps ---- */
+/* ---- txn.c: the two-phase-commit steps (txn_ops.c, txn_state.c; txn.h) ---- */
 
 MTX_HIDDEN int mtx_open_txn(lua_State *L);
 

@@ -301,7 +301,7 @@ describe("#server transactions run at once", function()
     it("a batch over 100 runs as batches of 100, each item keeping its own outcome", function()
       if deadline_reason then return pending(deadline_reason) end
       local tm = assert(db:manager {})
-      -- three batches of the six round trips each (Manager:_run_batch)
+      -- three batches of the six round trips each (mongotx.manager.batches.run_batch)
       local n, results = round_trips(tm, function() return tm:transfer_many(ring(250, 1)) end)
       assert.are.equal(18, n)
       for i = 1, 250 do assert.are.equal("done", results[i].state) end

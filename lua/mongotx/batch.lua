@@ -124,7 +124,7 @@ end
 -- transactions the guarded ops go first, and the others only for the
 -- transactions whose guarded ops all applied: so no guard reads a
 -- batch-mate's uncommitted credit (floor guards over the same accounts
--- stack instead of waiting for each other; csrc/txn.c, "Guards"), and a
+-- stack instead of waiting for each other; csrc/txn.h, "Guards"), and a
 -- transaction whose guard fails has nothing to undo.  One more round trip
 -- when a batch has both kinds of ops; a batch of one, or one without
 -- guards, sends all at once.

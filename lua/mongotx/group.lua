@@ -15,7 +15,7 @@
 --                    ngx.semaphore and ngx.timer in mongotx.resty, or a
 --                    coroutine scheduler's (spec/43-group_spec.lua).
 --   run_calls(tm, calls, wait)
---                    the batch, on the manager's side (tm:_group): each
+--                    the batch, on the manager's side (tm:run_calls): each
 --                    call checked as its call alone checks it, then the
 --                    ones that passed as one batch of the protocol.
 --
@@ -36,6 +36,8 @@
 local errors = require "mongotx.errors"
 local stored = require "mongotx.stored"
 local engine = require "mongotx.engine"
+local checks = require "mongotx.manager.checks"
+local batches = require "mongotx.manager.batches"
 
 local type, ipairs, pairs, pcall, error, select, setmetatable, tostring =
   type, ipairs, pairs, pcall, error, select, setmetatable, tostring
@@ -199,12 +201,12 @@ end
 
 -- The batch, on the manager's side ------------------------------------------
 
--- What each method checks before it runs (Manager:_transfer_call,
--- _run_call), with the level that leaves a raise without a position, as
+-- What each method checks before it runs (mongotx.manager.checks:
+-- transfer_call, run_call), with the level that leaves a raise without a position, as
 -- the ungrouped call's is when it runs under pcall.
 local CHECK = {
-  transfer = function(tm, c) return pcall(tm._transfer_call, tm, c[1], c[2], c[3], c[4], c[5], 1) end,
-  run = function(tm, c) return pcall(tm._run_call, tm, c[1], c[2], c[3], 1) end,
+  transfer = function(tm, c) return pcall(checks.transfer_call, tm, c[1], c[2], c[3], c[4], c[5], 1) end,
+  run = function(tm, c) return pcall(checks.run_call, tm, c[1], c[2], c[3], 1) end,
 }
 
 _M.METHODS = { "transfer", "run" }
@@ -272,7 +274,7 @@ function _M.run_calls(tm, calls, wait)
   local late = {}
   if #specs > 0 then
     local results
-    results, errs, late = tm:_run_batch(specs, errs)
+    results, errs, late = batches.run_batch(tm, specs, errs)
     for k, i in ipairs(where) do
       if results[k] then
         out[i] = { n = 1, results[k] }
@@ -302,7 +304,7 @@ function _M.run_calls(tm, calls, wait)
 end
 
 -- A manager (mongotx, or mongotx.pool's) behind a group: group.wrap(tm,
--- opts) with opts as group.new's but run (tm:_group).  Its transfer and
+-- opts) with opts as group.new's but run (tm:run_calls).  Its transfer and
 -- run answer as tm's.
 
 --- For a program with its own scheduler.
@@ -324,7 +326,7 @@ function _M.wrap(tm, opts)
   local o = {}
   for k, v in pairs(opts) do o[k] = v end
   o.run = function(items, info)
-    local out, order = tm:_group(items, info.wait)
+    local out, order = tm:run_calls(items, info.wait)
     if out then return out, order end
     local err = order
     out = {} -- (mongotx.pool: no client came free) each caller gets err

@@ -36,6 +36,11 @@
 -- guards were checked against balances that included it, so a mistake is
 -- undone by a counter-transfer (reverse).  `state` stays "VALID" (the
 -- seed's field, which balances still read).
+--
+-- This module owns the ledger object, the checks of what callers pass and
+-- the writer (post, transfer, reverse, transfer_many);
+-- mongotx.ledger.accounts reads accounts, mongotx.ledger.committer holds
+-- commit and reconcile.
 
 --- A ledger: transfers as log entries with per-account sequence ids; `db:ledger(opts)` (docs/ledger.md).
 -- @module mongotx.ledger
@@ -45,12 +50,15 @@ local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local options = require "mongotx.options"
 local clock = require "mongotx.clock"
+local acct = require "mongotx.ledger.accounts"
+local committer = require "mongotx.ledger.committer"
 
 local check_id, id_key = validate.check_id, validate.id_key
 local crash_point, null = core.crash_point, core.null
 local rawlen = validate.rawlen
-local ipairs, type, next, rawget, setmetatable, sort, tostring =
-  ipairs, type, next, rawget, setmetatable, table.sort, tostring
+local invalid, check_account = acct.invalid, acct.check_account
+local ipairs, type, next, rawget, setmetatable, tostring =
+  ipairs, type, next, rawget, setmetatable, tostring
 local floor, format = math.floor, string.format
 
 local _M = {}
@@ -65,9 +73,6 @@ local CALLER, HELPER_CALLER = 2, 3
 -- before it gives up with `contention`.
 local DEFAULT_RETRIES = 100
 
--- How many accounts a ledger remembers the last (seqId, balance) of; the
--- memory starts afresh when it is full.
-local MAX_KNOWN = 100000
 
 -- At most this many changes in one entry, and transfers in one batch.
 local MAX_CHANGES, MAX_BATCH = 1000, 10000
@@ -79,9 +84,6 @@ local MAX_VALUE = 2 ^ 53
 local ledger_options = { collection = true, accounts = true, write_concern = true,
                          retries = true }
 
-local function invalid(message, step)
-  return nil, errors.new("invalid", message, { step = step })
-end
 
 -- db:ledger{ collection = "ledger", accounts = <collection> .. "_accounts",
 -- write_concern = { w = "majority", j = true }, retries = 100 }: creates
@@ -126,19 +128,6 @@ local function check_value(v, what, step, positive)
   return true
 end
 
-local function check_account(a, step, i)
-  local sent, key = check_id(a)
-  -- an empty document (or array: Lua cannot tell) is no condition to
-  -- some servers inside $elemMatch, where every read of an account goes
-  if sent ~= nil and type(sent) == "table" and next(sent) == nil then
-    sent, key = invalid("an account may not be an empty table", step)
-  end
-  if sent == nil then
-    key.step, key.message = step, format("account%s: %s", i and " " .. i or "", key.message)
-    return nil, key
-  end
-  return sent, key
-end
 
 -- The length of `list`, a table whose keys are 1..n with 1 <= n <= max
 -- (raw reads), or nil, err.
@@ -204,129 +193,7 @@ local function check_post_options(opts, names, step, level)
   return opts
 end
 
--- Reading accounts ---------------------------------------------------------
-
--- The change of `entry` on the account with this key and its place in
--- the list (0-based, as paths count), or nil.
-local function change_of(entry, key)
-  for i, c in ipairs(entry.changes or {}) do
-    if id_key(c.account) == key then return c, i - 1 end
-  end
-end
-
--- Each account's entries after seq, read one seqId at a time by the
--- whole key of the unique index (a lookup every server answers from the
--- index; mongo-java-server scans the collection for anything else) while
--- the tail is short, then the rest at once by $elemMatch (an index range
--- on MongoDB).
-local WALK = 8
-
--- The change of account `view` at seqId seq and its entry, or nil (the
--- two path conditions may match two elements: the change is picked here).
-function Ledger:_at(view, seq)
-  local found, err = self.entries:find_all(core.doc("changes.account", view.account,
-                                                     "changes.seqId", seq))
-  if not found then return nil, err end
-  for _, e in ipairs(found) do
-    local c, at = change_of(e, view.key)
-    if c and c.seqId == seq then return { entry = e, change = c, at = at } end
-  end
-  return false
-end
-
--- Appends the entries of `view` after view.seq to view.tail, in seqId
--- order; true or nil, err.
-function Ledger:_tail(view)
-  for _ = 1, WALK do
-    local t, err = self:_at(view, view.seq + 1)
-    if t == nil then return nil, err end
-    if not t then return true end
-    view.tail[#view.tail + 1] = t
-    view.seq = view.seq + 1
-  end
-  local rest, err = self.entries:find_all({ changes = { ["$elemMatch"] = {
-    account = view.account, seqId = { ["$gt"] = view.seq } } } })
-  if not rest then return nil, err end
-  local more = {}
-  for _, e in ipairs(rest) do
-    local c, at = change_of(e, view.key)
-    if c and c.seqId > view.seq then more[#more + 1] = { entry = e, change = c, at = at } end
-  end
-  sort(more, function(a, b) return a.change.seqId < b.change.seqId end)
-  for _, t in ipairs(more) do
-    view.tail[#view.tail + 1] = t
-    view.seq = t.change.seqId
-  end
-  return true
-end
-
--- Sets view.head and view.head_balance of these views from their
--- accounts' heads (nil where there is none), in one read; true or nil, err.
-function Ledger:_heads(views)
-  local ids, by_key = {}, {}
-  for i, v in ipairs(views) do
-    ids[i], by_key[v.key] = v.account, v
-    v.head, v.head_balance = nil, nil
-  end
-  local heads, err = self.accounts:find_all({ _id = { ["$in"] = ids } })
-  if not heads then return nil, err end
-  for _, h in ipairs(heads) do
-    local v = by_key[id_key(h._id)]
-    if v then v.head, v.head_balance = h.seq, h.balance end
-  end
-  return true
-end
-
--- What the database says of these accounts ({ account, key } tables):
--- their heads in one read, then the entries after each.  Fills view.head
--- and view.head_balance (the head, if any), view.seq (the last seqId
--- taken), view.balance (head + every valid change after it) and
--- view.tail (those changes with their entries, in seqId order).
-function Ledger:_read(views)
-  local _, err = self:_heads(views)
-  if err then return nil, err end
-  for _, v in ipairs(views) do v.seq, v.tail = v.head or 0, {} end
-  for _, v in ipairs(views) do
-    local ok
-    ok, err = self:_tail(v)
-    if not ok then return nil, err end
-    v.balance = v.head_balance or 0
-    for _, t in ipairs(v.tail) do
-      if t.entry.state == "VALID" then v.balance = v.balance + t.change.value end
-    end
-  end
-  self:_remember(views)
-  return true
-end
-
--- Notes the (seq, balance) of these views as the last known of their
--- accounts.
-function Ledger:_remember(views)
-  local known = self.known
-  for _, v in ipairs(views) do
-    if not known[v.key] then
-      if self.n_known >= MAX_KNOWN then known, self.n_known = {}, 0; self.known = known end
-      self.n_known = self.n_known + 1
-    end
-    known[v.key] = { v.seq, v.balance }
-  end
-end
-
--- Fills the views from what this ledger remembers and, for the accounts
--- it knows nothing of, from their heads (one read; none when it knows
--- them all): a guess the unique index checks (see the top of the file).
-function Ledger:_guess(views)
-  local unknown = {}
-  for _, v in ipairs(views) do
-    local k = self.known[v.key]
-    if k then v.seq, v.balance = k[1], k[2] else unknown[#unknown + 1] = v end
-  end
-  if #unknown == 0 then return true end
-  local ok, err = self:_heads(unknown)
-  if not ok then return nil, err end
-  for _, v in ipairs(unknown) do v.seq, v.balance = v.head or 0, v.head_balance or 0 end
-  return true
-end
+-- Reading accounts (mongotx.ledger.accounts) -------------------------------
 
 -- balance(account): the reconciled balance and the last seqId taken
 -- (0, 0 for an account without entries); nil, err.
@@ -344,7 +211,7 @@ function Ledger:balance(account)
   local sent, key = check_account(account, "balance")
   if sent == nil then return nil, key end
   local view = { account = sent, key = key }
-  local ok, err = self:_read({ view })
+  local ok, err = acct.read(self, { view })
   if not ok then return nil, errors.wrap(err, "balance") end
   return view.balance, view.seq
 end
@@ -468,7 +335,7 @@ function Ledger:_post(changes, opts, step)
   local taken, read = 0, false
   while true do
     local ok, err
-    if read then ok, err = self:_read(views) else ok, err = self:_guess(views) end
+    if read then ok, err = acct.read(self, views) else ok, err = acct.guess(self, views) end
     if not ok then return nil, errors.wrap(err, step) end
     local now
     now, err = self.timer:now()
@@ -481,7 +348,7 @@ function Ledger:_post(changes, opts, step)
       res, err = self.entries:insert_one(entry, self.wopts)
       crash_point("ledger.insert", "after")
       if res then
-        self:_remember(views)
+        acct.remember(self, views)
         return entry
       end
       if err.server_code ~= 11000 then return nil, errors.wrap(err, step, entry._id) end
@@ -648,7 +515,7 @@ function Ledger:_post_many(items, opts)
   while from <= #items do
     local views, by_key = views_of(items, from)
     local ok, err
-    if read then ok, err = self:_read(views) else ok, err = self:_guess(views) end
+    if read then ok, err = acct.read(self, views) else ok, err = acct.guess(self, views) end
     if not ok then return nil, errors.wrap(err, "transfer_many") end
     local now
     now, err = self.timer:now()
@@ -687,7 +554,7 @@ function Ledger:_post_many(items, opts)
           break
         end
       end
-      if from > #items then self:_remember(views) end
+      if from > #items then acct.remember(self, views) end
       if from <= #items then
         read, taken = true, taken + 1
         if taken > self.retries then
@@ -703,170 +570,7 @@ function Ledger:_post_many(items, opts)
   return results, errs
 end
 
--- The committer ------------------------------------------------------------
-
--- Caches the balances of one account's entries after its head (`view`,
--- as _read left it), in seqId
--- order: each change's cacheBal (a value every committer computes alike,
--- so writing it twice is harmless), the
--- entry's proc = COMMITTED once no change of it is left uncached, then
--- the head.  Returns how many changes it cached; nil, err.
-function Ledger:_commit_account(view)
-  local err
-  local seq, balance = view.head or 0, view.head_balance or 0
-  local cached, wc = 0, self.wopts
-  for _, t in ipairs(view.tail) do
-    local c, e = t.change, t.entry
-    if c.seqId ~= seq + 1 then break end -- a gap cannot happen (seqIds are taken max + 1)
-    seq, balance = c.seqId, balance + (e.state == "VALID" and c.value or 0)
-    if c.cacheBal == nil or c.cacheBal == null then
-      -- by its place in the list: an entry's changes never move (a
-      -- positional $ is not matched by every server for $elemMatch)
-      local path = "changes." .. t.at
-      local filter = { _id = e._id, [path .. ".seqId"] = seq }
-      crash_point("ledger.cache", "before")
-      local res
-      res, err = self.entries:update_one(filter, { ["$set"] = { [path .. ".cacheBal"] = balance } }, wc)
-      crash_point("ledger.cache", "after")
-      if not res then return nil, err end
-      cached = cached + 1
-    elseif c.cacheBal ~= balance then
-      return nil, errors.new("mismatch", format("entry %s caches %s for account %s at seqId %d, " ..
-        "its entries sum to %s", tostring(e._id), tostring(c.cacheBal), tostring(view.account),
-        seq, tostring(balance)), { step = "commit", id = e._id, account = view.account })
-    end
-    if e.proc ~= "COMMITTED" then
-      crash_point("ledger.commit", "before")
-      local res
-      res, err = self.entries:update_one({ _id = e._id, proc = "UNCOMMITTED",
-                                           ["changes.cacheBal"] = { ["$ne"] = null } },
-                                         { ["$set"] = { proc = "COMMITTED" } }, wc)
-      crash_point("ledger.commit", "after")
-      if not res then return nil, err end
-    end
-  end
-  if seq > (view.head or 0) then
-    crash_point("ledger.head", "before")
-    local res
-    res, err = self.accounts:update_one({ _id = view.account, seq = { ["$lt"] = seq } },
-      { ["$set"] = { seq = seq, balance = balance } }, { upsert = true, write_concern = wc.write_concern })
-    crash_point("ledger.head", "after")
-    -- a duplicate key: another committer moved the head as far or further
-    if not res and err.server_code ~= 11000 then return nil, err end
-  end
-  return cached
-end
-
--- commit([{ account = a } | { limit = n }]): the committer.  With an
--- account, caches that account's entries; else finds up to limit (default
--- 1000) UNCOMMITTED entries, oldest first, and caches the accounts they
--- touch.  Safe to run in several processes at once and to kill at any
--- point.  Returns { accounts = n, cached = changes cached, uncommitted =
--- entries still UNCOMMITTED among those seen }; nil, err.
-
---- The committer: caches balances and marks entries COMMITTED.
--- @syntax report, err = L:commit([{ limit = 1000 } | { account = a }])
--- @tparam[opt] table opts `limit`, or `account`
--- @treturn table `{ accounts, cached, uncommitted }`
--- @errors database errors
--- @usage assert(L:commit())
-function Ledger:commit(opts)
-  local err
-  opts, err = options.check(opts, { account = true, limit = true }, "commit", CALLER)
-  if not opts then return nil, err end
-  if opts.account ~= nil and opts.limit ~= nil then
-    return invalid("commit takes an account or a limit, not both", "commit")
-  end
-  local accounts, seen = {}, nil
-  if opts.account ~= nil then
-    local sent, key = check_account(opts.account, "commit")
-    if sent == nil then return nil, key end
-    accounts[1] = { account = sent, key = key }
-  else
-    seen, err = self.entries:find_all({ proc = "UNCOMMITTED" },
-      { sort = core.doc("proc", 1, "ts", 1), limit = opts.limit or 1000 })
-    if not seen then return nil, errors.wrap(err, "commit") end
-    local keys = {}
-    for _, e in ipairs(seen) do
-      for _, c in ipairs(e.changes) do
-        local k = id_key(c.account)
-        if k and not keys[k] then
-          keys[k] = true
-          accounts[#accounts + 1] = { account = c.account, key = k }
-        end
-      end
-    end
-  end
-  local report = { accounts = #accounts, cached = 0, uncommitted = 0 }
-  if #accounts == 0 then return report end
-  local ok
-  ok, err = self:_read(accounts)
-  if not ok then return nil, errors.wrap(err, "commit") end
-  for _, view in ipairs(accounts) do
-    local n
-    n, err = self:_commit_account(view)
-    if not n then return nil, errors.wrap(err, "commit") end
-    report.cached = report.cached + n
-  end
-  if seen and #seen > 0 then
-    local ids = {}
-    for i, e in ipairs(seen) do ids[i] = e._id end
-    report.uncommitted = self.entries:count({ _id = { ["$in"] = ids }, proc = "UNCOMMITTED" }) or 0
-  end
-  return report
-end
-
--- reconcile(account): replays the account from its first entry.  Returns
--- { balance, seq, ok, problems = { ... } }: ok when the seqIds run 1..seq
--- without a gap, every cached balance (cacheBal, the head) equals the sum
--- of the entries up to it, and balance() agrees with the replay at the
--- seqId it gives (safe on a live ledger: see below); nil, err.
-
---- Replays an account from its first entry and reports what disagrees.
--- @syntax report, err = L:reconcile(account)
--- @param account the account
--- @treturn table `{ balance, seq, ok, problems }`
--- @errors database errors
--- @usage assert(L:reconcile("A").ok)
-function Ledger:reconcile(account)
-  local sent, key = check_account(account, "reconcile")
-  if sent == nil then return nil, key end
-  -- The head, then balance(), then the entries: each read sees at least
-  -- what the one before saw (entries never change, and a head only moves
-  -- over entries that exist), so what writers and committers add meanwhile
-  -- lies after the seqIds compared and is no problem of the books.
-  local head, err = self.accounts:find_one({ _id = sent })
-  if err then return nil, errors.wrap(err, "reconcile") end
-  local now, now_seq = self:balance(sent)
-  if not now then return nil, now_seq end
-  local all
-  all, err = self.entries:find_all({ changes = { ["$elemMatch"] = { account = sent } } })
-  if not all then return nil, errors.wrap(err, "reconcile") end
-  local list = {}
-  for _, e in ipairs(all) do list[#list + 1] = { entry = e, change = change_of(e, key) } end
-  sort(list, function(a, b) return a.change.seqId < b.change.seqId end)
-  local problems, balance, at = {}, 0, { [0] = 0 }
-  for i, t in ipairs(list) do
-    local c = t.change
-    if c.seqId ~= i then
-      problems[#problems + 1] = format("seqId %d where %d was due", c.seqId, i)
-    end
-    if t.entry.state == "VALID" then balance = balance + c.value end
-    at[c.seqId] = balance
-    if c.cacheBal ~= nil and c.cacheBal ~= null and c.cacheBal ~= balance then
-      problems[#problems + 1] = format("cacheBal %s at seqId %d, the replay gives %s",
-        tostring(c.cacheBal), c.seqId, tostring(balance))
-    end
-  end
-  if head and at[head.seq] ~= head.balance then
-    problems[#problems + 1] = format("the head caches %s at seqId %s, the replay gives %s",
-      tostring(head.balance), tostring(head.seq), tostring(at[head.seq]))
-  end
-  if at[now_seq] ~= now then
-    problems[#problems + 1] = format("balance() gives %s, the replay %s", tostring(now),
-      tostring(at[now_seq]))
-  end
-  return { balance = balance, seq = #list, ok = #problems == 0, problems = problems }
-end
+-- The committer (commit, reconcile): mongotx.ledger.committer.
+Ledger.commit, Ledger.reconcile = committer.commit, committer.reconcile
 
 return _M

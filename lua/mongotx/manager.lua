@@ -22,6 +22,9 @@ local recovery = require "mongotx.recovery"
 local stepwise = require "mongotx.stepwise"
 local each = require "mongotx.each"
 local group = require "mongotx.group"
+local checks = require "mongotx.manager.checks"
+local batches = require "mongotx.manager.batches"
+local counts = require "mongotx.manager.counts"
 
 local canon = validate.canon
 local live = stored.live
@@ -34,8 +37,7 @@ local _M = {}
 local Manager = {}
 Manager.__index = Manager
 
-local STATES = { "initial", "pending", "applied", "done", "canceling", "cancelled" }
-local ACTIVE = { ["$in"] = { "initial", "pending", "applied", "canceling" } }
+local ACTIVE = counts.ACTIVE
 
 -- Levels for error(), counted from the function that raises or passes
 -- the level on: a misuse is reported at the caller of the public method
@@ -164,32 +166,6 @@ end
 
 -- The public API ------------------------------------------------------------
 
-local begin_options = { id = true, meta = true }
-
--- Checks what begin and run take: a batch spec { ops, stored, id, meta,
--- extra } (batch.lua), or nil, err.  Wrong argument types raise at
--- `level`.  `built`: ops made by mongotx from checked scalars
--- (validate.ops).
-function Manager:_spec(ops, opts, extra, what, level, built)
-  local err
-  opts, err = validate.options(opts, begin_options, what, level + 1)
-  if not opts then return nil, err end
-  local norm, stored_form = validate.ops(ops, self.engine.vctx, built)
-  if not norm then return nil, stored_form end
-  if opts.meta ~= nil then
-    local ok
-    ok, err = options.meta(opts.meta, stored_form, what)
-    if not ok then return nil, err end
-  end
-  local id = opts.id
-  if id ~= nil then
-    local why
-    id, why = validate.check_tid(id)
-    if id == nil then return nil, why end
-  end
-  return { ops = norm, stored = stored_form, id = id, meta = opts.meta, extra = extra }
-end
-
 -- Checks ops and opts ({ id, meta }) as begin does, writing nothing:
 -- true, or nil and the error begin would return (mongotx.each checks its
 -- items so).
@@ -202,7 +178,7 @@ end
 -- @errors `invalid` (naming the op, id or meta), as `begin` returns it; a wrong Lua type raises
 -- @usage local ok, err = tm:check({ { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -5 } } } })
 function Manager:check(ops, opts)
-  local spec, err = self:_spec(ops, opts, nil, "check", CALLER)
+  local spec, err = checks.spec(self, ops, opts, nil, "check", CALLER)
   if not spec then return nil, err end
   return true
 end
@@ -223,7 +199,7 @@ end
 -- @usage local t = assert(tm:begin({ { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -5 } }
 --   } }, { id = "o-1" }))
 function Manager:begin(ops, opts, extra)
-  local spec, err = self:_spec(ops, opts, extra, "begin", CALLER)
+  local spec, err = checks.spec(self, ops, opts, extra, "begin", CALLER)
   if not spec then return nil, err end
   local id = spec.id
   if id == nil then id = core.ObjectId() end
@@ -263,61 +239,6 @@ function Manager:commit(t)
   return self.engine:drive(T, nil)
 end
 
--- The most transactions one batch.run takes: a caller's bigger batch runs
--- as several.  The server matches each transaction of a commit or done
--- update against the whole `$in` list of the batch's ids, so a step's cost
--- per transaction grows with the batch; on mongo-java-server, batches of
--- 50-100 cost the least per transaction, 1000 three times more in those
--- steps (bench/README.md, "Where the time goes").
-local CHUNK = 100
-
--- Runs specs as batches of at most CHUNK; the i-th result, or false and
--- its error, and late[i] = true for those settled after the others of
--- their batch (batch.run).
-function Manager:_run_batch(specs, errs)
-  local results, late, todo, where, m = {}, {}, {}, {}, 0
-  local function run()
-    local res, bad, committed, slow = batch.run(self.engine, todo)
-    for k = 1, m do
-      local i = where[k]
-      results[i], errs[i], late[i] = res[k], bad[k], slow[k] or nil
-    end
-    self:_finish_committed(committed)
-    todo, where, m = {}, {}, 0
-  end
-  for i = 1, #errs do
-    results[i] = false
-    local spec = specs[i]
-    if spec then
-      m = m + 1
-      todo[m], where[m] = spec, i
-      if m == CHUNK then run() end
-    end
-  end
-  if m > 0 then run() end
-  return results, errs, late
-end
-
--- The committed transactions of a batch: finished now (policy.finish =
--- "inline"; on failure they stay applied and recovery finishes them), or
--- queued for finish() ("deferred"), which runs by itself every
--- policy.finish_batch of them.
-function Manager:_finish_committed(committed)
-  if self.policy.finish == "deferred" then
-    local queue = self.finishing
-    for _, T in ipairs(committed) do queue[#queue + 1] = T end
-    if #queue >= self.policy.finish_batch then self:finish() end
-  elseif #committed > 0 then
-    batch.finish(self.engine, committed)
-  end
-end
-
--- What tm:run checks before it runs (as _transfer_call).
-function Manager:_run_call(ops, opts, extra, level)
-  local spec, err = self:_spec(ops, opts, extra, "run", level + 1)
-  return spec, err
-end
-
 -- begin + commit in one go, the fast way (batch.lua): the transaction is
 -- created pending and owned.  Returns it at `done` (or at `applied` with
 -- policy.finish = "deferred"), or nil, err.
@@ -331,47 +252,11 @@ end
 -- @errors as `begin` and `commit`
 -- @usage local T = assert(tm:run(ops, { id = "o-2" }))
 function Manager:run(ops, opts, extra)
-  local spec, err = self:_run_call(ops, opts, extra, CALLER)
+  local spec, err = checks.run_call(self, ops, opts, extra, CALLER)
   if not spec then return nil, err end
-  local results, errs = self:_run_batch({ spec }, { false })
+  local results, errs = batches.run_batch(self, { spec }, { false })
   if results[1] then return results[1] end
   return nil, errs[1]
-end
-
-local transfer_options = { field = true, min = true, id = true, meta = true }
-
--- The spec of a transfer (raises at `level` for wrong argument types).
-function Manager:_transfer_spec(collection, from, to, amount, opts, level)
-  local ok, err = validate.amount(amount)
-  if not ok then return nil, err end
-  local field = opts.field or "balance"
-  if type(field) ~= "string" then error("field must be a string", level + 1) end
-  local where
-  if opts.min ~= nil then
-    -- any finite floor (an overdraft limit may be negative), and a bound
-    -- min + amount that is still exact
-    ok, err = validate.bound(opts.min, "min")
-    if ok then ok, err = validate.bound(opts.min + amount, "min + amount") end
-    if not ok then return nil, err end
-    where = { [field] = { ["$gte"] = opts.min + amount } }
-  end
-  return self:_spec({
-    { collection = collection, id = from, update = { ["$inc"] = { [field] = -amount } },
-      where = where },
-    { collection = collection, id = to, update = { ["$inc"] = { [field] = amount } } },
-  }, { id = opts.id, meta = opts.meta }, { source = from, destination = to, value = amount },
-    "transfer", level + 1, true)
-end
-
--- What tm:transfer checks before it runs: the spec, or nil, err (raises
--- at `level` for wrong argument types).  mongotx.group checks each
--- grouped call with it.
-function Manager:_transfer_call(collection, from, to, amount, opts, level)
-  local spec, err
-  opts, err = validate.options(opts, transfer_options, "transfer", level + 1)
-  if not opts then return nil, err end
-  spec, err = self:_transfer_spec(collection, from, to, amount, opts, level + 1)
-  return spec, err
 end
 
 --- Moves `amount` of `field` from one document to another: `run` of two `$inc` ops.
@@ -386,41 +271,31 @@ end
 -- @errors `guard` (below `min`: nothing stays applied), `missing`, `invalid`, `idempotency`, `busy`, database errors
 -- @usage local T, err = tm:transfer("accounts", "A", "B", 100, { min = 0, id = "order-17" })
 function Manager:transfer(collection, from, to, amount, opts)
-  local spec, err = self:_transfer_call(collection, from, to, amount, opts, CALLER)
+  local spec, err = checks.transfer_call(self, collection, from, to, amount, opts, CALLER)
   if not spec then return nil, err end
-  local results, errs = self:_run_batch({ spec }, { false })
+  local results, errs = batches.run_batch(self, { spec }, { false })
   if results[1] then return results[1] end
   return nil, errs[1]
 end
 
 -- Runs calls of tm:transfer and tm:run that concurrent callers made as
--- one batch, each answered as its call alone would be (mongotx.group).
-function Manager:_group(calls, wait)
+-- one batch, each answered as its call alone would be: the batch of
+-- mongotx.group's driver (group.wrap; through mongotx.pool and
+-- mongotx.resty, which lend it a client).  calls[i] = { method =
+-- "transfer" | "run", n = <argument count>, <the arguments> }; returns
+-- one result per call and the order they took effect in
+-- (group.run_calls), or nil, err when no client came free (a pool).
+
+--- Internal: the batch of mongotx.group's driver, concurrent `transfer` and `run` calls run as one.
+-- @syntax out, order = tm:run_calls(calls, wait)
+-- @tparam table calls `{ method = "transfer" | "run", n = <argument count>, <the arguments> }` each
+-- @number wait the seconds the driver waited for them
+-- @treturn table one result per call (as the call alone answers), and the order they took effect in
+-- @errors nil, err when no client of a pool came free
+-- @usage -- group.wrap(tm, ...) and mongotx.resty's group option call it
+function Manager:run_calls(calls, wait)
   local out, order = group.run_calls(self, calls, wait)
   return out, order
-end
-
--- A batch of specs checked one by one: a bad one gets its error and is
--- left out, nothing written for it; so does a repeated id.
-local function batch_specs(list, what, check)
-  if type(list) ~= "table" then error(what .. " takes a list", HELPER_CALLER) end
-  local specs, errs, seen = {}, {}, {}
-  for i = 1, #list do
-    if type(list[i]) ~= "table" then
-      error(format("%s: item %d is not a table", what, i), HELPER_CALLER)
-    end
-    local spec, err = check(list[i], i)
-    if spec and spec.id ~= nil then
-      local k = key(spec.id)
-      if seen[k] then
-        spec, err = nil, errors.new("invalid", format("item %d repeats the id of item %d", i,
-          seen[k]), { step = what, id = spec.id })
-      end
-      seen[k] = seen[k] or i
-    end
-    specs[i], errs[i] = spec or false, err or false
-  end
-  return specs, errs
 end
 
 local many_options = { ops = true, id = true, meta = true }
@@ -439,23 +314,23 @@ local many_options = { ops = true, id = true, meta = true }
 -- @errors per item, in `errs`: as `run`; a bad item writes nothing for itself only
 -- @usage local results, errs = tm:commit_many({ ops1, { ops = ops2, id = "o-3" } })
 function Manager:commit_many(list)
-  return self:_run_batch(batch_specs(list, "commit_many", function(item, i)
+  return batches.run_batch(self, checks.batch_specs(list, "commit_many", function(item, i)
     local spec, err
     if rawget(item, "ops") == nil then
-      spec, err = self:_spec(item, nil, nil, "commit_many", ITEM_CALLER)
+      spec, err = checks.spec(self, item, nil, nil, "commit_many", ITEM_CALLER)
       return spec, err
     end
     local opts
     opts, err = validate.options(item, many_options, "commit_many item " .. i, ITEM_CALLER)
     if not opts then return nil, err end
-    spec, err = self:_spec(opts.ops, { id = opts.id, meta = opts.meta }, nil, "commit_many",
+    spec, err = checks.spec(self, opts.ops, { id = opts.id, meta = opts.meta }, nil, "commit_many",
       ITEM_CALLER)
     return spec, err
   end))
 end
 
 local transfer_many_options = { collection = true, from = true, to = true, amount = true }
-for k in pairs(transfer_options) do transfer_many_options[k] = true end
+for k in pairs(checks.transfer_options) do transfer_many_options[k] = true end
 
 -- tm:transfer for many: list[i] = { collection =, from =, to =, amount =
 -- [, field =, min =, id =, meta =] }; returns results, errs as commit_many.
@@ -468,12 +343,12 @@ for k in pairs(transfer_options) do transfer_many_options[k] = true end
 -- @errors per item, in `errs`
 -- @usage local results, errs = tm:transfer_many { { collection = "accounts", from = "A", to = "B", amount = 10 } }
 function Manager:transfer_many(list)
-  return self:_run_batch(batch_specs(list, "transfer_many", function(item, i)
+  return batches.run_batch(self, checks.batch_specs(list, "transfer_many", function(item, i)
     local opts, err = validate.options(item, transfer_many_options, "transfer_many item " .. i,
       ITEM_CALLER)
     if not opts then return nil, err end
     local spec
-    spec, err = self:_transfer_spec(opts.collection, opts.from, opts.to, opts.amount, opts,
+    spec, err = checks.transfer_spec(self, opts.collection, opts.from, opts.to, opts.amount, opts,
       ITEM_CALLER)
     return spec, err
   end))
@@ -689,7 +564,7 @@ function Manager:prune(opts)
   return res.deleted
 end
 
--- Deletes the placeholders (csrc/txn.c, fence) of the cancelled
+-- Deletes the placeholders (csrc/txn_ops.c, fence) of the cancelled
 -- transactions with insert ops among those prune is about to delete
 -- (`filter`): a former owner stalled for longer than the retention period
 -- is the risk this takes.  A placeholder that mongotx has written to since
@@ -793,82 +668,8 @@ function Manager:find(filter, opts)
   return list
 end
 
--- How many (state, parked) groups tm:stats() reads in its one reply: the
--- engine writes `parked = true` or nothing, so there are up to 12; more
--- means the documents were written by something else.
-local STATS_GROUPS = 1000
-local OPEN = { initial = true, pending = true, applied = true, canceling = true }
-
--- Counts by state, plus `parked`: the unfinished ones recovery gave up on
--- (the final transitions clear the flag; one an older version left on a
--- finished transaction is not counted).  One aggregation, grouped by
--- state and `parked` (FerretDB v1 has no $cond to count inside a group):
--- one round trip and one pass over the collection where there were seven
--- counts, and seven scans on a server without secondary indexes
--- (mongo-java-server).
-
---- Counts of transactions by state, plus `parked`: one aggregation, one round trip.
--- @syntax counts, err = tm:stats()
--- @treturn table `{ initial, pending, applied, done, canceling, cancelled, parked }`
--- @errors database errors; `server` when the documents carry 1 000 kinds of `parked`
--- @usage local s = assert(tm:stats())
-function Manager:stats()
-  local name = self.engine.vctx.collection
-  local reply, err = self.db.client:command(self.db.name, core.doc(
-    "aggregate", name,
-    "pipeline", { { ["$match"] = { state = { ["$in"] = STATES } } },
-                  { ["$group"] = { _id = { state = "$state", parked = "$parked" },
-                                   n = { ["$sum"] = 1 } } } },
-    "cursor", { batchSize = STATS_GROUPS }))
-  if not reply then return nil, errors.wrap(err, "stats") end
-  local groups = reply.cursor.firstBatch
-  if #groups >= STATS_GROUPS then
-    self.db.client:command(self.db.name, core.doc("killCursors", name,
-      "cursors", { reply.cursor.id }))
-    return nil, errors.new("server", format("stats: %d or more kinds of `parked` values",
-      STATS_GROUPS), { step = "stats" })
-  end
-  local out = { parked = 0 }
-  for _, state in ipairs(STATES) do out[state] = 0 end
-  for _, g in ipairs(groups) do
-    local state = g._id.state
-    out[state] = out[state] + g.n
-    if g._id.parked == true and OPEN[state] then out.parked = out.parked + g.n end
-  end
-  return out
-end
-
--- What recovery has before it, by the server's clock: `active` (in
--- initial, pending, applied or canceling and not parked: what recover
--- reads), `stale` (those of them last changed more than stale_after
--- seconds ago), `oldest` (seconds since the last change of the oldest
--- open transaction, parked ones included; nil when none) and `oldest_id`.
-
---- What recovery has to do, by the server's clock.
--- @syntax b, err = tm:backlog()
--- @treturn table `{ active, stale, oldest, oldest_id }`
--- @errors database errors
--- @usage local b = assert(tm:backlog())
-function Manager:backlog()
-  local now, err = self.engine:server_now()
-  if not now then return nil, err end
-  local out = {}
-  out.active, err = self.tx:count({ state = ACTIVE, parked = { ["$ne"] = true } })
-  if not out.active then return nil, errors.wrap(err, "backlog") end
-  local since = core.Date(math.floor(now - self.policy.stale_after * 1000))
-  out.stale, err = self.tx:count({ state = ACTIVE, parked = { ["$ne"] = true },
-                                   lastModified = { ["$lt"] = since } })
-  if not out.stale then return nil, errors.wrap(err, "backlog") end
-  local first
-  first, err = self.tx:find_all({ state = ACTIVE, lastModified = { ["$type"] = "date" } },
-    { sort = { lastModified = 1 }, limit = 1, projection = { lastModified = 1 } })
-  if not first then return nil, errors.wrap(err, "backlog") end
-  if first[1] then
-    out.oldest = (now - first[1].lastModified:value()) / 1000
-    out.oldest_id = first[1]._id
-  end
-  return out
-end
+-- stats and backlog: mongotx.manager.counts.
+Manager.stats, Manager.backlog = counts.stats, counts.backlog
 
 -- One protocol step at a time, as in the tutorial (mongotx.stepwise):
 -- claim, apply (op i), commit, finish (op i), done, cancel, undo (op i),

@@ -19,10 +19,9 @@
 --   back      (canceling, and pending rolled back) undo, fence (every one
 --             was taken over) and cancelled, one bulk write each.
 --
--- Whatever cannot go that way (an op that cannot apply, a guard that
--- meets holders, a commit that did not match, a late apply found by the
--- fence) goes on one at a time through the engine, for that transaction
--- only.  batch = 1 drives every transaction alone (recover_one).
+-- Whatever cannot go that way (an op that cannot apply, a guard meeting
+-- holders, a commit that did not match, a late apply the fence found)
+-- goes on alone through the engine.  batch = 1: each alone (recover_one).
 
 local batch = require "mongotx.batch"
 local errors = require "mongotx.errors"
@@ -396,9 +395,8 @@ end
 -- 101 documents, then 16 MiB at a time (MongoDB).
 _M.MARGIN = 100
 
--- How many documents one reply of the server brings at most: the
--- client holds that many undecoded (a few hundred bytes each) and `size`
--- of them decoded, whatever `limit` is.
+-- The most documents one reply brings: the client holds that many
+-- undecoded and `size` decoded, whatever `limit` is.
 _M.READ = 1000
 
 -- The cursor over the active transactions a pass may take: not parked,
@@ -410,12 +408,9 @@ _M.READ = 1000
 -- move lastModified on: on a server whose cursor reads on as it goes,
 -- MongoDB, a transaction this pass claimed and failed must not come back
 -- in a later chunk), oldest first; at most limit + MARGIN of them, READ
--- a reply.  "Since the pass began" has SLACK_MS of slack: a create stamps
--- lastModified with its manager's estimate of the server's clock
--- (mongotx.clock), which may run ahead of the server by that estimate's
--- error, and a transaction begun just before the pass belongs in it.  A
--- write of the pass's own that comes back within the slack is driven
--- again, which is safe (the pass holds its claim).
+-- a reply.  SLACK_MS: a create stamps lastModified with its manager's
+-- estimate of the server's clock (mongotx.clock), which may run ahead; a
+-- write of the pass's own seen again within it is safely driven again.
 local SLACK_MS = 1000
 local function stale_cursor(eng, limit, size, now)
   local filter = { state = { ["$in"] = ACTIVE }, parked = { ["$ne"] = true },

@@ -25,6 +25,10 @@
 -- (rewrite, access, content, ngx.timer); options of db:manager must be
 -- data (policy functions come from a module named by `policies`); each
 -- worker-thread VM holds its own managers (each its own `instance`).
+--
+-- This module owns the thread side (thread()), the handles a handler
+-- holds (connect, db, tm) and recovery inside nginx; mongotx.resty.wire
+-- owns the crossing (pack, call), mongotx.resty.group group commit.
 
 --- The engine for nginx handlers, without blocking the worker (docs/openresty.md).
 -- @module mongotx.resty
@@ -34,11 +38,16 @@ local pool = require "mongotx.pool"
 local catalog = require "mongotx.catalog"
 local options = require "mongotx.options"
 local group = require "mongotx.group"
+local wire = require "mongotx.resty.wire"
+local resty_group = require "mongotx.resty.group"
 
-local type, pairs, ipairs, select, tostring, error, pcall, setmetatable, getmetatable =
-  type, pairs, ipairs, select, tostring, error, pcall, setmetatable, getmetatable
-local format, min = string.format, math.min
+local type, pairs, ipairs, select, tostring, error, pcall, setmetatable =
+  type, pairs, ipairs, select, tostring, error, pcall, setmetatable
+local format = string.format
 local encode, decode = core.encode, core.decode
+local pack, unpack, call = wire.pack, wire.unpack, wire.call
+local run_group, new_group, grouped, group_option =
+  resty_group.run_group, resty_group.new_group, resty_group.grouped, resty_group.group_option
 
 local _M = { _VERSION = core._VERSION }
 
@@ -46,64 +55,6 @@ local _M = { _VERSION = core._VERSION }
 -- otherwise, and how long a call waits for a free worker-thread VM.
 _M.THREAD_POOL = "mongotx"
 _M.WAIT = 5
-
-local ERROR_MT = getmetatable(core.error({ code = "probe", message = "" }))
-local ERROR_MARK = "__mongotx_error"
-
--- Values across the thread boundary ----------------------------------------
-
--- Marks (or, with unmark, clears the mark of) every error table in v, so
--- that the other side can give it the error metatable back.
-local function walk_errors(v, unmark, seen)
-  if type(v) ~= "table" or seen[v] then return end
-  seen[v] = true
-  if getmetatable(v) == ERROR_MT then v[ERROR_MARK] = (not unmark) or nil end
-  for _, x in pairs(v) do walk_errors(x, unmark, seen) end
-end
-
--- n values as one BSON string: { n = n, ["1"] = v1, ... } (nils left out).
--- Raises when a value cannot be encoded.
-local function pack(n, ...)
-  local t = { n = n }
-  for i = 1, n do
-    local v = select(i, ...)
-    if v ~= nil then t[tostring(i)] = v end
-  end
-  walk_errors(t, false, {})
-  local ok, bytes = pcall(encode, t)
-  walk_errors(t, true, {})
-  if not ok then error(bytes, 0) end
-  return bytes
-end
-
--- Gives the error tables in v (decoded) their metatable back.
-local function restore_errors(v, depth)
-  if type(v) ~= "table" or depth > 100 then return v end
-  for k, x in pairs(v) do
-    if type(x) == "table" then v[k] = restore_errors(x, depth + 1) end
-  end
-  if v[ERROR_MARK] then
-    v[ERROR_MARK] = nil
-    return core.error(setmetatable(v, nil))
-  end
-  return v
-end
-
-local unpack = table.unpack or unpack -- luacheck: ignore 143
-
--- The values of a pack()ed string as a list, and how many.
-local function unpack_list(bytes)
-  local t = decode(bytes)
-  local out = {}
-  for i = 1, t.n do out[i] = restore_errors(t[tostring(i)], 0) end
-  return out, t.n
-end
-
--- The values of a pack()ed string.
-local function unpack_all(bytes)
-  local out, n = unpack_list(bytes)
-  return unpack(out, 1, n)
-end
 
 -- The thread side ----------------------------------------------------------
 
@@ -201,32 +152,6 @@ end
 local METHOD = {}
 for _, m in ipairs(pool.METHODS) do METHOD[m] = true end
 
--- A batch of grouped calls (group_runner below): args[1] lists { m =
--- <method>, a = <its arguments, pack()ed> }, args[2] is how long the
--- driver waited.  Returns, pack()ed, one { ok = <the results, pack()ed> },
--- { raise = <message> } or { again = true } per call, and the order they
--- took effect in (mongotx.group.run_calls).
-local function run_group(tm, list, wait)
-  local calls = {}
-  for i, c in ipairs(list) do
-    local a, n = unpack_list(c.a)
-    a.method, a.n = c.m, n
-    calls[i] = a
-  end
-  local res, order = tm:_group(calls, wait)
-  if not res then return pack(2, nil, order) end -- no client of the pool came free
-  local out = {}
-  for i, r in ipairs(res) do
-    if r == group.AGAIN then
-      out[i] = { again = true }
-    elseif r.raise then
-      out[i] = { raise = r.raise }
-    else
-      out[i] = { ok = pack(r.n, unpack(r, 1, r.n)) }
-    end
-  end
-  return pack(2, out, order)
-end
 
 local function run(kind, spec, method, args)
   local a = decode(args)
@@ -274,68 +199,6 @@ end
 
 -- The worker side ----------------------------------------------------------
 
--- Messages of ngx.run_worker_thread that mean "wait and try again": every
--- worker-thread VM is in a call (lua_worker_thread_vm_pool_size), or the
--- thread pool's queue is full (thread_pool's max_queue).
-local BUSY = { ["no available Lua vm"] = true, ["ngx_thread_task_post failed"] = true }
-
-local function overloaded(self, why)
-  return nil, core.error({
-    code = "overloaded", transient = true, step = "resty",
-    message = format("no worker thread came free within %g s (%s: thread_pool %s, " ..
-      "lua_worker_thread_vm_pool_size); nothing was done", self.wait, why, self.thread_pool),
-  })
-end
-
--- Re-raises what a call raised in the thread at `level` (of the caller
--- of reraise), without the position in mongotx.resty or mongotx.pool the
--- message got on the way.
-local function reraise(msg, level)
-  msg = msg:gsub("^[^\n]-mongotx/resty%.lua:%d+: ", ""):gsub("^[^\n]-mongotx/pool%.lua:%d+: ", "")
-  if msg:find("^[^\n]-:%d+: ") then error(msg, 0) end
-  error(msg, level + 1)
-end
-
--- Runs thread(kind, spec, method, args...) in a worker thread (or here,
--- with offload = false) and returns its results.  While every VM is busy
--- it polls (1 ms, doubling up to 50 ms) for at most self.wait seconds,
--- then returns an `overloaded` error.  A raise is reported `up` frames
--- above call's caller (1 when the public method tail-calls call, so that
--- it lands on the handler's line).
-local function call(self, up, kind, spec, method, ...)
-  local ok, args = pcall(pack, select("#", ...), ...)
-  if not ok then
-    return nil, core.error({ code = "invalid", step = method or kind,
-      message = "an argument cannot be sent to a worker thread: " .. tostring(args) })
-  end
-  local status, res
-  if not self.offload then
-    status, res = _M.thread(kind, spec, method, args)
-  else
-    local ngx = ngx -- luacheck: ignore 113
-    local started, delay = nil, 0.001
-    while true do
-      local done
-      done, status, res = ngx.run_worker_thread(self.thread_pool, "mongotx.resty", "thread",
-                                                kind, spec, method, args)
-      if done then break end
-      if not BUSY[status] then
-        if status == "thread_pool not found" then
-          status = format("thread_pool %s not found (nginx.conf: thread_pool %s threads=N; " ..
-                          "in the main context)", self.thread_pool, self.thread_pool)
-        end
-        error("mongotx.resty: " .. tostring(status), up + 1)
-      end
-      ngx.update_time()
-      started = started or ngx.now()
-      if ngx.now() - started >= self.wait then return overloaded(self, status) end
-      ngx.sleep(delay)
-      delay = min(delay * 2, 0.05)
-    end
-  end
-  if status == "raise" then reraise(res, up + 1) end
-  return unpack_all(res)
-end
 
 local Database = {}
 Database.__index = Database
@@ -381,81 +244,10 @@ function _M.connect(uri, opts)
   return self
 end
 
--- Group commit (mongotx.group): the worker side.  The driver runs in a
--- timer of its own (ngx.timer.at 0), not in the coroutine of the handler
--- that started it: a handler's coroutine ends with its request (a client
--- abort under lua_check_client_abort, an ngx.exit in another of its
--- threads), and a batch run there would leave its callers waiting.  A
--- caller waits on a semaphore of its own.
-
--- The batch runner: the calls of `items` as one tm:_group in one worker
--- thread.  Returns one { ok = <results, pack()ed> } | { raise = msg } |
--- group.AGAIN per item.
-local function group_runner(tm)
-  return function(items, info)
-    local list = {}
-    for i, item in ipairs(items) do list[i] = { m = item.method, a = item.args } end
-    -- the results and the order they took effect in, or nil and why not
-    local res, order = call(tm.db, 1, "group", tm.spec, nil, list, info.wait)
-    local out = {}
-    for i = 1, #items do
-      if not res then
-        out[i] = { ok = pack(2, nil, order) } -- overloaded, or no manager: each caller learns it
-      elseif res[i].again then
-        out[i] = group.AGAIN
-      else
-        out[i] = res[i]
-      end
-    end
-    return out, res and order
-  end
-end
-
-local function new_group(tm, o)
-  local ngx = ngx -- luacheck: ignore 113
-  local semaphore = require "ngx.semaphore"
-  return group.new {
-    max = o.max, delay = o.delay, run = group_runner(tm),
-    signal = semaphore.new,
-    spawn = function(fn) return ngx.timer.at(0, function() fn() end) end,
-    now = function()
-      ngx.update_time()
-      return ngx.now()
-    end,
-  }
-end
-
--- tm:transfer and tm:run under group: the call joins its worker's next
--- batch.  ngx.ctx.mongotx_group says which batch of this manager in this
--- worker ran it ({ batch, position }: for logs).
-local function grouped(self, method, ...)
-  local ok, args = pcall(pack, select("#", ...), ...)
-  if not ok then
-    return nil, core.error({ code = "invalid", step = method,
-      message = "an argument cannot be sent to a worker thread: " .. tostring(args) })
-  end
-  local r, ticket = self.group:call({ method = method, args = args })
-  local ngx = ngx -- luacheck: ignore 113
-  ngx.ctx.mongotx_group = { batch = ticket.batch, position = ticket.position }
-  if r.raise then reraise(r.raise, 2) end
-  return unpack_all(r.ok)
-end
 
 -- The groups of this worker, by manager (and thread pool and options).
 local groups = {}
 
--- The group option of db:manager: nil or false (off), or { max =, delay = }
--- (each defaulting to GROUP_DEFAULT's).
-local GROUP_DEFAULT = { max = 100, delay = 0 }
-
-local function group_option(g)
-  if g == nil or g == false then return false end
-  if type(g) ~= "table" then error("option group of manager must be a table or false", 3) end
-  for k in pairs(g) do
-    if k ~= "max" and k ~= "delay" then error("unknown option group." .. tostring(k), 3) end
-  end
-  return { max = g.max or GROUP_DEFAULT.max, delay = g.delay or GROUP_DEFAULT.delay }
-end
 
 -- db:manager(opts): opts are db:manager's, as data: a function cannot
 -- reach a worker thread, so policies that are functions come from a
@@ -567,7 +359,7 @@ function Database.close() end -- the pool lives as long as the worker process
 -- tm:<method>(...) for every method of a manager but step (a stepwise
 -- walk holds versions in one manager, and calls land on any VM).
 for _, method in ipairs(pool.METHODS) do
-  if method ~= "step" and method ~= "_group" then
+  if method ~= "step" and method ~= "run_calls" then
     Manager[method] = function(self, ...)
       return call(self.db, 1, "call", self.spec, method, ...)
     end

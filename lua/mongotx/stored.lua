@@ -38,6 +38,21 @@ _M.HOME = HOME
 local MARK_PREFIX = "$mongotx:"
 _M.MARK_PREFIX = MARK_PREFIX
 
+-- Fields mongotx keeps on the documents it touches besides the marker and
+-- the version (both named by the manager's options):
+-- set by the remove op of an open transaction (its id): no other op
+-- applies to the document meanwhile;
+local REMOVING = "txRemoving"
+-- the open transactions whose effect on a document may have raised a
+-- value: a floor guard waits for them;
+local HELD = "txHeld"
+-- set (to the transaction's id) on the placeholder a rolled-back takeover
+-- leaves where an insert op would have put its document, so that an
+-- insert a stalled former owner prepared cannot land (fence); prune()
+-- removes it with the transaction.
+local PLACEHOLDER = "txPlaceholder"
+_M.REMOVING, _M.HELD, _M.PLACEHOLDER = REMOVING, HELD, PLACEHOLDER
+
 -- The mark a new transaction of collection `coll` with this _id records
 -- (nil: none, its _id is its mark): MARK_PREFIX, the collection's name, a
 -- `$` (which no collection name holds) and the hex of the BSON of { i =
@@ -82,7 +97,7 @@ end
 local OPERATOR_FIELDS = { "update", "undo", "where" }
 
 -- Is where a floor (only $gte / $gt of numbers on fields)?  A floor may
--- read values that uncommitted debits have lowered (csrc/txn.c, "Guards").
+-- read values that uncommitted debits have lowered (csrc/txn.h, "Guards").
 function _M.is_floor(where)
   if type(where) ~= "table" or next(where) == nil then return false end
   for field, cond in pairs(where) do

@@ -158,6 +158,10 @@ end
 
 _M.id_key = stored.id_key
 
+-- A transaction id as a table key: equal for ids the server takes for
+-- one (1 and 1.0).
+function _M.tid_key(id) return stored.id_key(id) or canon(id) end
+
 -- The query operators a `where` may use.  Anything else is refused at
 -- begin: an unknown operator would fail every apply until the
 -- transaction is parked, and $where, $expr, $function, $text, $jsonSchema

@@ -1,0 +1,350 @@
+-- mongotx.engine.phases: the phases of one transaction once claimed:
+-- apply (apply_one, apply_all, with refence, renew and release for the
+-- documents other transactions hold), the moves of its state (move,
+-- cancel, finish), the way back (undo_op, unwind) and drive, which runs
+-- them from whatever state T is in.  Methods of the Engine class
+-- (mongotx.engine adds `methods` to it), and the text of an op's failure.
+
+local errors = require "mongotx.errors"
+local validate = require "mongotx.validate"
+local stored = require "mongotx.stored"
+
+local key, id_key = validate.tid_key, validate.id_key
+local live, has_marker, mark = stored.live, stored.has_marker, stored.mark
+local REMOVING, HELD = stored.REMOVING, stored.HELD
+local ipairs, pairs, tostring = ipairs, pairs, tostring
+local format = string.format
+
+local _M = {}
+
+-- The Engine methods of this module.
+local Engine = {}
+_M.methods = Engine
+
+-- Keep settling a transaction at most this many rounds (each round moves
+-- it a state forward or re-reads it), and retry an apply whose document
+-- keeps changing under it at most this many times.
+local MAX_ROUNDS = 50
+local MAX_CONTENTION = 20
+
+local function op_name(op)
+  return format("%s %s of %s", op.kind, tostring(op.id), op.collection)
+end
+
+local failure_text = {
+  missing = "the document does not exist",
+  guard = "its where condition is false",
+  conflict = "another document has its _id",
+  contention = "the document kept changing",
+  removing = "another transaction is removing the document",
+  busy = "another open transaction holds the document its guard reads",
+}
+
+local function op_failure(T, i, reason)
+  return errors.new(reason, format("op %d (%s): %s", i, op_name(T.ops[i]),
+    failure_text[reason] or reason), { step = "apply", id = T._id, op = i })
+end
+
+
+-- Phases ------------------------------------------------------------------
+
+-- Applies op i, fenced by v.version (false: none read) and by v.deadline
+-- (this owner's, T's by default where deadlines fence); returns true, or
+-- false and why it cannot, or nil, err.
+function Engine:apply_one(T, i, v)
+  local op = T.ops[i]
+  local coll = self:coll(op.collection)
+  if v.deadline == nil and self:deadlines() then v.deadline = T.deadline end
+  for _ = 1, MAX_CONTENTION do
+    local res, err = self:op_step(T, "apply", coll, op, v.version, v.deadline)
+    if not res then return nil, err end
+    if res.applied then return true end
+    -- Why not? Read the document, then (if its version moved) check
+    -- that T is still ours before trying with the version just read.
+    local doc
+    doc, err = coll:find_one({ _id = op.id })
+    if err then return nil, errors.wrap(err, "apply", T._id) end
+    if has_marker(doc, self:form(T).marker, mark(T)) then return true end
+    if doc and doc[REMOVING] ~= nil then return false, "removing" end
+    if op.kind == "insert" then
+      if doc then return false, "conflict" end
+    elseif not doc then
+      return false, "missing"
+    else
+      -- a guard reads no effect that may still be undone (csrc/txn.c):
+      -- committed holders are finished first, open ones make it wait
+      local finished = 0
+      if op.where then
+        local open
+        finished, open = self:release(T, op, doc)
+        if finished == nil then return nil, open end
+        if finished == 0 and open then return false, "busy" end
+      end
+      if finished == 0 then
+        if op.where then
+          local filter = { _id = op.id }
+          for k, x in pairs(op.where) do filter[k] = x end
+          local n
+          n, err = coll:count(filter)
+          if not n then return nil, errors.wrap(err, "apply", T._id) end
+          if n == 0 then return false, "guard" end
+        end
+        local ok
+        ok, err = self:refence(T, i, v, doc)
+        if not ok then return nil, err end
+      end
+      -- else the finished holders moved the document: try again
+    end
+  end
+  return false, "contention"
+end
+
+-- The document of op i moved under T's apply: if T is still this
+-- manager's, fence the next try by the version just read and by a renewed
+-- deadline (it may have passed: an owner past its deadline must not apply,
+-- whoever else might be driving T).  Returns true, or nil, err (`fenced`
+-- when another owner took T over).
+function Engine:refence(T, i, v, doc)
+  local now, err = self:get(T._id)
+  if err then return nil, err end
+  local fenced = errors.new("fenced", "another owner took the transaction over",
+    { step = "apply", id = T._id, op = i })
+  if not now or not self:holds(now) then return nil, fenced end
+  v.version = doc[self:form(T).version]
+  if v.deadline then
+    local renewed
+    renewed, err = self:renew(now)
+    if renewed == nil then return nil, err end
+    if not renewed then return nil, fenced end
+    v.deadline = renewed
+  end
+  return true
+end
+
+-- Moves T's deadline (and lastModified) a lease on while this manager
+-- still holds it, so that an owner working past its deadline still fences
+-- every apply by the server's clock.  Returns the new deadline, false when
+-- T was taken over meanwhile, or nil, err.
+function Engine:renew(T)
+  local deadline, err = self:new_deadline()
+  if not deadline then return nil, err end
+  local moved
+  moved, err = self:step("renew", T._id, self.tx, T._id, T.epoch, deadline)
+  if moved == nil then return nil, err end
+  return moved and deadline
+end
+
+-- The transaction of this collection that `holder` (a mark read on a
+-- document) names, or nil (another collection's, or none); nil, err.
+function Engine:holder(holder)
+  local coll, id = stored.named(holder)
+  if id == nil or (coll ~= nil and coll ~= self.vctx.collection) then return nil end
+  local H, err = self:get(id)
+  if err then return nil, err.code ~= "invalid" and err or nil end
+  if H and key(mark(H)) == key(holder) then return H end
+end
+
+-- The document of op carries the marks of other transactions (in T's
+-- marker array, or in `held`).  Those of this collection that have
+-- committed (applied or done) are final: this finishes them on the
+-- document (any manager may help a committed transaction along), so that
+-- the guard reads their effect.  The others a guard may not read past:
+-- all of them for most guards, for a floor guard those in the `held`
+-- array (their effect may have raised a value; see csrc/txn.c).  Returns
+-- how many were finished and whether an open one that matters is left,
+-- or nil, err.
+function Engine:release(T, op, doc)
+  local coll, k, tm = self:coll(op.collection), id_key(op.id), mark(T)
+  local marker = self:form(T).marker
+  local matters, seen, all = {}, {}, {}
+  for _, x in ipairs(stored.holders(doc, op.floor and HELD or marker, tm)) do
+    matters[key(x)] = true
+  end
+  for _, field in ipairs { marker, HELD } do
+    for _, x in ipairs(stored.holders(doc, field, tm)) do
+      if not seen[key(x)] then seen[key(x)], all[#all + 1] = true, x end
+    end
+  end
+  local finished, open = 0, false
+  for _, holder in ipairs(all) do
+    local H, err = self:holder(holder)
+    if err then return nil, err end
+    local hop
+    if H and (H.state == "applied" or H.state == "done")
+        and not validate.malformed(H, self.vctx) then
+      for _, o in ipairs(H.ops) do
+        if o.collection == op.collection and id_key(o.id) == k then hop = o end
+      end
+    end
+    if hop then
+      local res
+      res, err = self:op_step(H, "finish", coll, hop)
+      if not res then return nil, err end
+      if res.finished then finished = finished + 1 end
+    elseif matters[key(holder)] then
+      open = true
+    end
+  end
+  return finished, open
+end
+
+-- pending (held) -> applied, or -> canceling when an op cannot apply.
+-- Returns the transaction's next document and, after a cancel, the error
+-- that explains it.
+function Engine:apply_all(T, versions)
+  -- the guarded ops first: a transaction whose guard fails then has
+  -- nothing else applied to undo, and holds no document meanwhile
+  local order = {}
+  for i, op in ipairs(T.ops) do
+    if op.where then order[#order + 1] = i end
+  end
+  for i, op in ipairs(T.ops) do
+    if not op.where then order[#order + 1] = i end
+  end
+  for _, i in ipairs(order) do
+    local v = versions[i]
+    if not v.marked then
+      local tries = 0
+      while true do
+        local ok, why = self:apply_one(T, i, v)
+        if ok then break end
+        if ok == nil then
+          if why.code == "fenced" then return self:get(T._id) end
+          return nil, why
+        end
+        local decision = self.policy.on_op_failure(T, i, why)
+        tries = tries + 1
+        if decision == "retry" and tries <= self.policy.retries then
+          self:event("retry", { id = T._id, step = "apply", reason = why })
+          self.policy.sleep(self.policy.backoff(tries))
+        elseif decision == "fail" then
+          return nil, op_failure(T, i, why)
+        else
+          local failure = op_failure(T, i, why)
+          local moved, err = self:cancel(T, failure.message)
+          if not moved then return nil, err end
+          return moved, nil, failure
+        end
+      end
+    end
+  end
+  return self:move(T, "commit", T.epoch)
+end
+
+-- Runs the state-changing step `name` (commit, done, cancel, cancelled)
+-- on T with the step's further arguments; returns T as it now is: as
+-- moved (the step returns it), or as read when somebody else moved it
+-- first.
+function Engine:move(T, name, ...)
+  local moved, err = self:step(name, T._id, self.tx, T._id, ...)
+  if moved == nil then return nil, err end
+  if moved then return live(moved) end
+  local now
+  now, err = self:get(T._id)
+  if now then return now end
+  return nil, err or errors.new("state", "no such transaction", { step = name, id = T._id })
+end
+
+-- pending (held) -> canceling, recording why.
+function Engine:cancel(T, reason)
+  return self:move(T, "cancel", T.epoch, reason)
+end
+
+-- applied -> done: pull every marker (delete removed documents), then done.
+function Engine:finish(T)
+  for _, op in ipairs(T.ops) do
+    local res, err = self:op_step(T, "finish", self:coll(op.collection), op)
+    if not res then return nil, err end
+  end
+  return self:move(T, "done")
+end
+
+-- Undoes op i of a canceling T where it was applied; after a takeover
+-- (epoch > 1) fences the document too.  Returns undo's result, or nil,
+-- err.
+function Engine:undo_op(T, i)
+  local op, coll = T.ops[i], self:coll(T.ops[i].collection)
+  local undone
+  for _ = 1, 3 do
+    local res, err = self:op_step(T, "undo", coll, op)
+    if not res then return nil, err end
+    undone = undone or res
+    -- an insert a former owner prepared would land after this undo
+    -- deleted the document: fence it too (a placeholder takes the _id)
+    if (T.epoch or 0) <= 1 or res.undone and op.kind ~= "insert" then break end
+    res, err = self:op_step(T, "fence", coll, op)
+    if not res then return nil, err end
+    if res.fenced then break end
+    -- the marker appeared between undo and fence: undo again
+  end
+  return undone
+end
+
+-- canceling -> cancelled: undo the applied ops in reverse order.  After a
+-- takeover (epoch > 1) a former owner may still hold a prepared apply, so
+-- documents not applied are fenced (their version moved) as well.
+function Engine:unwind(T)
+  for i = #T.ops, 1, -1 do
+    local _, err = self:undo_op(T, i)
+    if err then return nil, err end
+  end
+  return self:move(T, "cancelled")
+end
+
+local function cancelled_error(T)
+  return errors.new("cancelled", "the transaction was cancelled: " ..
+    tostring(T.reason or "no reason recorded"), { id = T._id, reason = T.reason })
+end
+
+-- Drives T to done or cancelled from whatever state it is in.  `versions`
+-- are those read before this manager claimed T, when it just did.
+function Engine:drive(T, versions)
+  local failure, err = self:fields_error(T)
+  if failure then return nil, failure end
+  for _ = 1, MAX_ROUNDS do
+    local state = T.state
+    if state == "done" or state == "cancelled" then
+      self.held[key(T._id)] = nil -- nothing left to fence
+      if state == "done" then return T end
+      return nil, failure or cancelled_error(T)
+    end
+    if state == "initial" then
+      versions, err = self:versions(T)
+      if not versions then return nil, err end
+      local claimed
+      claimed, err = self:claim(T, { state = "pending" })
+      if claimed == nil then return nil, err end
+      if not claimed then versions = nil end
+      T = claimed or self:get(T._id)
+    elseif state == "pending" then
+      if not self:holds(T) then
+        return nil, errors.new("owned", format("held by %s; recover() takes it " ..
+          "over once its lease expired", tostring(T.application)), { id = T._id })
+      end
+      if not versions then
+        local now
+        versions, now = self:confirmed_versions(T)
+        if versions == nil then return nil, now end
+        if not versions then T, versions = now, nil end
+      end
+      if versions then
+        local f
+        T, err, f = self:apply_all(T, versions)
+        failure = failure or f
+        versions = nil
+      end
+    elseif state == "applied" then
+      T, err = self:finish(T)
+    elseif state == "canceling" then
+      T, err = self:unwind(T)
+    else
+      return nil, errors.new("state", "unknown state " .. tostring(state), { id = T._id })
+    end
+    if not T then return nil, err end
+  end
+  return nil, errors.new("state", "the transaction did not settle", { id = T._id })
+end
+
+_M.op_failure, _M.failure_text = op_failure, failure_text
+
+return _M

@@ -1,0 +1,165 @@
+-- mongotx.ledger.accounts: what an account of mongotx.ledger is (an id
+-- that may be sent in a filter: check_account) and what the database says
+-- of it: its head and the entries after it (read), or what this ledger
+-- remembers of it (remember, guess).  The functions take the ledger (its
+-- entries and accounts collections, and its memory `known`).
+
+local core = require "mongotx.core"
+local errors = require "mongotx.errors"
+local validate = require "mongotx.validate"
+
+local check_id, id_key = validate.check_id, validate.id_key
+local ipairs, type, next, sort = ipairs, type, next, table.sort
+local format = string.format
+
+local _M = {}
+
+-- How many accounts a ledger remembers the last (seqId, balance) of; the
+-- memory starts afresh when it is full.
+local MAX_KNOWN = 100000
+
+-- nil and an `invalid` error of this step.
+function _M.invalid(message, step)
+  return nil, errors.new("invalid", message, { step = step })
+end
+local invalid = _M.invalid
+
+-- The account as sent in a filter and its key (validate.id_key), or nil,
+-- err; `i` numbers the change in the message.
+function _M.check_account(a, step, i)
+  local sent, key = check_id(a)
+  -- an empty document (or array: Lua cannot tell) is no condition to
+  -- some servers inside $elemMatch, where every read of an account goes
+  if sent ~= nil and type(sent) == "table" and next(sent) == nil then
+    sent, key = invalid("an account may not be an empty table", step)
+  end
+  if sent == nil then
+    key.step, key.message = step, format("account%s: %s", i and " " .. i or "", key.message)
+    return nil, key
+  end
+  return sent, key
+end
+
+-- The change of `entry` on the account with this key and its place in
+-- the list (0-based, as paths count), or nil.
+function _M.change_of(entry, key)
+  for i, c in ipairs(entry.changes or {}) do
+    if id_key(c.account) == key then return c, i - 1 end
+  end
+end
+
+-- Each account's entries after seq, read one seqId at a time by the
+-- whole key of the unique index (a lookup every server answers from the
+-- index; mongo-java-server scans the collection for anything else) while
+-- the tail is short, then the rest at once by $elemMatch (an index range
+-- on MongoDB).
+local WALK = 8
+
+-- The change of account `view` at seqId seq and its entry, or nil (the
+-- two path conditions may match two elements: the change is picked here).
+local function entry_at(self, view, seq)
+  local found, err = self.entries:find_all(core.doc("changes.account", view.account,
+                                                     "changes.seqId", seq))
+  if not found then return nil, err end
+  for _, e in ipairs(found) do
+    local c, at = _M.change_of(e, view.key)
+    if c and c.seqId == seq then return { entry = e, change = c, at = at } end
+  end
+  return false
+end
+
+-- Appends the entries of `view` after view.seq to view.tail, in seqId
+-- order; true or nil, err.
+local function read_tail(self, view)
+  for _ = 1, WALK do
+    local t, err = entry_at(self, view, view.seq + 1)
+    if t == nil then return nil, err end
+    if not t then return true end
+    view.tail[#view.tail + 1] = t
+    view.seq = view.seq + 1
+  end
+  local rest, err = self.entries:find_all({ changes = { ["$elemMatch"] = {
+    account = view.account, seqId = { ["$gt"] = view.seq } } } })
+  if not rest then return nil, err end
+  local more = {}
+  for _, e in ipairs(rest) do
+    local c, at = _M.change_of(e, view.key)
+    if c and c.seqId > view.seq then more[#more + 1] = { entry = e, change = c, at = at } end
+  end
+  sort(more, function(a, b) return a.change.seqId < b.change.seqId end)
+  for _, t in ipairs(more) do
+    view.tail[#view.tail + 1] = t
+    view.seq = t.change.seqId
+  end
+  return true
+end
+
+-- Sets view.head and view.head_balance of these views from their
+-- accounts' heads (nil where there is none), in one read; true or nil, err.
+local function read_heads(self, views)
+  local ids, by_key = {}, {}
+  for i, v in ipairs(views) do
+    ids[i], by_key[v.key] = v.account, v
+    v.head, v.head_balance = nil, nil
+  end
+  local heads, err = self.accounts:find_all({ _id = { ["$in"] = ids } })
+  if not heads then return nil, err end
+  for _, h in ipairs(heads) do
+    local v = by_key[id_key(h._id)]
+    if v then v.head, v.head_balance = h.seq, h.balance end
+  end
+  return true
+end
+
+-- What the database says of these accounts ({ account, key } tables):
+-- their heads in one read, then the entries after each.  Fills view.head
+-- and view.head_balance (the head, if any), view.seq (the last seqId
+-- taken), view.balance (head + every valid change after it) and
+-- view.tail (those changes with their entries, in seqId order).
+function _M.read(self, views)
+  local _, err = read_heads(self, views)
+  if err then return nil, err end
+  for _, v in ipairs(views) do v.seq, v.tail = v.head or 0, {} end
+  for _, v in ipairs(views) do
+    local ok
+    ok, err = read_tail(self, v)
+    if not ok then return nil, err end
+    v.balance = v.head_balance or 0
+    for _, t in ipairs(v.tail) do
+      if t.entry.state == "VALID" then v.balance = v.balance + t.change.value end
+    end
+  end
+  _M.remember(self, views)
+  return true
+end
+
+-- Notes the (seq, balance) of these views as the last known of their
+-- accounts.
+function _M.remember(self, views)
+  local known = self.known
+  for _, v in ipairs(views) do
+    if not known[v.key] then
+      if self.n_known >= MAX_KNOWN then known, self.n_known = {}, 0; self.known = known end
+      self.n_known = self.n_known + 1
+    end
+    known[v.key] = { v.seq, v.balance }
+  end
+end
+
+-- Fills the views from what this ledger remembers and, for the accounts
+-- it knows nothing of, from their heads (one read; none when it knows
+-- them all): a guess the unique index checks (see the top of mongotx.ledger).
+function _M.guess(self, views)
+  local unknown = {}
+  for _, v in ipairs(views) do
+    local k = self.known[v.key]
+    if k then v.seq, v.balance = k[1], k[2] else unknown[#unknown + 1] = v end
+  end
+  if #unknown == 0 then return true end
+  local ok, err = read_heads(self, unknown)
+  if not ok then return nil, err end
+  for _, v in ipairs(unknown) do v.seq, v.balance = v.head or 0, v.head_balance or 0 end
+  return true
+end
+
+return _M

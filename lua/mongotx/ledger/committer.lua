@@ -1,0 +1,191 @@
+-- mongotx.ledger.committer: the ledger's committer (commit: each change's
+-- cacheBal, the entries' proc, the accounts' heads) and its audit
+-- (reconcile: an account replayed from its first entry).  The functions
+-- take the ledger; mongotx.ledger makes them its methods.
+
+--- The ledger's committer and audit (its methods `L:commit` and `L:reconcile`).
+-- @submodule mongotx.ledger
+
+local core = require "mongotx.core"
+local errors = require "mongotx.errors"
+local validate = require "mongotx.validate"
+local options = require "mongotx.options"
+local acct = require "mongotx.ledger.accounts"
+
+local id_key = validate.id_key
+local crash_point, null = core.crash_point, core.null
+local invalid, check_account, change_of = acct.invalid, acct.check_account, acct.change_of
+local ipairs, sort, tostring = ipairs, table.sort, tostring
+local format = string.format
+
+local _M = {}
+
+local CALLER = 2
+
+-- Caches the balances of one account's entries after its head (`view`,
+-- as accounts.read left it), in seqId
+-- order: each change's cacheBal (a value every committer computes alike,
+-- so writing it twice is harmless), the
+-- entry's proc = COMMITTED once no change of it is left uncached, then
+-- the head.  Returns how many changes it cached; nil, err.
+local function commit_account(self, view)
+  local err
+  local seq, balance = view.head or 0, view.head_balance or 0
+  local cached, wc = 0, self.wopts
+  for _, t in ipairs(view.tail) do
+    local c, e = t.change, t.entry
+    if c.seqId ~= seq + 1 then break end -- a gap cannot happen (seqIds are taken max + 1)
+    seq, balance = c.seqId, balance + (e.state == "VALID" and c.value or 0)
+    if c.cacheBal == nil or c.cacheBal == null then
+      -- by its place in the list: an entry's changes never move (a
+      -- positional $ is not matched by every server for $elemMatch)
+      local path = "changes." .. t.at
+      local filter = { _id = e._id, [path .. ".seqId"] = seq }
+      crash_point("ledger.cache", "before")
+      local res
+      res, err = self.entries:update_one(filter, { ["$set"] = { [path .. ".cacheBal"] = balance } }, wc)
+      crash_point("ledger.cache", "after")
+      if not res then return nil, err end
+      cached = cached + 1
+    elseif c.cacheBal ~= balance then
+      return nil, errors.new("mismatch", format("entry %s caches %s for account %s at seqId %d, " ..
+        "its entries sum to %s", tostring(e._id), tostring(c.cacheBal), tostring(view.account),
+        seq, tostring(balance)), { step = "commit", id = e._id, account = view.account })
+    end
+    if e.proc ~= "COMMITTED" then
+      crash_point("ledger.commit", "before")
+      local res
+      res, err = self.entries:update_one({ _id = e._id, proc = "UNCOMMITTED",
+                                           ["changes.cacheBal"] = { ["$ne"] = null } },
+                                         { ["$set"] = { proc = "COMMITTED" } }, wc)
+      crash_point("ledger.commit", "after")
+      if not res then return nil, err end
+    end
+  end
+  if seq > (view.head or 0) then
+    crash_point("ledger.head", "before")
+    local res
+    res, err = self.accounts:update_one({ _id = view.account, seq = { ["$lt"] = seq } },
+      { ["$set"] = { seq = seq, balance = balance } }, { upsert = true, write_concern = wc.write_concern })
+    crash_point("ledger.head", "after")
+    -- a duplicate key: another committer moved the head as far or further
+    if not res and err.server_code ~= 11000 then return nil, err end
+  end
+  return cached
+end
+
+-- commit([{ account = a } | { limit = n }]): the committer.  With an
+-- account, caches that account's entries; else finds up to limit (default
+-- 1000) UNCOMMITTED entries, oldest first, and caches the accounts they
+-- touch.  Safe to run in several processes at once and to kill at any
+-- point.  Returns { accounts = n, cached = changes cached, uncommitted =
+-- entries still UNCOMMITTED among those seen }; nil, err.
+
+--- The committer: caches balances and marks entries COMMITTED.
+-- @syntax report, err = L:commit([{ limit = 1000 } | { account = a }])
+-- @tparam[opt] table opts `limit`, or `account`
+-- @treturn table `{ accounts, cached, uncommitted }`
+-- @errors database errors
+-- @usage assert(L:commit())
+-- @function Ledger:commit
+function _M.commit(self, opts)
+  local err
+  opts, err = options.check(opts, { account = true, limit = true }, "commit", CALLER)
+  if not opts then return nil, err end
+  if opts.account ~= nil and opts.limit ~= nil then
+    return invalid("commit takes an account or a limit, not both", "commit")
+  end
+  local accounts, seen = {}, nil
+  if opts.account ~= nil then
+    local sent, key = check_account(opts.account, "commit")
+    if sent == nil then return nil, key end
+    accounts[1] = { account = sent, key = key }
+  else
+    seen, err = self.entries:find_all({ proc = "UNCOMMITTED" },
+      { sort = core.doc("proc", 1, "ts", 1), limit = opts.limit or 1000 })
+    if not seen then return nil, errors.wrap(err, "commit") end
+    local keys = {}
+    for _, e in ipairs(seen) do
+      for _, c in ipairs(e.changes) do
+        local k = id_key(c.account)
+        if k and not keys[k] then
+          keys[k] = true
+          accounts[#accounts + 1] = { account = c.account, key = k }
+        end
+      end
+    end
+  end
+  local report = { accounts = #accounts, cached = 0, uncommitted = 0 }
+  if #accounts == 0 then return report end
+  local ok
+  ok, err = acct.read(self, accounts)
+  if not ok then return nil, errors.wrap(err, "commit") end
+  for _, view in ipairs(accounts) do
+    local n
+    n, err = commit_account(self, view)
+    if not n then return nil, errors.wrap(err, "commit") end
+    report.cached = report.cached + n
+  end
+  if seen and #seen > 0 then
+    local ids = {}
+    for i, e in ipairs(seen) do ids[i] = e._id end
+    report.uncommitted = self.entries:count({ _id = { ["$in"] = ids }, proc = "UNCOMMITTED" }) or 0
+  end
+  return report
+end
+
+-- reconcile(account): replays the account from its first entry.  Returns
+-- { balance, seq, ok, problems = { ... } }: ok when the seqIds run 1..seq
+-- without a gap, every cached balance (cacheBal, the head) equals the sum
+-- of the entries up to it, and balance() agrees with the replay at the
+-- seqId it gives (safe on a live ledger: see below); nil, err.
+
+--- Replays an account from its first entry and reports what disagrees.
+-- @syntax report, err = L:reconcile(account)
+-- @param account the account
+-- @treturn table `{ balance, seq, ok, problems }`
+-- @errors database errors
+-- @usage assert(L:reconcile("A").ok)
+-- @function Ledger:reconcile
+function _M.reconcile(self, account)
+  local sent, key = check_account(account, "reconcile")
+  if sent == nil then return nil, key end
+  -- The head, then balance(), then the entries: each read sees at least
+  -- what the one before saw (entries never change, and a head only moves
+  -- over entries that exist), so what writers and committers add meanwhile
+  -- lies after the seqIds compared and is no problem of the books.
+  local head, err = self.accounts:find_one({ _id = sent })
+  if err then return nil, errors.wrap(err, "reconcile") end
+  local now, now_seq = self:balance(sent)
+  if not now then return nil, now_seq end
+  local all
+  all, err = self.entries:find_all({ changes = { ["$elemMatch"] = { account = sent } } })
+  if not all then return nil, errors.wrap(err, "reconcile") end
+  local list = {}
+  for _, e in ipairs(all) do list[#list + 1] = { entry = e, change = change_of(e, key) } end
+  sort(list, function(a, b) return a.change.seqId < b.change.seqId end)
+  local problems, balance, at = {}, 0, { [0] = 0 }
+  for i, t in ipairs(list) do
+    local c = t.change
+    if c.seqId ~= i then
+      problems[#problems + 1] = format("seqId %d where %d was due", c.seqId, i)
+    end
+    if t.entry.state == "VALID" then balance = balance + c.value end
+    at[c.seqId] = balance
+    if c.cacheBal ~= nil and c.cacheBal ~= null and c.cacheBal ~= balance then
+      problems[#problems + 1] = format("cacheBal %s at seqId %d, the replay gives %s",
+        tostring(c.cacheBal), c.seqId, tostring(balance))
+    end
+  end
+  if head and at[head.seq] ~= head.balance then
+    problems[#problems + 1] = format("the head caches %s at seqId %s, the replay gives %s",
+      tostring(head.balance), tostring(head.seq), tostring(at[head.seq]))
+  end
+  if at[now_seq] ~= now then
+    problems[#problems + 1] = format("balance() gives %s, the replay %s", tostring(now),
+      tostring(at[now_seq]))
+  end
+  return { balance = balance, seq = #list, ok = #problems == 0, problems = problems }
+end
+
+return _M

@@ -1,0 +1,118 @@
+-- mongotx.resty.group: group commit (mongotx.group) in nginx, both sides:
+-- run_group runs a batch of grouped calls in a worker thread, and on the
+-- worker side new_group makes a manager's group (its driver in a timer),
+-- grouped sends a call to it and group_option reads db:manager's `group`.
+
+local core = require "mongotx.core"
+local group = require "mongotx.group"
+local wire = require "mongotx.resty.wire"
+
+local type, pairs, ipairs, select, tostring, error, pcall =
+  type, pairs, ipairs, select, tostring, error, pcall
+local pack, unpack, unpack_list, unpack_all = wire.pack, wire.unpack, wire.unpack_list, wire.unpack_all
+local reraise, call = wire.reraise, wire.call
+
+local _M = {}
+
+-- A batch of grouped calls (group_runner below): args[1] lists { m =
+-- <method>, a = <its arguments, pack()ed> }, args[2] is how long the
+-- driver waited.  Returns, pack()ed, one { ok = <the results, pack()ed> },
+-- { raise = <message> } or { again = true } per call, and the order they
+-- took effect in (mongotx.group.run_calls).
+local function run_group(tm, list, wait)
+  local calls = {}
+  for i, c in ipairs(list) do
+    local a, n = unpack_list(c.a)
+    a.method, a.n = c.m, n
+    calls[i] = a
+  end
+  local res, order = tm:run_calls(calls, wait)
+  if not res then return pack(2, nil, order) end -- no client of the pool came free
+  local out = {}
+  for i, r in ipairs(res) do
+    if r == group.AGAIN then
+      out[i] = { again = true }
+    elseif r.raise then
+      out[i] = { raise = r.raise }
+    else
+      out[i] = { ok = pack(r.n, unpack(r, 1, r.n)) }
+    end
+  end
+  return pack(2, out, order)
+end
+-- Group commit (mongotx.group): the worker side.  The driver runs in a
+-- timer of its own (ngx.timer.at 0), not in the coroutine of the handler
+-- that started it: a handler's coroutine ends with its request (a client
+-- abort under lua_check_client_abort, an ngx.exit in another of its
+-- threads), and a batch run there would leave its callers waiting.  A
+-- caller waits on a semaphore of its own.
+
+-- The batch runner: the calls of `items` as one tm:run_calls in one worker
+-- thread.  Returns one { ok = <results, pack()ed> } | { raise = msg } |
+-- group.AGAIN per item.
+local function group_runner(tm)
+  return function(items, info)
+    local list = {}
+    for i, item in ipairs(items) do list[i] = { m = item.method, a = item.args } end
+    -- the results and the order they took effect in, or nil and why not
+    local res, order = call(tm.db, 1, "group", tm.spec, nil, list, info.wait)
+    local out = {}
+    for i = 1, #items do
+      if not res then
+        out[i] = { ok = pack(2, nil, order) } -- overloaded, or no manager: each caller learns it
+      elseif res[i].again then
+        out[i] = group.AGAIN
+      else
+        out[i] = res[i]
+      end
+    end
+    return out, res and order
+  end
+end
+
+local function new_group(tm, o)
+  local ngx = ngx -- luacheck: ignore 113
+  local semaphore = require "ngx.semaphore"
+  return group.new {
+    max = o.max, delay = o.delay, run = group_runner(tm),
+    signal = semaphore.new,
+    spawn = function(fn) return ngx.timer.at(0, function() fn() end) end,
+    now = function()
+      ngx.update_time()
+      return ngx.now()
+    end,
+  }
+end
+
+-- tm:transfer and tm:run under group: the call joins its worker's next
+-- batch.  ngx.ctx.mongotx_group says which batch of this manager in this
+-- worker ran it ({ batch, position }: for logs).
+local function grouped(self, method, ...)
+  local ok, args = pcall(pack, select("#", ...), ...)
+  if not ok then
+    return nil, core.error({ code = "invalid", step = method,
+      message = "an argument cannot be sent to a worker thread: " .. tostring(args) })
+  end
+  local r, ticket = self.group:call({ method = method, args = args })
+  local ngx = ngx -- luacheck: ignore 113
+  ngx.ctx.mongotx_group = { batch = ticket.batch, position = ticket.position }
+  if r.raise then reraise(r.raise, 2) end
+  return unpack_all(r.ok)
+end
+
+-- The group option of db:manager: nil or false (off), or { max =, delay = }
+-- (each defaulting to GROUP_DEFAULT's).
+local GROUP_DEFAULT = { max = 100, delay = 0 }
+
+local function group_option(g)
+  if g == nil or g == false then return false end
+  if type(g) ~= "table" then error("option group of manager must be a table or false", 3) end
+  for k in pairs(g) do
+    if k ~= "max" and k ~= "delay" then error("unknown option group." .. tostring(k), 3) end
+  end
+  return { max = g.max or GROUP_DEFAULT.max, delay = g.delay or GROUP_DEFAULT.delay }
+end
+
+_M.run_group, _M.new_group, _M.grouped, _M.group_option = run_group, new_group, grouped, group_option
+
+return _M
