@@ -24,7 +24,7 @@ SPEC_ENV    = MONGOTX_CPATH="$(CURDIR)/$(BUILD)/?.so"
 SERVER     ?= memory
 WITH_SERVER = spec/support/with-server
 
-.PHONY: all setup test test-ferretdb test-luajit test-openresty memcheck asan fuzz fuzz-ci demo bench bench-openresty bench-memory bench-valgrind bench-scale torture torture-ci lint clean
+.PHONY: all setup test test-docs docs test-ferretdb test-luajit test-openresty memcheck asan fuzz fuzz-ci demo bench bench-openresty bench-memory bench-valgrind bench-scale torture torture-ci lint clean
 
 all: $(SO)
 
@@ -52,7 +52,7 @@ test-luajit: setup
 	@$(MAKE) --no-print-directory all LUA=luajit LUA_PC=luajit BUILD=build/luajit
 	MONGOTX_CPATH="$(CURDIR)/build/luajit/?.so" $(WITH_SERVER) $(SERVER) -- spec/support/busted-luajit $(BUSTED_ARGS)
 
-# mongotx.resty in real nginx (README, "OpenResty"): Debian's nginx with
+# mongotx.resty in real nginx (docs/openresty.md): Debian's nginx with
 # its Lua module, OpenResty's LuaJIT and the LuaJIT build; the spec starts
 # its own test server (it stops it with SIGSTOP) and nginx; spec/44 is
 # group commit (mongotx.group) in nginx.  About 2 minutes.
@@ -123,7 +123,7 @@ demo: setup
 # Benchmarks (bench/README.md): figures, not tests; each starts its own
 # server.  bench took 4-8 minutes before the recovery and ledger rows,
 # which add several (batch-1 recovery at +1 ms is slow); it rewrites the table in
-# bench/README.md and bench/throughput.png (BENCH_ARGS: --runs, --scale,
+# bench/results.md and bench/throughput.png (BENCH_ARGS: --runs, --scale,
 # --only, --loopback-only); its latency rows run through toxiproxy, which
 # setup.sh builds with Go the first time.  bench-memory checks that RSS
 # stays flat over 1 000 000 transfers; bench-valgrind runs 10 000 under
@@ -178,6 +178,21 @@ torture-ci:
 	@spec/support/setup.sh deps java ferretdb
 	@$(MAKE) --no-print-directory all
 	$(TORTURE) --ci $(TORTURE_ARGS)
+
+# Every Lua block of README.md and docs/ (each in a fresh Lua state after
+# spec/support/docs-prelude.lua; <!-- fragment: why --> blocks are only
+# syntax-checked) and every examples/ script, against a test server; about
+# 20 s (spec/support/test-docs.lua).
+test-docs: setup
+	@$(MAKE) --no-print-directory all
+	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- $(LUA) spec/support/test-docs.lua
+
+# The reference (LDoc, config.ld) into build/docs, then the check that
+# every public function has a doc comment and every documented one still
+# exists (spec/support/check-docs.lua: it makes the objects on a test server).
+docs: all
+	ldoc .
+	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- $(LUA) spec/support/check-docs.lua
 
 lint:
 	luacheck -q lua spec examples bin/mongotx $(wildcard bench torture fuzz)

@@ -40,6 +40,7 @@ build = {
   modules = {
     ["mongotx.core"] = {
       sources = {
+        "csrc/bulk.c",
         "csrc/checks.c", "csrc/checks_ops.c", "csrc/checks_update.c",
         "csrc/client.c", "csrc/collection.c", "csrc/core.c", "csrc/cursor.c",
         "csrc/decode.c", "csrc/encode.c", "csrc/error.c", "csrc/fault.c",

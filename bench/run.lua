@@ -1,7 +1,7 @@
 -- bench/run.lua: the driver of `make bench`.  Runs every mode against the
 -- server in MONGOTX_TEST_URI (spec/support/with-server starts one), each
 -- several times on a fresh database, prints the medians as a table and,
--- for a full run, writes that table into bench/README.md (between its
+-- for a full run, writes that table into bench/results.md (between its
 -- results markers) and plots bench/throughput.png with gnuplot.
 --
 --   lua5.4 bench/run.lua [--runs N] [--scale F] [--only key,key...] [--loopback-only]
@@ -9,7 +9,7 @@
 --   --runs   runs per mode (default 5; 3 for commit_many at batch 1000, the
 --            recovery and the process modes)
 --   --scale  multiplies every transfer count (default 1; e.g. 0.1 to try it)
---   --only   run these modes only (keys as printed); README and plot are
+--   --only   run these modes only (keys as printed); results.md and plot are
 --            left alone unless the run is full (no --only, scale 1, no
 --            --accounts)
 --   --accounts  accounts of the single-process modes (default 10 000; at
@@ -403,10 +403,10 @@ local summary = table.concat({
 print()
 print(summary)
 
--- README and plot ---------------------------------------------------------------------
+-- results.md and plot -----------------------------------------------------------------
 
 local function write_readme(text)
-  local path = "bench/README.md"
+  local path = "bench/results.md"
   local f = assert(io.open(path, "rb"))
   local doc = f:read("*a")
   f:close()
@@ -456,7 +456,7 @@ end
 if full then
   write_readme(summary)
   plot()
-  print("\nbench: wrote the table to bench/README.md and the plot to bench/throughput.png")
+  print("\nbench: wrote the table to bench/results.md and the plot to bench/throughput.png")
 end
 if failures > 0 then
   io.stderr:write(("bench: %d mode(s) failed (an error, or a wrong database afterwards)\n"):format(failures))

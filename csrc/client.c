@@ -698,6 +698,101 @@ client_set_read_preference(lua_State *L)
 	return 0;
 }
 
+/***
+ * The core's client handles.
+ * @module mongotx.core
+ */
+
+/***
+ * A client of the deployment (no round trip until its first call).
+ * @syntax client = core.connect(uri [, { appname, write_concern, read_preference, tls, pool }])
+ * @string uri a MongoDB URI
+ * @tparam[opt] table opts as `mongotx.connect` but `database`; `pool = true` takes a client of the process's pool
+ * @treturn userdata the client
+ * @errors raises on a bad URI or option
+ * @usage local client = core.connect("mongodb://127.0.0.1:27017")
+ * @function connect
+ */
+
+/***
+ * A collection handle.
+ * @syntax coll = client:collection(db, name)
+ * @string db the database
+ * @string name the collection
+ * @treturn userdata the collection
+ * @usage local accounts = client:collection("bank", "accounts")
+ * @function Client:collection
+ */
+
+/***
+ * Runs a database command.
+ * @syntax reply, err = client:command(db, command [, { read_preference, write_concern }])
+ * @string db the database
+ * @tparam table command a `core.doc` (the command name first)
+ * @tparam[opt] table opts
+ * @treturn table the server's reply
+ * @errors nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage local reply = assert(client:command("admin", core.doc("ping", 1)))
+ * @function Client:command
+ */
+
+/***
+ * Round trips and write statements sent since connect or `reset_counters`.
+ * @syntax c = client:counters()
+ * @treturn table `{ commands, writes }`
+ * @usage print(client:counters().commands)
+ * @function Client:counters
+ */
+
+/***
+ * The documents the server's find, getMore and aggregate replies carried since connect or `reset_counters`:
+ * what reads brought, not what the caller took from its cursors.
+ * @syntax n = client:returned()
+ * @treturn integer the documents
+ * @usage print(client:returned())
+ * @function Client:returned
+ */
+
+/***
+ * Sets the counters (and `returned`) to 0.
+ * @syntax client:reset_counters()
+ * @usage client:reset_counters()
+ * @function Client:reset_counters
+ */
+
+/***
+ * The figures of the pool a pooled client came from.
+ * @syntax figures = client:pool()
+ * @treturn ?table `{ id, pid, max_size, in_use, peak, pops }`, or nil for a client of its own
+ * @usage local p = client:pool()
+ * @function Client:pool
+ */
+
+/***
+ * The write concern of this client's calls from now on.
+ * @syntax client:set_write_concern(wc)
+ * @tparam table wc `{ w, j, wtimeout }`
+ * @errors raises on a bad value
+ * @usage client:set_write_concern({ w = "majority", j = true })
+ * @function Client:set_write_concern
+ */
+
+/***
+ * The read preference of this client's calls from now on.
+ * @syntax client:set_read_preference(mode)
+ * @string mode "primary", "secondary", "primaryPreferred", "secondaryPreferred" or "nearest"
+ * @errors raises on a bad mode
+ * @usage client:set_read_preference("primaryPreferred")
+ * @function Client:set_read_preference
+ */
+
+/***
+ * Closes the client (a pooled one goes back to its pool); its collections stay usable until closed.
+ * @syntax client:close()
+ * @usage client:close()
+ * @function Client:close
+ */
+
 int
 mtx_open_client(lua_State *L)
 {

@@ -92,6 +92,27 @@ cursor_tostring(lua_State *L)
 	return 1;
 }
 
+/***
+ * The core's cursor handles.
+ * @module mongotx.core
+ */
+
+/***
+ * The next document.
+ * @syntax doc, err = cursor:next()
+ * @treturn ?table the document, or nil at the end
+ * @errors nil, err: the C core's codes (`server`, `stream`, `server_selection`, `write_concern`, ...); a wrong Lua type raises
+ * @usage local doc = cursor:next()
+ * @function Cursor:next
+ */
+
+/***
+ * Releases the cursor.
+ * @syntax cursor:close()
+ * @usage cursor:close()
+ * @function Cursor:close
+ */
+
 int
 mtx_open_cursor(lua_State *L)
 {

@@ -233,6 +233,9 @@ MTX_HIDDEN mtx_collection *mtx_check_collection(lua_State *L, int idx);
 MTX_HIDDEN mongoc_collection_t *mtx_collection_handle(lua_State *L,
 						      mtx_collection *c);
 MTX_HIDDEN int mtx_open_collection(lua_State *L);
+/* ---- bulk.c ---- */
+/* coll:bulk_write, a method of the collections (collection.c). */
+MTX_HIDDEN int mtx_collection_bulk_write(lua_State *L);
 /* mtx_bulk_execute's flags: the bulk was ordered; items only for the
  * requests that failed or upserted (the others are ok). */
 #define MTX_BULK_ORDERED 1

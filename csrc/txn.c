@@ -17,7 +17,7 @@
  * deadline passed (lua/mongotx/manager.lua), so an apply fenced by the
  * deadline cannot run after a takeover either, nor after a recovery by a
  * writer that knows nothing of versions but waits for the transaction to
- * be stale (README, "Other writers"). */
+ * be stale (docs/ownership.md, "Other writers"). */
 #include <string.h>
 #include <time.h>
 

@@ -482,6 +482,164 @@ push_singleton(lua_State *L, bson_type_t t, const char *name)
 	lua_setfield(L, -2, name);
 }
 
+/***
+ * The C core: the Lua <-> BSON bridge, the connection handles and the
+ * protocol's steps. `require "mongotx"` re-exports the BSON constructors;
+ * the type mapping is in docs/bson.md.
+ * @module mongotx.core
+ */
+
+/***
+ * An ObjectId, new or from its hex form.
+ * @syntax v = core.ObjectId([hex])
+ * @string[opt] hex 24 hex digits
+ * @treturn userdata the value (`tostring`: `ObjectId("...")`)
+ * @errors raises on a malformed hex string
+ * @usage local id = core.ObjectId()
+ * @function ObjectId
+ */
+
+/***
+ * A BSON date.
+ * @syntax v = core.Date([ms])
+ * @int[opt] ms milliseconds since the epoch (default now)
+ * @treturn userdata the value
+ * @usage local d = core.Date(0)
+ * @function Date
+ */
+
+/***
+ * A BSON int64.
+ * @syntax v = core.Int64(n)
+ * @param n an integer, or a string of digits
+ * @treturn userdata the value
+ * @errors raises when n is not a whole number in range
+ * @usage local big = core.Int64("9007199254740993")
+ * @function Int64
+ */
+
+/***
+ * A BSON decimal128.
+ * @syntax v = core.Decimal128(s)
+ * @string s the number's text
+ * @treturn userdata the value
+ * @errors raises on text that is not a decimal
+ * @usage local price = core.Decimal128("9.99")
+ * @function Decimal128
+ */
+
+/***
+ * BSON binary data.
+ * @syntax v = core.Binary(bytes [, subtype])
+ * @string bytes the data
+ * @int[opt=0] subtype the binary subtype
+ * @treturn userdata the value
+ * @usage local b = core.Binary("\0\1")
+ * @function Binary
+ */
+
+/***
+ * A BSON regular expression.
+ * @syntax v = core.Regex(pattern [, options])
+ * @string pattern the expression
+ * @string[opt] options among `ilmsux`
+ * @treturn userdata the value
+ * @usage local r = core.Regex("^a", "i")
+ * @function Regex
+ */
+
+/***
+ * A BSON timestamp.
+ * @syntax v = core.Timestamp(t, i)
+ * @int t seconds
+ * @int i the increment
+ * @treturn userdata the value
+ * @usage local ts = core.Timestamp(1, 0)
+ * @function Timestamp
+ */
+
+/***
+ * Marks a table as an array, so that an empty one encodes as `[]`.
+ * @syntax t = core.array([t])
+ * @tparam[opt] table t the elements (default a new table)
+ * @treturn table t
+ * @usage local tags = core.array()
+ * @function array
+ */
+
+/***
+ * A document whose keys keep this order (sort specs, index keys, commands).
+ * @syntax d = core.doc(k1, v1, k2, v2, ...)
+ * @param ... keys and values
+ * @treturn table the document
+ * @usage local sort = core.doc("state", 1, "lastModified", 1)
+ * @function doc
+ */
+
+/***
+ * Encodes a table as BSON bytes.
+ * @syntax bytes = core.encode(t)
+ * @tparam table t a document
+ * @treturn string the BSON
+ * @errors raises on a value BSON cannot hold (with its path)
+ * @usage local bytes = core.encode({ a = 1 })
+ * @function encode
+ */
+
+/***
+ * Decodes BSON bytes into a table.
+ * @syntax t, err = core.decode(bytes)
+ * @string bytes BSON
+ * @treturn table the document (its metatable keeps key order and types)
+ * @errors `bson` for bytes that are not BSON
+ * @usage local t = core.decode(core.encode({ a = 1 }))
+ * @function decode
+ */
+
+/***
+ * The BSON type a Lua value encodes to.
+ * @syntax name = core.type(v)
+ * @param v any value
+ * @treturn string a `$type` name: "objectId", "date", "document", "array", ...
+ * @usage assert(core.type(core.Date()) == "date")
+ * @function type
+ */
+
+/***
+ * The key mongotx compares ids by: equal for two ids exactly when the server matches them as one `_id`.
+ * @syntax key, snapshot = core.id_key(v)
+ * @param v an id
+ * @treturn string the key
+ * @return the id as it is sent
+ * @errors nil, message for a value that is not an id; raises for one that cannot be encoded
+ * @usage assert(core.id_key(1) == core.id_key(1.0))
+ * @function id_key
+ */
+
+/***
+ * Blocks the process (OpenResty passes `ngx.sleep` as the policy's sleep instead).
+ * @syntax core.sleep(seconds)
+ * @number seconds
+ * @usage core.sleep(0.01)
+ * @function sleep
+ */
+
+/***
+ * A value's `$type` name.
+ * @syntax name = v:type()
+ * @treturn string
+ * @usage assert(core.ObjectId():type() == "objectId")
+ * @function Value:type
+ */
+
+/***
+ * A value's content as plain Lua (a Date's milliseconds, an ObjectId's hex, ...).
+ * @syntax x = v:value()
+ * @return the content
+ * @usage local ms = core.Date(5):value()
+ * @function Value:value
+ */
+
 int
 mtx_open_bson(lua_State *L)
 {

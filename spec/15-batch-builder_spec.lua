@@ -1,4 +1,4 @@
--- The batch builder (bench/README.md, "Client CPU and batch size"): each
+-- The batch builder (bench/README.md, "Where the time goes"): each
 -- op is encoded once (core.stored_ops) into the form the transaction
 -- document stores, the create sends that form as it is with the fields a
 -- batch shares added in C, and apply reads each op's filter and update

@@ -1,4 +1,4 @@
--- The `mongotx` command (bin/mongotx; README.md, "Operating mongotx"):
+-- The `mongotx` command (bin/mongotx; docs/operating.md):
 -- argument parsing (Debian's lua-argparse), the connection, and exit
 -- codes.  The subcommands are in mongotx.cli.commands; what they print in
 -- mongotx.cli.output, the progress bar in mongotx.cli.progress, ids on the
@@ -11,6 +11,9 @@
 -- 2 bad usage (unknown command or flag, a malformed id or value, a bad
 -- policy file, no URI or a malformed one).  Everything a command takes
 -- is checked before it connects, so bad usage writes nothing.
+
+--- The operator's command, `mongotx` (docs/operating.md).
+-- @module mongotx.cli
 
 local argparse = require "argparse"
 local mongotx = require "mongotx"
@@ -190,6 +193,19 @@ local function connect(o)
 end
 
 -- Runs the command line `argv` (a list of strings); returns the exit code.
+
+--- The `mongotx` command: `bin/mongotx` calls this (docs/operating.md).
+-- Commands: status, list, show, recover, rollback, compensate, unpark, prune;
+-- `mongotx --help` and `mongotx <command> --help` list their options. `status --prometheus` prints the backlog
+-- as Prometheus gauges; `recover --metrics-file PATH` writes them after every sweep (docs/metrics.md).
+-- SIGINT and SIGTERM stop `recover` and `prune` after the pass in hand (exit 130, 143).
+-- @syntax code = cli.main(argv); from a shell:
+--   mongotx [--uri URI] [--database DB] [--collection C] [--policy FILE.lua] [--json] COMMAND ...
+-- @tparam table argv the arguments (`arg`)
+-- @treturn integer the exit code: 0 ok, 1 something failed at run time, 2 bad usage, 130/143 stopped by SIGINT/SIGTERM
+-- @errors a message on stderr, and the exit code
+-- @usage -- shell: MONGOTX_URI=mongodb://db1:27017 mongotx --database bank recover --loop 10
+-- os.exit(require("mongotx.cli").main({ "--database", "bank", "status" }))
 function _M.main(argv)
   if not is_open(io.stderr) then return FAILED end
   if not is_open(io.stdout) then

@@ -32,6 +32,9 @@
 -- item whose transaction was pruned looks new to a re-run.  Jobs that may
 -- be re-run after that long put a guard in their ops (examples/06).
 
+--- Resumable batch jobs: the work of `tm:each` (docs/transactions.md#each).
+-- @module mongotx.each
+
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local options = require "mongotx.options"
@@ -304,6 +307,17 @@ end
 -- tm:each(source, fn, opts): see the header.  `level` is where misuse is
 -- reported, counted from this function (and passed on counted from the
 -- helper that gets it).
+
+--- What `tm:each` runs (call `tm:each`, documented in mongotx.manager).
+-- @syntax report, err = each.run(tm, source, fn, opts, level)
+-- @tparam table tm the manager
+-- @param source a list or a cursor
+-- @func fn the item's ops
+-- @tparam table opts as `tm:each`
+-- @int level where a misuse is reported
+-- @treturn table the report
+-- @errors as `tm:each`
+-- @usage local report = assert(tm:each(list, fn, { id = "job", key = key_of }))
 function _M.run(tm, source, fn, opts, level)
   if type(fn) ~= "function" then
     error("each: fn must be a function, not a " .. type(fn), level)

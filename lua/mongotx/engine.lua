@@ -85,7 +85,7 @@ local live, has_marker, mark = stored.live, stored.has_marker, stored.mark
 -- in, those it was begun with (recorded; for an older build's T, this
 -- manager's), and the steps bound to them: { marker, version, steps }.
 -- Every write and read of T's documents goes through it, whoever drives
--- T (README, "Data model").  A recorded name that is no field name (a
+-- T (docs/guards.md, "Data model").  A recorded name that is no field name (a
 -- hand-edited transaction, which validate.malformed and fields_error
 -- report first) raises.
 function Engine:form(T)

@@ -30,6 +30,9 @@
 -- signal():wait(seconds) returns when post() was called (true) or when the
 -- time is up (false); it and every call of g yield to the scheduler.
 
+--- Group commit: concurrent `tm:transfer` and `tm:run` calls run as one batch (docs/openresty.md#group-commit).
+-- @module mongotx.group
+
 local errors = require "mongotx.errors"
 local stored = require "mongotx.stored"
 local engine = require "mongotx.engine"
@@ -64,6 +67,16 @@ Group.__index = Group
 --   spawn(fn) -> ok, err: runs fn in a task of its own; when it cannot,
 --     the call runs as a batch of one in the caller's task
 --   now() -> seconds
+
+--- A group: the scheduler-neutral queue whose driver runs the calls queued as one batch.
+-- @syntax g = group.new{ run, signal, spawn, now [, max = 100] [, delay = 0] }
+-- @tparam table o `run(items, { wait })` (one result per item, `group.AGAIN` to put one off; optionally the order
+--   they took effect in), `signal()` (an object with `:wait(seconds)` and `:post()`), `spawn(fn)` (runs fn in a
+--   task of its own; false: the call runs alone), `now()` (seconds); `max` calls a batch, `delay` seconds the
+--   driver waits for them
+-- @treturn table the group
+-- @errors a bad option raises
+-- @usage local g = group.new{ run = run, signal = signal, spawn = spawn, now = now }
 function _M.new(o)
   if type(o) ~= "table" then error("group.new takes a table of options", 2) end
   for _, k in ipairs { "run", "signal", "spawn", "now" } do
@@ -150,6 +163,17 @@ end
 -- g:call(item) -> the runner's result for item, and the ticket ({ batch,
 -- position }: which batch of this group ran it, and where in the order
 -- its calls took effect).  Raises what the runner raised.
+
+--- @type Group
+
+--- Queues an item, waits for the batch that runs it, and returns its result.
+-- @syntax result, ticket = g:call(item)
+-- @param item what the runner gets for this call
+-- @return the runner's result for the item
+-- @treturn table the ticket: `{ batch, position }`, which batch of this group ran it and where in the order its
+--   calls took effect
+-- @errors raises what the runner raised
+-- @usage local result = g:call({ method = "transfer", n = 4, "accounts", "A", "B", 10 })
 function Group:call(item)
   local t = { item = item, at = self.now(), signal = self.signal(), done = false }
   local queue = self.queue
@@ -282,9 +306,21 @@ end
 -- A manager (mongotx, or mongotx.pool's) behind a group: group.wrap(tm,
 -- opts) with opts as group.new's but run (tm:run_calls).  Its transfer and
 -- run answer as tm's.
+
+--- For a program with its own scheduler.
+-- @section scheduler
 local Wrapped = {}
 Wrapped.__index = Wrapped
 
+--- A manager behind a group, for a program with its own scheduler: its `transfer` and `run` answer as `tm`'s.
+-- @syntax g = group.wrap(tm, { signal, spawn, now [, max = 100] [, delay = 0] })
+-- @tparam table tm a manager (mongotx's or mongotx.pool's)
+-- @tparam table opts as `group.new`'s, without `run`
+-- @treturn table an object with `g:transfer(...)` and `g:run(...)`, each answering exactly as the manager's
+--   call alone (its transaction, `nil, err`, or its raise), run in batches with the concurrent ones
+-- @errors a bad option raises; each call's errors are its own
+-- @usage local g = group.wrap(tm, { signal = signal, spawn = spawn, now = now })
+-- local t, err = g:transfer("accounts", "A", "B", 100, { min = 0 })
 function _M.wrap(tm, opts)
   if type(opts) ~= "table" then error("group.wrap takes a manager and a table of options", 2) end
   local o = {}

@@ -42,6 +42,9 @@
 -- mongotx.ledger.accounts reads accounts, mongotx.ledger.committer holds
 -- commit and reconcile.
 
+--- A ledger: transfers as log entries with per-account sequence ids; `db:ledger(opts)` (docs/ledger.md).
+-- @module mongotx.ledger
+
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
@@ -194,6 +197,16 @@ end
 
 -- balance(account): the reconciled balance and the last seqId taken
 -- (0, 0 for an account without entries); nil, err.
+
+--- @type Ledger
+
+--- An account's balance and its last seqId.
+-- @syntax balance, seq = L:balance(account)
+-- @param account the account
+-- @treturn integer the balance (0 without entries)
+-- @treturn integer the last seqId taken
+-- @errors nil, err: `invalid`, database errors
+-- @usage local balance, seq = assert(L:balance("A"))
 function Ledger:balance(account)
   present(account, "an account", "balance")
   local sent, key = check_account(account, "balance")
@@ -208,6 +221,13 @@ end
 
 -- The entry with this id, or nil; nil, err.
 -- (check_id, not check_tid: a counter-entry's id is a document.)
+
+--- The entry with this id.
+-- @syntax entry, err = L:get(id)
+-- @param id the entry's id
+-- @treturn ?table the entry, or nil
+-- @errors `invalid`, database errors
+-- @usage local e = L:get(id)
 function Ledger:get(id)
   present(id, "an entry id", "get")
   local sent, why = check_id(id)
@@ -362,6 +382,14 @@ end
 -- takes from must keep at least min.  An id makes the call safe to repeat
 -- (the same changes return the existing entry).  The entry, or nil, err
 -- (`invalid`, `guard`, `idempotency`, `contention`, or the server's).
+
+--- One entry moving each change's value on its account.
+-- @syntax entry, err = L:post(changes [, { id, min }])
+-- @tparam table changes `{ { account, value }, ... }`, each account once
+-- @tparam[opt] table opts `id` (a repeat returns the same entry), `min` (the floor of accounts taken from)
+-- @treturn table the entry
+-- @errors `invalid`, `guard`, `idempotency`, `contention`, `unsupported` (FerretDB v1), database errors
+-- @usage assert(L:post({ { account = "A", value = 1000 } }))
 function Ledger:post(changes, opts)
   local norm, err = check_changes(changes, "post")
   if not norm then return nil, err end
@@ -372,6 +400,16 @@ end
 
 -- transfer(from, to, amount [, { id, min }]): post of -amount on from and
 -- +amount on to.
+
+--- A post of -amount on `from` and +amount on `to`.
+-- @syntax entry, err = L:transfer(from, to, amount [, { id, min }])
+-- @param from the account debited
+-- @param to the account credited
+-- @int amount whole and positive
+-- @tparam[opt] table opts `id`, `min`
+-- @treturn table the entry
+-- @errors as post
+-- @usage local e, err = L:transfer("A", "B", 100, { min = 0, id = "order-1" })
 function Ledger:transfer(from, to, amount, opts)
   local ok, err = check_value(amount, "amount", "transfer", true)
   if not ok then return nil, err end
@@ -389,6 +427,14 @@ end
 -- is reversed at most once and repeating the call returns the same
 -- counter-entry.  Without min the reversal is not guarded: it corrects a
 -- mistake and must land.
+
+--- The counter-transfer of an entry, at most once.
+-- @syntax entry, err = L:reverse(id [, { min }])
+-- @param id the entry to reverse
+-- @tparam[opt] table opts `min` (unguarded by default)
+-- @treturn table the counter-entry (`reverses` = id)
+-- @errors `state` (no such entry), as post
+-- @usage assert(L:reverse(e._id))
 function Ledger:reverse(id, opts)
   present(id, "an entry id", "reverse")
   local err
@@ -413,6 +459,15 @@ end
 -- seqIds of its accounts after those before it in the list.  Returns the
 -- i-th entry, or false and its error; a transfer whose seqIds were taken
 -- meanwhile is retried with those after it.
+
+--- Transfers in one ordered bulk insert.
+-- @syntax entries = L:transfer_many(list [, { min }])
+-- @tparam table list `{ { from, to, amount }, ... }`
+-- @tparam[opt] table opts `min`
+-- @treturn table `entries[i]`: the entry, or false
+-- @treturn table `errs[i]`: its error, or false
+-- @errors per item; `invalid` for the whole list
+-- @usage L:transfer_many({ { from = "A", to = "B", amount = 5 } }, { min = 0 })
 function Ledger:transfer_many(list, opts)
   if type(list) ~= "table" then error("transfer_many needs a list", CALLER) end
   local n, err = list_length(list, "a batch", MAX_BATCH, "transfer_many")

@@ -7,6 +7,9 @@
 -- mongotx.engine (with mongotx.batch for batches), recovery is
 -- mongotx.recovery and the stepwise API mongotx.stepwise.
 
+--- The transaction manager: `db:manager(opts)` returns one (docs/transactions.md).
+-- @module mongotx.manager
+
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
@@ -102,6 +105,14 @@ end
 -- deployment, such as one lent by a pool: mongotx.pool) from now on; the
 -- handles made from its former client are dropped, so none is used from
 -- two threads.
+
+--- @type Manager
+
+--- Makes this manager's calls use another client of the same deployment.
+-- Used by mongotx.pool to lend a client per call; handles made from the former client are dropped.
+-- @syntax tm:use(client)
+-- @tparam userdata client a client of `mongotx.core.connect`
+-- @usage tm:use(pool_client)
 function Manager:use(client)
   self.db.client = client
   self.tx = client:collection(self.db.name, self.engine.vctx.collection)
@@ -120,6 +131,12 @@ function Manager:_get(id, step, level)
   return T
 end
 
+--- The transaction document with this id.
+-- @syntax T, err = tm:get(id)
+-- @param id a transaction id ([Ids](../docs/transactions.md#ids))
+-- @treturn ?table the document, or nil when there is none
+-- @errors nil, err: a database error (the C core's codes); an id that is not one raises
+-- @usage local T = tm:get("o-1")
 function Manager:get(id)
   return self:_get(id, "get", CALLER)
 end
@@ -137,6 +154,12 @@ function Manager:_load(t, step)
 end
 
 -- The server's clock (ms since the epoch), read now.
+
+--- The server's clock, read now.
+-- @syntax ms, err = tm:server_now()
+-- @treturn number milliseconds since the epoch
+-- @errors nil, err: a database error
+-- @usage local now = assert(tm:server_now())
 function Manager:server_now()
   return self.engine:server_now()
 end
@@ -146,6 +169,14 @@ end
 -- Checks ops and opts ({ id, meta }) as begin does, writing nothing:
 -- true, or nil and the error begin would return (mongotx.each checks its
 -- items so).
+
+--- Runs `begin`'s checks on ops and opts, writing nothing.
+-- @syntax ok, err = tm:check(ops [, { id, meta }])
+-- @tparam table ops the ops, as for `begin`
+-- @tparam[opt] table opts `id`, `meta`, as for `begin`
+-- @treturn boolean true when `begin` would take them
+-- @errors `invalid` (naming the op, id or meta), as `begin` returns it; a wrong Lua type raises
+-- @usage local ok, err = tm:check({ { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -5 } } } })
 function Manager:check(ops, opts)
   local spec, err = checks.spec(self, ops, opts, nil, "check", CALLER)
   if not spec then return nil, err end
@@ -155,6 +186,18 @@ end
 -- Creates the transaction (state initial) after checking every op.  With
 -- opts.id, repeating begin is safe: the same ops return the existing
 -- transaction, other ops are an `idempotency` error.
+
+--- Checks every op and inserts the transaction in state `initial`.
+-- @syntax t, err = tm:begin(ops [, { id = key, meta = table }])
+-- @tparam table ops a list of ops `{ collection, id, kind?, update?, undo?, doc?, where? }`
+-- @tparam[opt] table opts `id`: an idempotency key (the same ops again return the existing transaction); `meta`:
+--   stored on it
+-- @tparam[opt] table extra internal: fields `compensate` stores on the transaction
+-- @treturn table the transaction document
+-- @errors `invalid` (bad op, id or meta; nothing written), `idempotency` (the id was used for other ops), database
+--   errors
+-- @usage local t = assert(tm:begin({ { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -5 } }
+--   } }, { id = "o-1" }))
 function Manager:begin(ops, opts, extra)
   local spec, err = checks.spec(self, ops, opts, extra, "begin", CALLER)
   if not spec then return nil, err end
@@ -182,6 +225,14 @@ end
 
 -- Drives the transaction to done; nil, err when it ended cancelled (err
 -- says which op and why) or could not be driven.
+
+--- Drives a transaction to `done`.
+-- @syntax T, err = tm:commit(t)
+-- @tparam table t the transaction (from `begin`, or any table with its `_id`)
+-- @treturn table the final document, state `done`
+-- @errors `cancelled` (an op could not apply: `missing`, `guard`, `conflict`, ...; `err.reason`), `owned`,
+--   `state`, database errors
+-- @usage local done, err = tm:commit(t)
 function Manager:commit(t)
   local T, err = self:_load(t, "commit")
   if not T then return nil, err end
@@ -191,6 +242,15 @@ end
 -- begin + commit in one go, the fast way (batch.lua): the transaction is
 -- created pending and owned.  Returns it at `done` (or at `applied` with
 -- policy.finish = "deferred"), or nil, err.
+
+--- Begin and commit in one go, the fast way (one bulk write per collection).
+-- @syntax T, err = tm:run(ops [, { id, meta }])
+-- @tparam table ops the ops, as for `begin`
+-- @tparam[opt] table opts `id`, `meta`, as for `begin`
+-- @tparam[opt] table extra internal, as for `begin`
+-- @treturn table the transaction: `done`, or `applied` with `finish = "deferred"`
+-- @errors as `begin` and `commit`
+-- @usage local T = assert(tm:run(ops, { id = "o-2" }))
 function Manager:run(ops, opts, extra)
   local spec, err = checks.run_call(self, ops, opts, extra, CALLER)
   if not spec then return nil, err end
@@ -199,6 +259,17 @@ function Manager:run(ops, opts, extra)
   return nil, errs[1]
 end
 
+--- Moves `amount` of `field` from one document to another: `run` of two `$inc` ops.
+-- @syntax T, err = tm:transfer(collection, from, to, amount [, { field = "balance", min, id, meta }])
+-- @string collection the accounts' collection
+-- @param from the debited document's id
+-- @param to the credited document's id
+-- @number amount finite and positive
+-- @tparam[opt] table opts `field` (default `"balance"`), `min` (the debit's floor: guard `field >= min + amount`),
+--   `id`, `meta`
+-- @treturn table the transaction (`source`, `destination`, `value` on it)
+-- @errors `guard` (below `min`: nothing stays applied), `missing`, `invalid`, `idempotency`, `busy`, database errors
+-- @usage local T, err = tm:transfer("accounts", "A", "B", 100, { min = 0, id = "order-17" })
 function Manager:transfer(collection, from, to, amount, opts)
   local spec, err = checks.transfer_call(self, collection, from, to, amount, opts, CALLER)
   if not spec then return nil, err end
@@ -214,6 +285,14 @@ end
 -- "transfer" | "run", n = <argument count>, <the arguments> }; returns
 -- one result per call and the order they took effect in
 -- (group.run_calls), or nil, err when no client came free (a pool).
+
+--- Internal: the batch of mongotx.group's driver, concurrent `transfer` and `run` calls run as one.
+-- @syntax out, order = tm:run_calls(calls, wait)
+-- @tparam table calls `{ method = "transfer" | "run", n = <argument count>, <the arguments> }` each
+-- @number wait the seconds the driver waited for them
+-- @treturn table one result per call (as the call alone answers), and the order they took effect in
+-- @errors nil, err when no client of a pool came free
+-- @usage -- group.wrap(tm, ...) and mongotx.resty's group option call it
 function Manager:run_calls(calls, wait)
   local out, order = group.run_calls(self, calls, wait)
   return out, order
@@ -226,6 +305,14 @@ local many_options = { ops = true, id = true, meta = true }
 -- Returns results, errs: results[i] the transaction or false, errs[i]
 -- why not (false when it ran); an op that cannot apply cancels only its
 -- own transaction.
+
+--- Runs many transactions as one batch: one round trip per protocol step for the whole batch.
+-- @syntax results, errs = tm:commit_many(list)
+-- @tparam table list items: an ops list, or `{ ops =, id =, meta = }`
+-- @treturn table `results[i]`: the transaction, or false
+-- @treturn table `errs[i]`: its error, or false
+-- @errors per item, in `errs`: as `run`; a bad item writes nothing for itself only
+-- @usage local results, errs = tm:commit_many({ ops1, { ops = ops2, id = "o-3" } })
 function Manager:commit_many(list)
   return batches.run_batch(self, checks.batch_specs(list, "commit_many", function(item, i)
     local spec, err
@@ -247,6 +334,14 @@ for k in pairs(checks.transfer_options) do transfer_many_options[k] = true end
 
 -- tm:transfer for many: list[i] = { collection =, from =, to =, amount =
 -- [, field =, min =, id =, meta =] }; returns results, errs as commit_many.
+
+--- `commit_many` of transfers.
+-- @syntax results, errs = tm:transfer_many(list)
+-- @tparam table list items `{ collection =, from =, to =, amount = [, field, min, id, meta] }`
+-- @treturn table results, as `commit_many`
+-- @treturn table errs, as `commit_many`
+-- @errors per item, in `errs`
+-- @usage local results, errs = tm:transfer_many { { collection = "accounts", from = "A", to = "B", amount = 10 } }
 function Manager:transfer_many(list)
   return batches.run_batch(self, checks.batch_specs(list, "transfer_many", function(item, i)
     local opts, err = validate.options(item, transfer_many_options, "transfer_many item " .. i,
@@ -263,6 +358,17 @@ end
 -- `source` (a list or a cursor), fn(item) giving its ops (and meta), under
 -- ids derived from opts.id and opts.key(item); a re-run finishes what an
 -- earlier run left and skips what it did.  Returns a report, or nil, err.
+
+--- A resumable batch job: one transaction per item of `source`; run it again after a crash and it finishes.
+-- @syntax report, err = tm:each(source, fn, { id =, key = [, batch = 100, progress, wait] })
+-- @param source a list, or a cursor (anything with a `next` method)
+-- @func fn `fn(item)` returns the item's ops (and meta), or nil to leave it out
+-- @tparam table opts `id` (the job's), `key(item)` (unique within the run), `batch`, `progress(report)`, `wait`
+-- @treturn table the report: `items`, `batches`, `committed`, `recovered`, `skipped`, `excluded`, `cancelled`,
+--   `failed`, ...
+-- @errors `invalid` (bad option, key, ops; `err.report`: the report so far), database errors; misuse raises
+-- @usage local report = assert(tm:each(list, function(a) return ops_for(a) end, { id = "job-1", key = function(a)
+--   return a._id end }))
 function Manager:each(source, fn, opts)
   local report, err = each.run(self, source, fn, opts, HELPER_CALLER)
   return report, err
@@ -273,6 +379,11 @@ end
 -- markers and moves them to done, one round trip per collection and one
 -- for the states.  Returns how many, or nil, err (they stay `applied`,
 -- and recovery finishes them).
+
+--- Finishes the transactions that wait with `finish = "deferred"`.
+-- @syntax n = tm:finish()
+-- @treturn integer how many were finished
+-- @usage tm:finish()
 function Manager:finish()
   local list = self.finishing
   self.finishing = {}
@@ -281,6 +392,14 @@ end
 
 -- pending -> canceling -> cancelled, undoing what was applied.  A
 -- transaction never started ends cancelled at once.
+
+--- Cancels a transaction that has not committed, undoing its applied ops.
+-- @syntax ok, err = tm:rollback(t [, reason])
+-- @tparam table t the transaction
+-- @string[opt="rolled back"] reason stored on the transaction
+-- @treturn boolean true
+-- @errors `state` (committed: compensate it instead), `owned`, `invalid` (reason too long), database errors
+-- @usage assert(tm:rollback(t, "customer cancelled"))
 function Manager:rollback(t, reason)
   if reason ~= nil and type(reason) ~= "string" then error("reason must be a string", CALLER) end
   local T, err = self:_load(t, "rollback")
@@ -347,6 +466,13 @@ end
 
 -- A new transaction with the inverse ops of a committed one, linked by
 -- `compensates`.
+
+--- Undoes a committed transaction with a new one, at most once.
+-- @syntax T, err = tm:compensate(t)
+-- @tparam table t a `done` (or `applied`) transaction
+-- @treturn table the compensating transaction (`_id` `"compensates:<id>"`, `compensates` = the original id)
+-- @errors `state`, `cancelled`, a policy's message, database errors
+-- @usage local c = assert(tm:compensate(done))
 function Manager:compensate(t)
   local T, err = self:_load(t, "compensate")
   if not T then return nil, err end
@@ -374,6 +500,13 @@ end
 -- one round trip per step for the batch; batch = 1 drives each alone.
 -- Returns a report: { examined, done, cancelled, skipped, parked, failed,
 -- malformed, errors = { {id, error}, ... } }.
+
+--- One recovery pass: drives stale transactions to `done` or `cancelled` under the policies.
+-- @syntax report, err = tm:recover([{ limit = 1000, batch = 100 }])
+-- @tparam[opt] table opts `limit` (transactions read), `batch` (transactions a round trip)
+-- @treturn table `{ examined, done, cancelled, skipped, parked, failed, malformed, errors }`
+-- @errors `invalid` (bad option), database errors; per transaction in `report.errors`
+-- @usage local report = assert(tm:recover{ limit = 100 })
 function Manager:recover(opts)
   local err
   opts, err = validate.options(opts, { limit = true, batch = true }, "recover", CALLER)
@@ -385,6 +518,13 @@ end
 -- opts.older_than seconds); with opts.limit, only the `limit` oldest of
 -- them (a sweep in steps, as `mongotx prune` runs it); with opts.dry_run,
 -- none: it counts them.  Returns how many.
+
+--- Deletes `done` and `cancelled` transactions older than the retention.
+-- @syntax n, err = tm:prune([{ older_than = seconds, limit = n, dry_run = bool }])
+-- @tparam[opt] table opts `older_than` (default the `retention` policy), `limit`, `dry_run`
+-- @treturn integer how many were (or would be) deleted
+-- @errors `invalid`, database errors
+-- @usage local n = assert(tm:prune{ older_than = 3600 })
 function Manager:prune(opts)
   local now, err
   opts, err = validate.options(opts, { older_than = true, limit = true, dry_run = true },
@@ -455,6 +595,13 @@ end
 -- (for max_attempts more tries); its `reason` stays for the record.  Returns true, or nil, err:
 -- `state` when there is no such transaction or it is not parked (a
 -- finished one is not, whatever flag it carries).
+
+--- Clears `parked` and `attempts`, so that recovery takes the transaction up again.
+-- @syntax ok, err = tm:unpark(id)
+-- @param id the transaction's id
+-- @treturn boolean true
+-- @errors `state` (no such transaction, or not parked), database errors
+-- @usage assert(tm:unpark("o-1"))
 function Manager:unpark(id)
   local T, err = self:_get(id, "unpark", CALLER)
   if err then return nil, err end
@@ -479,6 +626,15 @@ end
 -- of a malformed transaction (validate.malformed: its op ids may not be
 -- fit for a filter) are not read: docs is empty and the third value says
 -- what is wrong.
+
+--- A transaction and what each of its op's documents carries now.
+-- @syntax T, docs, problem = tm:inspect(id)
+-- @param id the transaction's id
+-- @treturn ?table the transaction, or nil
+-- @treturn table per op `{ collection, id, exists, marker, version, held, removing }`
+-- @treturn ?string for a malformed transaction, what is wrong (docs is then empty)
+-- @errors nil, err: database errors
+-- @usage local T, docs = tm:inspect("o-1")
 function Manager:inspect(id)
   local T, err = self:_get(id, "inspect", CALLER)
   if not T then return nil, err end
@@ -498,9 +654,16 @@ function Manager:inspect(id)
   return T, docs
 end
 
--- tm:find: the filter checked as a where is (no code, no operator the
--- server would refuse), the options as the core's find_all takes them
--- with their values checked first (bad ones are `invalid`, not a raise).
+--- Transactions matching a filter.
+-- The filter holds what a `where` may, on any field (another operator,
+-- `$where` or `$expr` is `invalid`); option values are checked first.
+-- @syntax list, err = tm:find(filter [, opts])
+-- @tparam table filter a query on the transactions collection
+-- @tparam[opt] table opts as the core's `find_all`: `sort`, `limit` (1 to
+-- 2^31-1), `projection`, `skip`, `batch_size`, `read_preference`
+-- @treturn table a list of transaction documents
+-- @errors `invalid` (a bad filter or option value), database errors
+-- @usage local stuck = tm:find({ state = "pending" }, { limit = 10 })
 function Manager:find(filter, opts)
   if filter ~= nil and type(filter) ~= "table" then
     error("bad argument #1 to 'find' (table expected, got " .. type(filter) .. ")", CALLER)
@@ -526,6 +689,14 @@ Manager.stats, Manager.backlog = counts.stats, counts.backlog
 local STEPS = { claim = true, apply = "op", commit = true, finish = "op", done = true,
                 cancel = true, undo = "op", cancelled = true }
 
+--- One protocol step: claim, apply, commit, finish, done, cancel, undo, cancelled.
+-- @syntax result, err = tm:step(name, t [, i])
+-- @string name the step
+-- @tparam table t the transaction
+-- @int[opt] i the op's index, for apply, finish and undo
+-- @return the step's result (`claim`: the document or false; `apply`: `{ applied = true }`; ...)
+-- @errors `state` (out of order), `owned`, `fenced`, an op's reason, database errors
+-- @usage assert(tm:step("claim", t)); assert(tm:step("apply", t, 1))
 function Manager:step(name, t, i)
   if not STEPS[name] then error("unknown step " .. tostring(name), CALLER) end
   local T, err = self:_load(t, name)

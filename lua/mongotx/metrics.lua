@@ -1,6 +1,6 @@
 -- mongotx.metrics: counters and latency histograms fed from the engine's
 -- events (policy.on_event: the same call on every path, one at a time,
--- batched or recovering; README, "Metrics"), rendered in the Prometheus
+-- batched or recovering; docs/metrics.md), rendered in the Prometheus
 -- text exposition format (mongotx.metrics.exposition).
 --
 --   local metrics = require "mongotx.metrics"
@@ -19,6 +19,9 @@
 -- over the workers of an instance.  A key is "<family>\t<labels>\t<part>"
 -- (labels as rendered, part "" for a counter or gauge, "b<i>", "s" or "c"
 -- for a histogram's bucket i, sum and count), so any store renders alike.
+
+--- Counters and histograms of the engine's events, in the Prometheus text format (docs/metrics.md).
+-- @module mongotx.metrics
 
 local exposition = require "mongotx.metrics.exposition"
 local core = require "mongotx.core"
@@ -103,6 +106,10 @@ function Table:keys()
   return list
 end
 
+--- The default store: the figures in a table of this Lua state.
+-- @syntax store = metrics.table_store()
+-- @treturn table a store: `incr(key, n)`, `set(key, v)`, `get(key)`, `keys()`
+-- @usage local m = metrics.new{ store = metrics.table_store() }
 function _M.table_store()
   return setmetatable({ values = {} }, Table)
 end
@@ -117,6 +124,13 @@ Metrics.__index = Metrics
 
 -- new([opts]): opts.store (default a table store), opts.client (a
 -- mongotx.core client whose round trips to render; db.client).
+
+--- A registry of the figures.
+-- @syntax m = metrics.new([{ store, client }])
+-- @tparam[opt] table opts `store` where the figures live (default `metrics.table_store()`; mongotx.metrics.shared
+--   passes a shared dict's), `client` a core client whose round trips `render` reports (`db.client`)
+-- @treturn table the registry
+-- @usage local m = metrics.new{ client = db.client }
 function _M.new(opts)
   opts = opts or {}
   return setmetatable({ store = opts.store or _M.table_store(), client = opts.client,
@@ -125,6 +139,18 @@ end
 
 -- The key of a family's series (`labels` a list of name, value pairs);
 -- cached, so an event builds no string once its series was seen.
+
+--- @type Metrics
+
+--- Internal: the store key of a family's series (cached).
+-- @syntax k = m:key(family, app [, name2, value2 [, part]])
+-- @string family the metric's name
+-- @string app the application label
+-- @string[opt] name2 a second label's name
+-- @string[opt] value2 its value
+-- @string[opt] part a histogram's part: `"b<i>"`, `"s"`, `"c"`
+-- @treturn string the key
+-- @usage -- used by count and observe
 function Metrics:key(family, app, name2, value2, part)
   local by_app = self.keys[family]
   if not by_app then by_app = {}; self.keys[family] = by_app end
@@ -141,11 +167,28 @@ function Metrics:key(family, app, name2, value2, part)
   return k
 end
 
+--- Internal: adds n (default 1) to a counter's series.
+-- @syntax m:count(family, app [, name2, value2 [, n]])
+-- @string family the metric's name
+-- @string app the application label
+-- @string[opt] name2 a second label's name
+-- @string[opt] value2 its value
+-- @number[opt] n the increment
+-- @usage -- used by the events' handlers
 function Metrics:count(family, app, name2, value2, n)
   self.store:incr(self:key(family, app, name2, value2), n or 1)
 end
 
 -- One observation v of a histogram: its bucket, its sum, its count.
+
+--- Internal: one observation of a histogram.
+-- @syntax m:observe(family, app, name2, value2, v)
+-- @string family the metric's name
+-- @string app the application label
+-- @string name2 a second label's name, or nil
+-- @string value2 its value, or nil
+-- @number v the value observed
+-- @usage -- used by the events' handlers
 function Metrics:observe(family, app, name2, value2, v)
   local bounds = FAMILY[family][4]
   for i, b in ipairs(bounds) do
@@ -159,6 +202,11 @@ function Metrics:observe(family, app, name2, value2, v)
 end
 
 -- Timing: when this Lua state first saw a transaction (ms), by its key.
+
+--- Internal: starts timing a transaction (its create or first claim here).
+-- @syntax m:start(id)
+-- @param id the transaction's id
+-- @usage -- used by the create and claim events
 function Metrics:start(id)
   local k = key_of(id)
   if self.started[k] or self.older[k] then return end
@@ -168,6 +216,12 @@ function Metrics:start(id)
   self.started[k], self.timed = now_ms(), self.timed + 1
 end
 
+--- Internal: ends a transaction's timing and observes its seconds.
+-- @syntax m:stop(id, app, outcome)
+-- @param id the transaction's id
+-- @string app the application label
+-- @string outcome `"done"` or `"cancelled"`
+-- @usage -- used by the done and cancelled events
 function Metrics:stop(id, app, outcome)
   local k = key_of(id)
   local t0 = self.started[k] or self.older[k]
@@ -239,6 +293,13 @@ end
 -- An on_event for managers of application `app` that counts, then calls
 -- `chained` (the caller's own on_event, if any) with the same arguments:
 -- a failure of the counting never keeps it from the caller's.
+
+--- An `on_event` policy that counts the events of application `app`, then calls `chained`.
+-- @syntax f = m:on_event(app [, chained])
+-- @string app the manager's application
+-- @tparam[opt] function chained the caller's own `on_event`
+-- @treturn function the policy function
+-- @usage local tm = assert(db:manager{ application = "shop", on_event = m:on_event("shop") })
 function Metrics:on_event(app, chained)
   app = tostring(app or "mongotx")
   local m = self
@@ -251,6 +312,12 @@ end
 
 -- A copy of db:manager's options `opts` whose on_event counts into this
 -- registry and then calls opts.on_event.
+
+--- A copy of `db:manager`'s options whose `on_event` counts into this registry, then calls theirs.
+-- @syntax opts2 = m:wrap(opts)
+-- @tparam[opt] table opts the manager's options
+-- @treturn table the options to give `db:manager`
+-- @usage local tm = assert(db:manager(m:wrap{ application = "shop" }))
 function Metrics:wrap(opts)
   local out = {}
   for k, v in pairs(opts or {}) do out[k] = v end
@@ -260,6 +327,11 @@ end
 
 -- The figures in the exposition format (a string ending in a newline,
 -- or "" when there are none yet).
+
+--- The figures in the Prometheus text exposition format.
+-- @syntax text = m:render()
+-- @treturn string the text, ending in a newline (`""` before any event)
+-- @usage io.write(m:render())
 function Metrics:render()
   local store = self.store
   if self.client then

@@ -21,6 +21,9 @@
 -- own (its own `instance`; with finish = "deferred" its own queue, which
 -- tm:finish() drains for the slot the call lands on).
 
+--- One connection pool per process, for hosts with several Lua states (docs/openresty.md#one-pool-per-worker-process).
+-- @module mongotx.pool
+
 local core = require "mongotx.core"
 local options = require "mongotx.options"
 local manager = require "mongotx.manager"
@@ -45,6 +48,14 @@ Pooled.__index = Pooled
 -- tls }]): checks the options as mongotx.connect does (a wrong type
 -- raises, a bad value is nil, err), and takes and gives back one client,
 -- which makes the pool on first use and reports a URI libmongoc refuses.
+
+--- A database handle whose calls each take a client of the process's pool.
+-- @syntax db, err = pool.connect(uri [, opts])
+-- @string uri a MongoDB URI
+-- @tparam[opt] table opts as `mongotx.connect`
+-- @treturn table the handle
+-- @errors `invalid`, `client` (after the process's exit), database errors
+-- @usage local db = assert(require("mongotx.pool").connect(uri, { database = "bank" }))
 function _M.connect(uri, opts)
   local name, core_opts = options.connect_args(uri, opts, 2)
   if not name then return nil, core_opts end
@@ -58,12 +69,25 @@ end
 -- A client of the pool, the caller's until it closes it (a core client:
 -- collection, command, ...).  nil, err when none came free within the
 -- URI's waitQueueTimeoutMS.
+
+--- @type Database
+
+--- A client of the pool, the caller's until it closes it.
+-- @syntax client, err = db:client()
+-- @treturn userdata a core client
+-- @errors none came free within the URI's waitQueueTimeoutMS
+-- @usage local c = assert(db:client()); c:close()
 function Database:client()
   return core.connect(self.uri, self.core_opts)
 end
 
 -- The pool's figures (mongotx.core client:pool()), in_use not counting
 -- the client taken to read them.
+
+--- The pool's figures.
+-- @syntax figures, err = db:pool()
+-- @treturn table `{ id, pid, max_size, in_use, peak, pops }`
+-- @usage print(db:pool().in_use)
 function Database:pool()
   local client, err = self:client()
   if not client then return nil, err end
@@ -73,6 +97,10 @@ function Database:pool()
   return info
 end
 
+--- Does nothing: the pool lives as long as the process.
+-- @syntax db:close()
+-- @usage db:close()
+-- @function Database:close
 function Database.close() end -- the pool lives as long as the process
 
 -- Points slot's manager at client (Manager:use): the handles it made
@@ -105,6 +133,13 @@ local function reraise(err, level)
 end
 
 -- db:manager(opts): a pooled manager (opts as db:manager), or nil, err.
+
+--- A manager whose calls each run on a client of the pool; it has every method of mongotx's manager.
+-- @syntax tm, err = db:manager(opts)
+-- @tparam[opt] table opts as `db:manager`
+-- @treturn table the pooled manager
+-- @errors as `db:manager`
+-- @usage local tm = assert(db:manager{ application = "app" })
 function Database:manager(opts)
   local client, err = self:client()
   if not client then return nil, err end

@@ -17,13 +17,16 @@
 -- another worker gets `fenced` and changes nothing.  Delivery is
 -- at-least-once: a handler may run twice for one job (its worker stalled
 -- past the lease, or died after the effect and before done), so the
--- effect is exactly-once only when the handler is idempotent (README).
+-- effect is exactly-once only when the handler is idempotent (docs/queue.md).
 --
 -- Fields of a job: _id, type, details, priority, state, ts (server time
 -- from which a ready job may be claimed; claims take the highest priority,
 -- then the oldest ts), created, attempts (claims so far), epoch, worker,
 -- claimed and lease_until (the last claim), error (the last failure),
 -- result and finished (done), and for dead jobs `died`.
+
+--- A job queue in a collection: `db:queue(opts)` returns one (docs/queue.md).
+-- @module mongotx.queue
 
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
@@ -112,6 +115,15 @@ function _M.new(db, opts)
 end
 
 -- The server's time `seconds` from now, as a Date; nil, err.
+
+--- @type Queue
+
+--- Internal: the server's time `seconds` from now, as a Date.
+-- @syntax date, err = q:at(seconds)
+-- @number seconds from now
+-- @treturn userdata a Date
+-- @errors database errors
+-- @usage local when = assert(q:at(60))
 function Queue:at(seconds)
   local now, err = self.clock:now()
   if not now then return nil, err end
@@ -120,6 +132,15 @@ end
 
 -- Runs one write on the jobs between its crash points (queue.<step>,
 -- before and after), with the step named in its error.
+
+--- Internal: one write on the jobs between its crash points.
+-- @syntax ... = q:write(step, fn, ...)
+-- @string step the step's name (`push`, `claim`, ...)
+-- @func fn the write
+-- @param ... its arguments
+-- @return what fn returns
+-- @errors fn's, named with the step
+-- @usage -- used by push, claim, heartbeat, done, fail, requeue_stale
 function Queue:write(step, fn, ...)
   return points.write("queue", step, fn, self.jobs, ...)
 end
@@ -145,13 +166,24 @@ local function job_ref(job, step)
   return id, epoch
 end
 
--- The write of heartbeat, done or fail on the job held at `epoch` (and,
--- for fail, with `attempts` claims): true, or false when no job matched
--- (fenced, or a caller's edited attempts), or nil, err.
 local function held_filter(id, epoch, attempts)
   return { _id = id, epoch = epoch, state = "running", attempts = attempts }
 end
 
+-- The write of heartbeat, done or fail on the job held at `epoch` (and,
+-- for fail, with `attempts` claims): true, or false when no job matched
+-- (fenced, or a caller's edited attempts), or nil, err.
+
+--- Internal: the write of heartbeat, done or fail on the job held at `epoch`.
+-- @syntax ok, err = q:held_write(step, id, epoch, update [, attempts])
+-- @string step the step
+-- @param id the job's id
+-- @int epoch the claim's epoch
+-- @tparam table update the update
+-- @int[opt] attempts for fail: the claim count the job must have
+-- @treturn boolean true, or false when no job matched
+-- @errors database errors
+-- @usage -- used by heartbeat, done and fail
 function Queue:held_write(step, id, epoch, update, attempts)
   local res, err = self:write(step, self.jobs.update_one, held_filter(id, epoch, attempts),
     update, self.wopts)
@@ -161,6 +193,14 @@ end
 
 -- The `fenced` error of a job that is no longer held at `epoch`, saying
 -- what became of it.
+
+--- Internal: the `fenced` error of a job no longer held at `epoch`.
+-- @syntax err = q:fenced(step, id, epoch)
+-- @string step the step
+-- @param id the job's id
+-- @int epoch the claim's epoch
+-- @treturn table the error
+-- @usage -- used by heartbeat, done and fail
 function Queue:fenced(step, id, epoch)
   local doc, err = self.jobs:find_one({ _id = id }, { projection = { state = 1, epoch = 1 } })
   if err then return nil, errors.wrap(err, step) end
@@ -179,6 +219,15 @@ end
 -- whole number, higher first (default 0).
 local push_options = { id = true, at = true, priority = true }
 
+--- Inserts a `ready` job.
+-- @syntax job, err = q:push(type, details [, { id, at, priority }])
+-- @string kind the job type (the handler's name)
+-- @param details any storable value
+-- @tparam[opt] table opts `id` (pushing it again returns the same job), `at` (seconds from now), `priority`
+--   (higher first)
+-- @treturn table the job
+-- @errors `invalid`, `idempotency` (the id names another job), database errors
+-- @usage q:push("befriend", { a = "A", b = "B" }, { id = "A+B" })
 function Queue:push(kind, details, opts)
   if type(kind) ~= "string" then error("push: type must be a string", CALLER) end
   local why
@@ -245,6 +294,14 @@ end
 -- claim(worker [, types]): the ready job of the highest priority whose
 -- time came (oldest first), of one of these types, now running for
 -- `worker` with a lease; false when there is none, or nil, err.
+
+--- Takes the ready job of highest priority, oldest first, for `worker`, with a lease.
+-- @syntax job, err = q:claim(worker [, types])
+-- @string worker this worker's name
+-- @tparam[opt] table types the job types it takes
+-- @treturn table|boolean the job (`running`), or false when none is ready
+-- @errors database errors
+-- @usage local job = q:claim("w1")
 function Queue:claim(worker, types)
   if type(worker) ~= "string" then error("claim: worker must be a string", CALLER) end
   if not options.text_ok(worker) then
@@ -268,6 +325,13 @@ end
 -- heartbeat(job): extends the lease of a job this worker holds by
 -- `lease` seconds; the new end of the lease (a Date), or nil and a
 -- `fenced` error when the job was requeued or taken meanwhile.
+
+--- Extends the lease of a job this worker holds.
+-- @syntax until_, err = q:heartbeat(job)
+-- @tparam table job the claimed job
+-- @treturn userdata the lease's new end (a Date)
+-- @errors `fenced` (requeued or taken meanwhile), `invalid`, database errors
+-- @usage assert(q:heartbeat(job))
 function Queue:heartbeat(job)
   local id, epoch = job_ref(job, "heartbeat")
   if id == nil then return nil, epoch end
@@ -283,6 +347,14 @@ end
 -- done(job [, result]): the job this worker holds is done (result, any
 -- storable value, kept on it).  true; true again for a repeated done of
 -- the same claim; nil and `fenced` when the job was requeued or taken.
+
+--- Marks a job this worker holds `done`.
+-- @syntax ok, err = q:done(job [, result])
+-- @tparam table job the claimed job
+-- @param[opt] result kept on the job
+-- @treturn boolean true (also for a repeat of the same claim's done)
+-- @errors `fenced`, `invalid`, database errors
+-- @usage assert(q:done(job, { sent = true }))
 function Queue:done(job, result)
   local id, epoch = job_ref(job, "done")
   if id == nil then return nil, epoch end
@@ -324,6 +396,14 @@ end
 -- state ("ready" or "dead"), or nil and `fenced` (job requeued or taken),
 -- `invalid` (the job table's attempts are not its claim's) or `policy`
 -- (backoff raised or returned no duration): nothing written.
+
+--- Records a handler's failure: the job is ready again after the backoff, or dead.
+-- @syntax state, err = q:fail(job, err)
+-- @tparam table job the claimed job
+-- @param err the failure (kept as a string)
+-- @treturn string "ready" or "dead"
+-- @errors `fenced`, `invalid` (edited attempts), `policy` (backoff failed), database errors
+-- @usage q:fail(job, "smtp timeout")
 function Queue:fail(job, err)
   local id, epoch = job_ref(job, "fail")
   if id == nil then return nil, epoch end
@@ -370,6 +450,12 @@ end
 -- longest), or dead when they had max_attempts claims.
 -- Returns { requeued = n, dead = n }, or nil, err.  Safe to run anywhere,
 -- any time, by many processes: each change is one conditional write.
+
+--- Running jobs whose lease expired become ready (or dead after `max_attempts` claims).
+-- @syntax counts, err = q:requeue_stale()
+-- @treturn table `{ requeued, dead }`
+-- @errors database errors
+-- @usage local r = assert(q:requeue_stale())
 function Queue:requeue_stale()
   local now, err = self:at(0)
   if not now then return nil, err end
@@ -389,6 +475,13 @@ function Queue:requeue_stale()
 end
 
 -- The job with this id, or nil; nil, err.
+
+--- The job with this id.
+-- @syntax job, err = q:get(id)
+-- @param id the job's id
+-- @treturn ?table the job, or nil
+-- @errors database errors
+-- @usage local job = q:get("A+B")
 function Queue:get(id)
   local sent, why = validate.check_id(id)
   if sent == nil then return refused(why, "get") end
@@ -399,6 +492,12 @@ end
 
 -- The number of jobs in each state: { ready = n, running = n, done = n,
 -- dead = n }, or nil, err.
+
+--- The number of jobs in each state.
+-- @syntax counts, err = q:counts()
+-- @treturn table `{ ready, running, done, dead }`
+-- @errors database errors
+-- @usage local c = assert(q:counts())
 function Queue:counts()
   local out = {}
   for _, state in ipairs { "ready", "running", "done", "dead" } do
@@ -415,6 +514,14 @@ end
 -- does nil or false with an error beside it.  The outcome is recorded
 -- with the claim's own reference to the job, so that a handler that edits
 -- its job table cannot finish another job (or break the loop).
+
+--- Internal (used by `work`): runs a handler on a claimed job and records the outcome.
+-- @syntax outcome, err = q:run_one(handler, job)
+-- @func handler `handler(job, queue)`
+-- @tparam table job the claimed job
+-- @treturn string "done", "failed" or "dead"
+-- @errors `fenced`, database errors
+-- @usage -- see work
 function Queue:run_one(handler, job)
   local claimed = { _id = job._id, epoch = job.epoch, attempts = job.attempts }
   local ok, res, herr = pcall(handler, job, self)
@@ -445,6 +552,15 @@ local work_options = { worker = true, types = true, idle = true, poll = true,
 -- { done, failed, dead, fenced } counts, or those counts and err for a
 -- database failure or a backoff policy that failed, which ends the loop
 -- (that job stays running until its lease ends).
+
+--- A worker loop: claims jobs of the handlers' types and runs them.
+-- @syntax counts, err = q:work(handlers [, { worker, types, idle, poll, max_jobs, stop }])
+-- @tparam table handlers `handlers[type](job, queue)`: a result (done), or nil, err / a raise (fail)
+-- @tparam[opt] table opts `idle` (seconds with nothing to claim before it returns, default 0), `poll`, `max_jobs`,
+--   `stop()`
+-- @treturn table `{ done, failed, dead, fenced }`
+-- @errors the counts and err for a database or backoff failure
+-- @usage local r = q:work({ mail = send_mail }, { idle = 5 })
 function Queue:work(handlers, opts)
   if type(handlers) ~= "table" then error("work: handlers must be a table", CALLER) end
   local why

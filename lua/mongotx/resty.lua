@@ -21,7 +21,7 @@
 -- made for each connect and db:manager (by their options), and runs every
 -- call on a client of the process's pool.
 --
--- Limits (README, "OpenResty"): calls work where a handler may yield
+-- Limits (docs/openresty.md): calls work where a handler may yield
 -- (rewrite, access, content, ngx.timer); options of db:manager must be
 -- data (policy functions come from a module named by `policies`); each
 -- worker-thread VM holds its own managers (each its own `instance`).
@@ -29,6 +29,9 @@
 -- This module owns the thread side (thread()), the handles a handler
 -- holds (connect, db, tm) and recovery inside nginx; mongotx.resty.wire
 -- owns the crossing (pack, call), mongotx.resty.group group commit.
+
+--- The engine for nginx handlers, without blocking the worker (docs/openresty.md).
+-- @module mongotx.resty
 
 local core = require "mongotx.core"
 local pool = require "mongotx.pool"
@@ -200,6 +203,16 @@ end
 -- Returns "ok" and the results pack()ed, or "raise" and the message of
 -- what the call raised (a misuse: a wrong argument type, an unknown
 -- option).
+
+--- Internal: what `ngx.run_worker_thread` runs in a worker-thread VM.
+-- @syntax status, results = resty.thread(kind, spec, method, args)
+-- @string kind "call", "db" or the like
+-- @tparam table spec the handle's description
+-- @string method the method
+-- @string args the arguments, BSON-encoded
+-- @treturn string "ok" or "raise"
+-- @return the results, or the message raised
+-- @usage -- called by nginx, not by handlers
 function _M.thread(kind, spec, method, args)
   local ok, res = pcall(run, kind, spec, method, args)
   if ok then return "ok", res end
@@ -223,6 +236,14 @@ local resty_options = { thread_pool = true, wait = true, offload = true }
 -- 5) and offload (false: run every call in the worker itself, blocking it,
 -- as require "mongotx" does; for comparisons).  Makes this worker
 -- process's pool for the URI on first use (in a worker thread).
+
+--- A database handle for nginx handlers: every call runs in a worker thread.
+-- @syntax db, err = resty.connect(uri [, opts])
+-- @string uri a MongoDB URI
+-- @tparam[opt] table opts `mongotx.connect`'s plus `thread_pool` (default "mongotx"), `wait` (5 s), `offload` (true)
+-- @treturn table the handle
+-- @errors `invalid`, database errors
+-- @usage local db = assert(resty.connect(os.getenv("MONGOTX_URI"), { database = "bank" }))
 function _M.connect(uri, opts)
   if type(uri) ~= "string" then error("uri must be a string", 2) end
   if opts ~= nil and type(opts) ~= "table" then
@@ -259,6 +280,19 @@ local groups = {}
 -- each worker-thread VM requires; options given here win).  Plus `group`:
 -- false (the default), or { max = 100, delay = 0 }: tm:transfer and tm:run
 -- of concurrent handlers of this worker run as one batch (mongotx.group).
+
+--- @type Database
+
+--- A manager whose calls run in worker threads; every method of mongotx's manager but `step`.
+-- @syntax tm, err = db:manager(opts)
+-- @tparam[opt] table opts `db:manager`'s, as data; `policies` names a module of policy functions;
+--   `metrics` names a `lua_shared_dict` the events are counted in (`mongotx.metrics.shared`);
+--   `group`: `false` (the default) or `{ max = 100, delay = 0 }`, group commit of this worker's
+--   concurrent `tm:transfer` and `tm:run` calls (docs/openresty.md)
+-- @treturn table the manager
+-- @errors as `db:manager`; `overloaded` (every thread busy for `wait` seconds) from its calls;
+--   a bad `group` or `metrics` raises
+-- @usage local tm = assert(db:manager{ application = "bank", group = { max = 100, delay = 0 } })
 function Database:manager(opts)
   if opts ~= nil and type(opts) ~= "table" then
     error("options of manager must be a table, not " .. type(opts), 2)
@@ -303,11 +337,27 @@ end
 -- db:find(collection, filter [, opts]) -> list, db:count(collection,
 -- filter) -> n: reads of any collection of the database (opts as the
 -- core's find_all), for handlers that check input before a transaction.
+
+--- Reads documents of any collection, in a worker thread.
+-- @syntax list, err = db:find(collection, filter [, opts])
+-- @string collection the collection
+-- @tparam table filter the query
+-- @tparam[opt] table opts as `find_all`
+-- @treturn table the documents
+-- @errors `overloaded`, database errors
+-- @usage local found = assert(db:find("accounts", { _id = "A" }, { limit = 1 }))
 function Database:find(collection, filter, opts)
   if type(collection) ~= "string" then error("collection must be a string", 2) end
   return call(self, 1, "db", self.spec, "find", collection, filter, opts)
 end
 
+--- Counts documents of any collection, in a worker thread.
+-- @syntax n, err = db:count(collection, filter)
+-- @string collection the collection
+-- @tparam table filter the query
+-- @treturn integer the count
+-- @errors `overloaded`, database errors
+-- @usage local n = assert(db:count("accounts", {}))
 function Database:count(collection, filter)
   if type(collection) ~= "string" then error("collection must be a string", 2) end
   return call(self, 1, "db", self.spec, "count", collection, filter)
@@ -316,10 +366,19 @@ end
 -- db:pool() -> the figures of the pool of the worker process (or of the
 -- process, with offload = false) that the call ran on: mongotx.core's
 -- client:pool() (id, pid, max_size, in_use, peak, pops).
+
+--- The worker process's pool figures.
+-- @syntax figures, err = db:pool()
+-- @treturn table as `mongotx.pool`'s
+-- @usage print(db:pool().in_use)
 function Database:pool()
   return call(self, 1, "db", self.spec, "pool")
 end
 
+--- Does nothing: the pool lives as long as the worker process.
+-- @syntax db:close()
+-- @usage db:close()
+-- @function Database:close
 function Database.close() end -- the pool lives as long as the worker process
 
 -- tm:<method>(...) for every method of a manager but step (a stepwise
@@ -365,6 +424,17 @@ local recovery_options = { uri = true, connect = true, manager = true, every = t
 -- is called in the leader after each pass.  Returns a handle with
 -- :stop() (this worker stops trying; a leader gives its turn up), or
 -- raises on a misuse.
+
+--- Recovery inside nginx.
+-- @section recovery
+
+--- Runs `tm:recover` every `every` seconds in exactly one worker of the nginx instance.
+-- @syntax handle = resty.recovery{ uri, connect, manager, dict, every, limit, key, ttl, on_report }
+-- @tparam table opts `uri`, `connect` and `manager` options, `dict` (a lua_shared_dict), `every` (5 s), `limit`,
+--   `key`, `ttl`, `on_report(report, err, pid)`
+-- @treturn table a handle with `:stop()`
+-- @errors raises on a misuse
+-- @usage resty.recovery{ uri = os.getenv("MONGOTX_URI"), connect = { database = "bank" }, dict = "mongotx" }
 function _M.recovery(opts)
   local ngx = ngx -- luacheck: ignore 113
   if type(opts) ~= "table" then error("recovery takes a table of options", 2) end

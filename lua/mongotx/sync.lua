@@ -38,6 +38,9 @@
 -- failures repair leaves the document flagged (parked) for a person to
 -- look at, until a new change to it starts the count again.
 
+--- Sync flags: `db:sync(opts)` returns a handle on a master collection (docs/sync.md).
+-- @module mongotx.sync
+
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
@@ -115,6 +118,16 @@ end
 -- flag, or counts a failed attempt.  true, or nil, err
 -- (`propagation` with the reason, or the database's error).  `reruns`:
 -- how many rounds of rerun led here.
+
+--- @type Sync
+
+--- Internal (used by change and repair): runs propagate(master) and clears the flag.
+-- @syntax ok, err = s:settle(master [, reruns])
+-- @tparam table master the master as read
+-- @int[opt] reruns rounds of rerun so far
+-- @treturn boolean true
+-- @errors `propagation`, database errors
+-- @usage -- see change
 function Sync:settle(master, reruns)
   local ok, done, reason = pcall(self.propagate, master)
   if not ok then
@@ -152,6 +165,14 @@ end
 -- syncId, in one write, and unless this is round RERUNS, reads it back
 -- and settles it as it is now.  true when it is settled, gone, or left
 -- flagged for repair or a later change; nil, err as settle.
+
+--- Internal: flags a master that changed during its propagation again and settles it.
+-- @syntax ok, err = s:rerun(id, round)
+-- @param id the master's id
+-- @int round the round
+-- @treturn boolean true
+-- @errors as settle
+-- @usage -- see change
 function Sync:rerun(id, round)
   local token = core.ObjectId()
   local res, err = write("rerun", self.coll.update_one, self.coll, { _id = id },
@@ -172,6 +193,14 @@ end
 -- nil, err: `invalid` (nothing written), `missing` (no such master,
 -- nothing written), `propagation` (the change is made and stays flagged
 -- for repair), or the database's error.
+
+--- Applies an update to a master and flags it, then propagates and clears the flag.
+-- @syntax master, err = s:change(id, update)
+-- @param id the master's id
+-- @tparam table update update operators (none on the module's fields)
+-- @treturn table the master as read back
+-- @errors `invalid`, `missing` (nothing written), `propagation` (changed, stays flagged for repair), database errors
+-- @usage local user, err = users:change("ada", { ["$set"] = { name = "Ada King" } })
 function Sync:change(id, update)
   local kind = type(id)
   if id == nil or kind == "function" or kind == "thread" then
@@ -225,6 +254,13 @@ local repair_options = { older_than = true, limit = true }
 -- ago (by the server's clock; default 60) and not parked, oldest first, at
 -- most `limit` (default 100).  Returns { repaired = n, failed = { err,
 -- ... }, parked = masters left flagged after max_attempts }, or nil, err.
+
+--- Propagates again for the masters flagged more than `older_than` seconds ago.
+-- @syntax report, err = s:repair([{ older_than = 60, limit = 100 }])
+-- @tparam[opt] table opts `older_than`, `limit`
+-- @treturn table `{ repaired, failed = { err, ... }, parked }`
+-- @errors `invalid`, database errors
+-- @usage local report = assert(users:repair{ older_than = 60 })
 function Sync:repair(opts)
   local err
   opts, err = validate.options(opts, repair_options, "repair", CALLER)

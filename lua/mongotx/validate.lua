@@ -151,7 +151,7 @@ function _M.check_tid(id)
   end
   if type(sent) == "string" and sent:sub(1, #stored.MARK_PREFIX) == stored.MARK_PREFIX then
     return invalid(string.format("a transaction id may not start with %q " ..
-      "(mongotx's marks: README, \"Data model\")", stored.MARK_PREFIX))
+      "(mongotx's marks: docs/guards.md, \"Data model\")", stored.MARK_PREFIX))
   end
   return sent, key
 end

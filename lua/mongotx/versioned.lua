@@ -42,6 +42,9 @@
 -- are invisible (dead) and the next gc deletes them, which is why dead
 -- version numbers stay listed in the root (a few bytes each).
 
+--- Versioned structures: `db:versioned(opts)` (docs/versioned.md).
+-- @module mongotx.versioned
+
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
@@ -122,6 +125,15 @@ end
 -- in one write (after one more creating the root at version 0 when it
 -- does not exist).  Returns a writer that started from the root's published
 -- version, or nil, err.
+
+--- @type Versioned
+
+--- A writer: takes a version number of the root and registers it as open.
+-- @syntax w, err = v:begin(root)
+-- @param root the root's id
+-- @treturn table the writer (`w.base`, `w.version`)
+-- @errors `invalid`, `malformed`, `contention`, database errors
+-- @usage local w = assert(trees:begin("home"))
 function Versioned:begin(root)
   local sent, err = root_id(root, "begin")
   if sent == nil then return nil, err end
@@ -214,6 +226,17 @@ end
 
 -- w:put(item, doc): the item's new content (a table, read raw; keys may
 -- not be operators or hold dots).  true, or nil, err.
+
+--- @type Writer
+
+--- Inserts this writer's version of an item.
+-- @syntax ok, err = w:put(item, doc)
+-- @param item the item's id
+-- @tparam table doc its content
+-- @treturn boolean true
+-- @errors `invalid` (also a document that does not fit in 16 MiB with the item's fields; nothing written),
+--   `state`, database errors
+-- @usage assert(w:put("notes", { name = "notes.txt" }))
 function Writer:put(item, doc)
   if type(doc) ~= "table" then error("put needs a document table", CALLER) end
   local ok, err = self:_insert("put", item, doc)
@@ -221,6 +244,13 @@ function Writer:put(item, doc)
 end
 
 -- w:delete(item): the item is absent from this version on (a tombstone).
+
+--- A tombstone: the item is absent from this version on.
+-- @syntax ok, err = w:delete(item)
+-- @param item the item's id
+-- @treturn boolean true
+-- @errors as put
+-- @usage assert(w:delete("readme"))
 function Writer:delete(item)
   local ok, err = self:_insert("delete", item, nil)
   return ok, err
@@ -232,6 +262,12 @@ end
 -- reply was lost): its items stay.  Again after an error, or after a
 -- publish that lost: does what is left (the abort is conditioned on the
 -- version being open, the delete deletes what is there).
+
+--- Gives the version up: moved to dead, its items deleted.
+-- @syntax ok, err = w:abandon()
+-- @treturn boolean true
+-- @errors `state` (it was published), database errors (call abandon again: it finishes the clean-up)
+-- @usage w:abandon()
 function Writer:abandon()
   local ok, err = true, nil
   if self.state ~= "abandoned" and self.state ~= "lost" then ok, err = usable(self, "abandon") end
@@ -265,6 +301,14 @@ end
 -- tells, or leave the version to gc).  Called again it answers the same:
 -- the version once published, `conflict` once lost or abandoned (a
 -- clean-up an error cut short is done again first).
+
+--- Publishes the version: one write to the root, on condition it is still at `w.base`.
+-- @syntax version, err = w:publish()
+-- @treturn integer the published version
+-- @errors `conflict` (another writer published first, gc aborted it, or this writer abandoned it: begin again),
+--   database errors (call publish again: it answers as if the error had not happened; again after an answer,
+--   the same answer)
+-- @usage local version, err = w:publish()
 function Writer:publish()
   if self.state == "published" then return self.version end
   if self.state == "abandoned" then
@@ -365,6 +409,13 @@ end
 -- { { id, version, doc }, ... } in item order }, each item at its highest
 -- visible version, deleted items left out.  A root nobody published is
 -- version 0 with no items.  nil, err.
+
+--- The structure as of the root's published version.
+-- @syntax tree, err = v:read(root)
+-- @param root the root's id
+-- @treturn table `{ version, items = { { id, version, doc }, ... } }`
+-- @errors database errors
+-- @usage local tree = assert(trees:read("home"))
 function Versioned:read(root)
   local sent, err = root_id(root, "read")
   if sent == nil then return nil, err end
@@ -426,6 +477,13 @@ local gc_options = { older_than = true }
 -- (dead numbers stay listed, so every pass visits those roots: a
 -- stalled writer may have inserted since).  Returns { aborted = n,
 -- removed = n item versions }, or nil, err.
+
+--- Aborts versions that can never publish or are older than `older_than`; deletes dead items.
+-- @syntax report, err = v:gc([{ older_than = 3600 }])
+-- @tparam[opt] table opts `older_than` seconds
+-- @treturn table `{ aborted, removed }`
+-- @errors database errors
+-- @usage trees:gc{ older_than = 3600 }
 function Versioned:gc(opts)
   local err
   opts, err = validate.options(opts, gc_options, "gc", CALLER)

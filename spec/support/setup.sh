@@ -34,11 +34,12 @@ die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
 # "a|b": either package will do (the first is installed when neither is).
 # luajit2 (OpenResty's LuaJIT, see do_openresty) replaces Debian's luajit and
 # is a drop-in for everything deps needs it for.
-# lua-argparse for bin/mongotx, tmux and lua-cjson for its spec (spec/50).
+# lua-argparse for bin/mongotx, tmux and lua-cjson for its spec (spec/50),
+# lua-ldoc and lua-markdown for make docs (the reference).
 PACKAGES=(lua5.4 liblua5.4-dev libmongoc-dev libbson-dev lua-busted lua-check
   luarocks "luajit|luajit2" "libluajit-5.1-dev|libluajit2-5.1-dev" valgrind
   gnuplot-nox pkg-config make gcc python3 default-jdk-headless maven
-  lua-argparse tmux lua-cjson)
+  lua-argparse tmux lua-cjson lua-ldoc lua-markdown)
 
 # clang 14 with libFuzzer and the sanitizer runtimes (-fsanitize=fuzzer
 # needs libclang-rt-14-dev), and what the harnesses link: Lua 5.4, libbson.

@@ -3,6 +3,9 @@
 -- (reconcile: an account replayed from its first entry).  The functions
 -- take the ledger; mongotx.ledger makes them its methods.
 
+--- The ledger's committer and audit (its methods `L:commit` and `L:reconcile`).
+-- @submodule mongotx.ledger
+
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
@@ -78,6 +81,14 @@ end
 -- touch.  Safe to run in several processes at once and to kill at any
 -- point.  Returns { accounts = n, cached = changes cached, uncommitted =
 -- entries still UNCOMMITTED among those seen }; nil, err.
+
+--- The committer: caches balances and marks entries COMMITTED.
+-- @syntax report, err = L:commit([{ limit = 1000 } | { account = a }])
+-- @tparam[opt] table opts `limit`, or `account`
+-- @treturn table `{ accounts, cached, uncommitted }`
+-- @errors database errors
+-- @usage assert(L:commit())
+-- @function Ledger:commit
 function _M.commit(self, opts)
   local err
   opts, err = options.check(opts, { account = true, limit = true }, "commit", CALLER)
@@ -129,6 +140,14 @@ end
 -- without a gap, every cached balance (cacheBal, the head) equals the sum
 -- of the entries up to it, and balance() agrees with the replay at the
 -- seqId it gives (safe on a live ledger: see below); nil, err.
+
+--- Replays an account from its first entry and reports what disagrees.
+-- @syntax report, err = L:reconcile(account)
+-- @param account the account
+-- @treturn table `{ balance, seq, ok, problems }`
+-- @errors database errors
+-- @usage assert(L:reconcile("A").ok)
+-- @function Ledger:reconcile
 function _M.reconcile(self, account)
   present(account, "an account", "reconcile")
   local sent, key = check_account(account, "reconcile")

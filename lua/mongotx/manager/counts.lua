@@ -3,6 +3,9 @@
 -- recovery has before it), as functions taking the manager, which
 -- mongotx.manager makes its methods; and the states they count.
 
+--- The manager's counts (its methods `tm:stats` and `tm:backlog`).
+-- @submodule mongotx.manager
+
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 
@@ -28,6 +31,13 @@ local OPEN = { initial = true, pending = true, applied = true, canceling = true 
 -- one round trip and one pass over the collection where there were seven
 -- counts, and seven scans on a server without secondary indexes
 -- (mongo-java-server).
+
+--- Counts of transactions by state, plus `parked`: one aggregation, one round trip.
+-- @syntax counts, err = tm:stats()
+-- @treturn table `{ initial, pending, applied, done, canceling, cancelled, parked }`
+-- @errors database errors; `server` when the documents carry 1 000 kinds of `parked`
+-- @usage local s = assert(tm:stats())
+-- @function Manager:stats
 function _M.stats(self)
   local name = self.engine.vctx.collection
   local reply, err = self.db.client:command(self.db.name, core.doc(
@@ -59,6 +69,13 @@ end
 -- reads), `stale` (those of them last changed more than stale_after
 -- seconds ago), `oldest` (seconds since the last change of the oldest
 -- open transaction, parked ones included; nil when none) and `oldest_id`.
+
+--- What recovery has to do, by the server's clock.
+-- @syntax b, err = tm:backlog()
+-- @treturn table `{ active, stale, oldest, oldest_id }`
+-- @errors database errors
+-- @usage local b = assert(tm:backlog())
+-- @function Manager:backlog
 function _M.backlog(self)
   local now, err = self.engine:server_now()
   if not now then return nil, err end

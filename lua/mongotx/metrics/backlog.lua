@@ -1,7 +1,7 @@
 -- The backlog of a transactions collection as Prometheus gauges, for
 -- node_exporter's textfile collector: `mongotx status --prometheus` prints
 -- them and `mongotx recover --metrics-file PATH` writes them after every
--- sweep (README, "Metrics").  Read with tm:stats() and tm:backlog(), by the
+-- sweep (docs/metrics.md).  Read with tm:stats() and tm:backlog(), by the
 -- server's clock; labelled with the database and the collection.
 
 local exposition = require "mongotx.metrics.exposition"

@@ -1,7 +1,7 @@
 -- mongotx.metrics in nginx: the figures of every worker process of an
 -- instance (and of their worker-thread VMs, where mongotx.resty runs the
 -- calls and so the events fire) summed in one lua_shared_dict, and a
--- handler that serves them (README, "Metrics").
+-- handler that serves them (docs/metrics.md).
 --
 --   # nginx.conf (http):  lua_shared_dict mongotx_metrics 1m;
 --   #   location = /metrics { content_by_lua_block {
@@ -16,6 +16,9 @@
 -- first, so counting needs no room).  The keys are bounded (families x
 -- applications x reasons x buckets): 1m holds them for dozens of
 -- applications.
+
+--- mongotx.metrics in nginx: every worker's figures summed in one `lua_shared_dict` (docs/metrics.md#in-nginx).
+-- @module mongotx.metrics.shared
 
 local metrics = require "mongotx.metrics"
 local exposition = require "mongotx.metrics.exposition"
@@ -66,6 +69,13 @@ end
 local registries = {}
 
 -- The mongotx.metrics registry of this Lua state over the dict `name`.
+
+--- The mongotx.metrics registry of this Lua state over a shared dict.
+-- @syntax m = shared.new(name)
+-- @string name the `lua_shared_dict`'s name
+-- @treturn table the registry (`m:wrap`, `m:render`, as mongotx.metrics's)
+-- @errors no such dict raises
+-- @usage local m = require("mongotx.metrics.shared").new("mongotx_metrics")
 function _M.new(name)
   local m = registries[name]
   if m then return m end
@@ -79,6 +89,13 @@ end
 -- db:manager's options with `metrics` (a dict's name) replaced by an
 -- on_event that counts into that dict, then calls opts.on_event.
 -- mongotx.resty calls it where the manager is made.
+
+--- `db:manager`'s options with `metrics` (a dict's name) replaced by an `on_event` that counts there.
+-- @syntax opts2 = shared.wrap(opts)
+-- @tparam table opts the manager's options, `metrics` naming the dict
+-- @treturn table the options (`on_event` counts, then calls `opts.on_event`)
+-- @errors no such dict raises
+-- @usage local tm = assert(db:manager(shared.wrap{ application = "bank", metrics = "mongotx_metrics" }))
 function _M.wrap(opts)
   local name = opts.metrics
   opts.metrics = nil
@@ -86,6 +103,12 @@ function _M.wrap(opts)
 end
 
 -- The dict's figures in the exposition format: a content handler.
+
+--- A content handler: the dict's figures in the exposition format.
+-- @syntax shared.serve(name)
+-- @string name the `lua_shared_dict`'s name
+-- @errors no such dict raises
+-- @usage -- location = /metrics { content_by_lua_block { require("mongotx.metrics.shared").serve("mongotx_metrics") } }
 function _M.serve(name)
   local ngx = ngx -- luacheck: ignore 113
   local text = _M.new(name):render()
