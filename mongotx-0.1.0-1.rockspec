@@ -67,6 +67,7 @@ build = {
     ["mongotx.manager.checks"] = "lua/mongotx/manager/checks.lua",
     ["mongotx.manager.batches"] = "lua/mongotx/manager/batches.lua",
     ["mongotx.manager.counts"] = "lua/mongotx/manager/counts.lua",
+    ["mongotx.manager.operate"] = "lua/mongotx/manager/operate.lua",
     ["mongotx.validate"] = "lua/mongotx/validate.lua",
     ["mongotx.options"] = "lua/mongotx/options.lua",
     ["mongotx.errors"] = "lua/mongotx/errors.lua",

@@ -1,0 +1,283 @@
+-- mongotx.manager.operate: what is done to one transaction from outside
+-- its run: rollback (before commit), compensate (after), and what an
+-- operator runs on the transactions collection: prune, unpark, inspect.
+-- Methods of the Manager class (mongotx.manager adds `methods` to it), and
+-- compensation_id.
+
+--- The manager's operator methods.
+-- @submodule mongotx.manager
+
+local core = require "mongotx.core"
+local errors = require "mongotx.errors"
+local validate = require "mongotx.validate"
+local options = require "mongotx.options"
+local stored = require "mongotx.stored"
+local counts = require "mongotx.manager.counts"
+
+local key = validate.tid_key
+local ipairs, pairs, type, tostring = ipairs, pairs, type, tostring
+local format = string.format
+
+local ACTIVE = counts.ACTIVE
+
+-- A misuse is reported at the caller of the public method (mongotx.manager).
+local CALLER = 2
+
+local _M = {}
+
+--- @type Manager
+local Manager = {}
+_M.methods = Manager
+
+-- pending -> canceling -> cancelled, undoing what was applied.  A
+-- transaction never started ends cancelled at once.
+
+--- Cancels a transaction that has not committed, undoing its applied ops.
+-- @syntax ok, err = tm:rollback(t [, reason])
+-- @tparam table t the transaction
+-- @string[opt="rolled back"] reason stored on the transaction
+-- @treturn boolean true
+-- @errors `state` (committed: compensate it instead), `owned`, `invalid` (reason too long), database errors
+-- @usage assert(tm:rollback(t, "customer cancelled"))
+function Manager:rollback(t, reason)
+  if reason ~= nil and type(reason) ~= "string" then error("reason must be a string", CALLER) end
+  local T, err = self:_load(t, "rollback")
+  if not T then return nil, err end
+  if reason ~= nil and core.check_value(reason) then
+    return nil, errors.new("invalid", "reason: " .. core.check_value(reason),
+      { step = "rollback", id = T._id })
+  end
+  if reason ~= nil and #reason > options.MAX_REASON then
+    return nil, errors.new("invalid", format("reason takes %d bytes, more than the %d that " ..
+      "fit in the transaction document", #reason, options.MAX_REASON),
+      { step = "rollback", id = T._id })
+  end
+  reason = reason or "rolled back"
+  if T.state == "initial" then
+    T, err = self.engine:move(T, "cancelled", "initial", T.epoch, reason)
+    if not T then return nil, err end
+  elseif T.state == "pending" then
+    if not self.engine:holds(T) then
+      local now
+      now, err = self.engine:server_now()
+      if not now then return nil, err end
+      local age = T.lastModified and (now - T.lastModified:value()) / 1000 or math.huge
+      if not self.policy.may_recover(T, age, self.engine:me()) then
+        return nil, errors.new("owned", format("held by %s until its lease expires",
+          tostring(T.application)), { step = "rollback", id = T._id })
+      end
+      local claimed
+      claimed, err = self.engine:claim(T, nil, now)
+      if claimed == nil then return nil, err end
+      if not claimed then
+        -- still as it was: its holder's deadline has not passed
+        local again = self.engine:get(T._id)
+        if again and again.state == T.state and again.epoch == T.epoch then
+          return nil, errors.new("owned", format("held by %s until its deadline",
+            tostring(T.application)), { step = "rollback", id = T._id })
+        end
+        return self:rollback(t, reason) -- it moved meanwhile: look again
+      end
+      T = claimed
+    end
+    T, err = self.engine:cancel(T, reason)
+    if not T then return nil, err end
+  end
+  if T.state == "applied" or T.state == "done" then
+    return nil, errors.new("state", "the transaction is committed: compensate it instead",
+      { step = "rollback", id = T._id })
+  end
+  local final
+  final, err = self.engine:drive(T, nil)
+  if final then return nil, errors.new("state", "the transaction committed meanwhile",
+    { step = "rollback", id = T._id }) end
+  if err.code == "cancelled" then return true end
+  return nil, err
+end
+
+-- The id of the transaction compensating the one with this id: derived
+-- from it, so it is created at most once however often (and from
+-- wherever) compensate is called.  A string, not a document: it becomes a
+-- marker, and FerretDB cannot $pull a document value.
+function _M.compensation_id(id)
+  return "compensates:" .. key(id)
+end
+
+-- A new transaction with the inverse ops of a committed one, linked by
+-- `compensates`.
+
+--- Undoes a committed transaction with a new one, at most once.
+-- @syntax T, err = tm:compensate(t)
+-- @tparam table t a `done` (or `applied`) transaction
+-- @treturn table the compensating transaction (`_id` `"compensates:<id>"`, `compensates` = the original id)
+-- @errors `state`, `cancelled`, a policy's message, database errors
+-- @usage local c = assert(tm:compensate(done))
+function Manager:compensate(t)
+  local T, err = self:_load(t, "compensate")
+  if not T then return nil, err end
+  if T.state == "applied" then
+    T, err = self.engine:drive(T, nil)
+    if not T then return nil, err end
+  end
+  if T.state ~= "done" then
+    return nil, errors.new("state", "only a committed transaction can be compensated",
+      { step = "compensate", id = T._id })
+  end
+  local ops, why = self.policy.compensation(T)
+  if not ops then
+    return nil, errors.new("invalid", why, { step = "compensate", id = T._id })
+  end
+  local C
+  C, err = self:begin(ops, { id = _M.compensation_id(T._id) }, { compensates = T._id })
+  if not C then return nil, err end
+  self.engine:event("compensate", { id = T._id, by = C._id })
+  return self:commit(C)
+end
+
+-- Finds stale transactions and drives each to done or cancelled under the
+-- policies (mongotx.recovery), opts.batch (default 100) at a time with
+-- one round trip per step for the batch; batch = 1 drives each alone.
+-- Returns a report: { examined, done, cancelled, skipped, parked, failed,
+-- malformed, errors = { {id, error}, ... } }.
+
+-- Deletes finished transactions older than the retention period (or
+-- opts.older_than seconds); with opts.limit, only the `limit` oldest of
+-- them (a sweep in steps, as `mongotx prune` runs it); with opts.dry_run,
+-- none: it counts them.  Returns how many.
+
+--- Deletes `done` and `cancelled` transactions older than the retention.
+-- @syntax n, err = tm:prune([{ older_than = seconds, limit = n, dry_run = bool }])
+-- @tparam[opt] table opts `older_than` (default the `retention` policy), `limit`, `dry_run`
+-- @treturn integer how many were (or would be) deleted
+-- @errors `invalid`, database errors
+-- @usage local n = assert(tm:prune{ older_than = 3600 })
+function Manager:prune(opts)
+  local now, err
+  opts, err = validate.options(opts, { older_than = true, limit = true, dry_run = true },
+    "prune", CALLER)
+  if not opts then return nil, err end
+  now, err = self.engine:server_now()
+  if not now then return nil, err end
+  local age = opts.older_than or self.policy.retention
+  local filter = {
+    state = { ["$in"] = { "done", "cancelled" } },
+    lastModified = { ["$lt"] = core.Date(math.floor(now - age * 1000)) },
+  }
+  if opts.dry_run then
+    local n
+    n, err = self.tx:count(filter)
+    if not n then return nil, errors.wrap(err, "prune") end
+    return opts.limit and math.min(n, opts.limit) or n
+  end
+  if opts.limit then
+    local list
+    list, err = self.tx:find_all(filter, { sort = { lastModified = 1 }, limit = opts.limit,
+                                           projection = { _id = 1 } })
+    if not list then return nil, errors.wrap(err, "prune") end
+    if #list == 0 then return 0 end
+    local ids = {}
+    for i, T in ipairs(list) do ids[i] = T._id end
+    -- with the conditions above still in the filter: one that moved
+    -- meanwhile is not deleted
+    filter._id = { ["$in"] = ids }
+  end
+  local ok
+  ok, err = self:_prune_placeholders(filter)
+  if not ok then return nil, err end
+  local res
+  res, err = self.tx:delete_many(filter, self.engine.wopts)
+  if not res then return nil, errors.wrap(err, "prune") end
+  return res.deleted
+end
+
+-- Deletes the placeholders (csrc/txn_ops.c, fence) of the cancelled
+-- transactions with insert ops among those prune is about to delete
+-- (`filter`): a former owner stalled for longer than the retention period
+-- is the risk this takes.  A placeholder that mongotx has written to since
+-- (it carries a marker field) is left alone, and so are malformed
+-- transactions.
+function Manager:_prune_placeholders(filter)
+  local only = { ["ops.kind"] = "insert" }
+  for k, v in pairs(filter) do only[k] = v end
+  only.state = "cancelled"
+  local list, err = self.tx:find_all(only)
+  if not list then return nil, errors.wrap(err, "prune") end
+  for _, T in ipairs(list) do
+    for _, op in ipairs(validate.malformed(T, self.engine.vctx) and {} or T.ops) do
+      if op.kind == "insert" then
+        local res
+        res, err = self.engine:coll(op.collection):delete_one({ _id = op.id,
+          [self.engine.fields.placeholder] = stored.mark(T),
+          [self.engine:form(T).marker] = { ["$exists"] = false } }, self.engine.wopts)
+        if not res then return nil, errors.wrap(err, "prune", T._id) end
+      end
+    end
+  end
+  return true
+end
+
+-- Clears `parked` on a transaction recovery gave up on, and its
+-- `attempts` and `triedAt`, so that recovery takes it up again at once
+-- (for max_attempts more tries); its `reason` stays for the record.  Returns true, or nil, err:
+-- `state` when there is no such transaction or it is not parked (a
+-- finished one is not, whatever flag it carries).
+
+--- Clears `parked` and `attempts`, so that recovery takes the transaction up again.
+-- @syntax ok, err = tm:unpark(id)
+-- @param id the transaction's id
+-- @treturn boolean true
+-- @errors `state` (no such transaction, or not parked), database errors
+-- @usage assert(tm:unpark("o-1"))
+function Manager:unpark(id)
+  local T, err = self:_get(id, "unpark", CALLER)
+  if err then return nil, err end
+  if not T then
+    return nil, errors.new("state", "no such transaction", { step = "unpark", id = id })
+  end
+  local res
+  res, err = self.tx:update_one({ _id = T._id, parked = true, state = ACTIVE },
+    { ["$unset"] = { parked = "", triedAt = "" }, ["$set"] = { attempts = 0 } }, self.engine.wopts)
+  if not res then return nil, errors.wrap(err, "unpark", T._id) end
+  if res.matched == 0 then
+    return nil, errors.new("state", "the transaction is not parked", { step = "unpark", id = T._id })
+  end
+  self.engine:event("unpark", { id = T._id })
+  return true
+end
+
+-- The transaction with this id and, for each of its ops, what that op's
+-- document carries now: { collection, id, exists, marker (the ids in the
+-- marker field), version, held (txHeld), removing (txRemoving) }.  Returns
+-- T, docs; nil when there is no such transaction; nil, err.  The documents
+-- of a malformed transaction (validate.malformed: its op ids may not be
+-- fit for a filter) are not read: docs is empty and the third value says
+-- what is wrong.
+
+--- A transaction and what each of its op's documents carries now.
+-- @syntax T, docs, problem = tm:inspect(id)
+-- @param id the transaction's id
+-- @treturn ?table the transaction, or nil
+-- @treturn table per op `{ collection, id, exists, marker, version, held, removing }`
+-- @treturn ?string for a malformed transaction, what is wrong (docs is then empty)
+-- @errors nil, err: database errors
+-- @usage local T, docs = tm:inspect("o-1")
+function Manager:inspect(id)
+  local T, err = self:_get(id, "inspect", CALLER)
+  if not T then return nil, err end
+  local eng, docs = self.engine, {}
+  local why = validate.malformed(T, eng.vctx)
+  if why then return T, docs, why end
+  local f, form = eng.fields, eng:form(T)
+  local projection = { [form.marker] = 1, [form.version] = 1, [f.held] = 1, [f.removing] = 1 }
+  for i, op in ipairs(T.ops) do
+    local doc
+    doc, err = eng:coll(op.collection):find_one({ _id = op.id }, { projection = projection })
+    if err then return nil, errors.wrap(err, "inspect", T._id) end
+    docs[i] = { collection = op.collection, id = op.id, exists = doc ~= nil,
+                marker = doc and doc[form.marker], version = doc and doc[form.version],
+                held = doc and doc[f.held], removing = doc and doc[f.removing] }
+  end
+  return T, docs
+end
+
+return _M
