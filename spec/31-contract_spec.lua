@@ -652,15 +652,19 @@ describe("#server the error rule at every public entry point", function()
   end)
   after_each(function() e.db:close() end)
 
+  -- a row whose set-up posts a ledger entry needs what the ledger needs
+  local no_ledger = helpers.ferretdb_lacks("a unique index inside an array of documents (the ledger refuses to post)")
   for _, row in ipairs(entry_points) do
     for k, v in ipairs(row.wrong) do
       it(row[1] .. ": wrong type " .. k .. " (" .. type(v) .. ") raises", function()
+        if row.setup == posted and no_ledger then pending(no_ledger) return end
         if row.setup then row.setup(e) end
         assert_raises(e, function() return row[2](e, v) end)
       end)
     end
     for k, v in ipairs(row.bad) do
       it(row[1] .. ": bad value " .. k .. " is invalid", function()
+        if row.setup == posted and no_ledger then pending(no_ledger) return end
         if row.setup then row.setup(e) end
         assert_refused(e, function() return row[2](e, v) end)
       end)
@@ -755,7 +759,9 @@ describe("#server the error rule at the command", function()
         local said, last = 0, nil
         for line in err:gmatch("[^\n]+") do
           if line:find("^mongotx: ") then said = said + 1 end
-          last = line
+          -- libmongoc's own log lines (FerretDB: "endSessions" refused as
+          -- the client closes) come after ours
+          if not line:find("^%d+/%d+/%d+ [%d:.]+: %[ *%d+%]: +%u+: ") then last = line end
         end
         assert.are.equal(1, said, what)
         assert.truthy(last and last:find("^mongotx: "), what)
