@@ -5,7 +5,8 @@
 -- order alternating per round so that drift hits both alike; prints the
 -- medians of requests/s and their difference, and what the events of one
 -- transfer cost in a worker (a loop of 20 000 transfers' events into the
--- shared dict).  Returns how many runs failed their database check.
+-- shared dict), and the CPU each request cost with metrics off and on.
+-- Returns how many runs failed their database check.
 
 local nginx = require "spec.support.nginx"
 
@@ -43,6 +44,7 @@ end
 
 return function(opts, env)
   local rate, failed, cost = { off = {}, on = {} }, 0, {}
+  local nginx_us, total_us = { off = {}, on = {} }, { off = {}, on = {} }
   for round = 1, opts.metrics do
     local order = round % 2 == 1 and { "off", "on" } or { "on", "off" }
     for _, mode in ipairs(order) do
@@ -53,23 +55,22 @@ return function(opts, env)
         threads = opts.threads, vms = 32, locations = COST,
         configure = "{ manager = " .. manager .. ", recovery = { every = 1 } }" })
       for _ = 1, 8 do n:request("POST", "/transfer", '{"from":"a1","to":"a2","amount":1}') end
-      local out = env.capture(string.format(
-        "BENCH_ACCOUNTS=%d BENCH_PATH=/transfer wrk -t 2 -c 16 -d %ds " ..
-        "-s bench/openresty-wrk.lua %s 2>&1", opts.accounts, opts.seconds, n:url("/")))
+      local r = env.measure(n, 16)
       if mode == "on" then
         local status, body = n:request("GET", "/_metrics_cost")
         if status == 200 then cost[#cost + 1] = tonumber(body) end
       end
       n:stop()
-      local r = {}
-      for k, v in out:gmatch("([%w_]+)=(%d+)") do r[k] = tonumber(v) end
       local ok, what = env.check(name)
-      if not r.requests then ok, what = false, "wrk: " .. out end
+      if not r.requests then ok, what = false, "wrk: " .. r.out end
       if not ok then failed = failed + 1 end
-      local rps = (r.requests or 0) / ((r.duration_us or 1) / 1e6)
-      rate[mode][#rate[mode] + 1] = rps
-      io.stderr:write(string.format("metrics %s, round %d: %.0f requests/s, %s\n", mode, round,
-        rps, (ok and "ok: " or "FAILED: ") .. what))
+      local total = 0
+      for _, k in ipairs(env.CPU) do total = total + r[k] end
+      rate[mode][#rate[mode] + 1], nginx_us[mode][#nginx_us[mode] + 1] = r.rps, r.nginx
+      total_us[mode][#total_us[mode] + 1] = total
+      io.stderr:write(string.format("metrics %s, round %d: %.0f requests/s, CPU a request: nginx " ..
+        "%.0f µs, all %.0f µs; %s\n", mode, round, r.rps, r.nginx, total,
+        (ok and "ok: " or "FAILED: ") .. what))
     end
   end
   local off, on = median(rate.off), median(rate.on)
@@ -81,5 +82,14 @@ return function(opts, env)
     "worker (median of %d loops of 20 000): at %.0f requests/s, %.2f %% of one core.",
     opts.metrics, opts.seconds, off, on, (on - off) / off * 100, rates(rate.off),
     rates(rate.on), us, #cost, off, us * off / 1e6 * 100))
+  -- The CPU each request cost, which load moves far less than requests/s:
+  -- the stack is CPU-bound on this machine, so the extra CPU a request
+  -- is the share of requests/s the metrics cost.
+  local n_off, n_on = median(nginx_us.off), median(nginx_us.on)
+  local t_off, t_on = median(total_us.off), median(total_us.on)
+  print()
+  print(string.format("CPU a request (medians): nginx %.0f µs off, %.0f on; the whole stack " ..
+    "(nginx, server, wrk) %.0f off, %.0f on: the metrics cost %+.1f %% of the CPU a request, so " ..
+    "of requests/s where the CPU bounds them.", n_off, n_on, t_off, t_on, (t_on - t_off) / t_on * 100))
   return failed
 end

@@ -13,7 +13,11 @@
 --
 --   luajit bench/openresty.lua [--seconds 4] [--accounts 100] [--threads 4]
 --                              [--runs 3] [--delay 0] [--loopback 1|0]
---                              [--metrics 3]
+--                              [--metrics 3] [--workers 1|2] [--conns n]
+--
+-- --workers and --conns run one of those only.  A second table gives the
+-- CPU each request cost nginx, the server, wrk and toxiproxy: on 2 cores
+-- shared by all four, their sum bounds the requests/s of either mode.
 --
 -- Then the cost of mongotx.metrics.shared (bench/openresty-metrics.lua):
 -- --metrics rounds (0: none) with the manager's metrics off and on.
@@ -29,15 +33,18 @@ local core = require "mongotx.core"
 local server = require "spec.support.server"
 local nginx = require "spec.support.nginx"
 local latency = require "bench.latency"
+local cpu = require "bench.servercpu"
 
-local opts = { seconds = 4, accounts = 100, threads = 4, runs = 3, delay = 0, loopback = 0, metrics = 3 }
+local opts = { seconds = 4, accounts = 100, threads = 4, runs = 3, delay = 0, loopback = 0, metrics = 3,
+               workers = 0, conns = 0 }
 do
   local i = 1
   while arg[i] do
     local name = arg[i]:match("^%-%-(%w+)$")
     if not name or opts[name] == nil or not tonumber(arg[i + 1]) then
       io.stderr:write("usage: bench/openresty.lua [--seconds n] [--accounts n] [--threads n] " ..
-                      "[--runs n] [--delay s] [--loopback 1] [--metrics rounds]\n")
+                      "[--runs n] [--delay s] [--loopback 1] [--metrics rounds] [--workers n] " ..
+                      "[--conns n]\n")
       os.exit(2)
     end
     opts[name] = tonumber(arg[i + 1])
@@ -47,6 +54,8 @@ end
 
 local BALANCE = 1000000000
 local WORKERS, CONNECTIONS = { 1, 2 }, { 1, 16, 64 }
+if opts.workers > 0 then WORKERS = { opts.workers } end
+if opts.conns > 0 then CONNECTIONS = { opts.conns } end
 local MODES = { ungrouped = "false", grouped = ("{ max = 100, delay = %.17g }"):format(opts.delay) }
 
 local capture = server.capture
@@ -86,16 +95,47 @@ local function check(name)
     sum == BALANCE * opts.accounts and "unchanged" or "CHANGED")
 end
 
+-- wrk's output, with its CPU seconds as wrk_cpu=<s> (/usr/bin/time).
 local function wrk(n, conns, seconds)
   return capture(string.format(
-    "BENCH_ACCOUNTS=%d BENCH_PATH=/transfer wrk -t %d -c %d -d %ds -s bench/openresty-wrk.lua %s 2>&1",
+    "BENCH_ACCOUNTS=%d BENCH_PATH=/transfer /usr/bin/time -f 'wrk_cpu=%%U+%%S' " ..
+    "wrk -t %d -c %d -d %ds -s bench/openresty-wrk.lua %s 2>&1",
     opts.accounts, math.min(conns, 2), conns, seconds, n:url("/")))
+end
+
+-- CPU seconds so far of each process of the stack but wrk: nginx's
+-- workers (their worker threads included), the server, toxiproxy.
+local proxy
+local function stack_cpu(n)
+  local t = { nginx = 0, server = cpu.of(srv.pid) or 0, proxy = 0 }
+  for _, pid in ipairs(n:workers()) do t.nginx = t.nginx + (cpu.of(pid) or 0) end
+  local ppid = proxy and tonumber((server.readfile(proxy.dir .. "/pid") or ""):match("%d+"))
+  if ppid then t.proxy = cpu.of(ppid) or 0 end
+  return t
 end
 
 local function start(uri, name, workers, mode)
   return assert(nginx.start { uri = uri, database = name, workers = workers,
     threads = opts.threads, vms = 32, configure = ("{ manager = { application = 'bench', " ..
     "group = %s }, recovery = { every = 1 } }"):format(MODES[mode]) })
+end
+
+-- wrk against nginx n: { requests, rps, p50, p99 (ms), non2xx, socket,
+-- nginx, server, wrk, proxy (CPU microseconds a request), out }.
+local function measure(n, conns)
+  local before = stack_cpu(n)
+  local out = wrk(n, conns, opts.seconds)
+  local after = stack_cpu(n)
+  local r = {}
+  for k, v in out:gmatch("([%w_]+)=(%d+)") do r[k] = tonumber(v) end
+  local requests = math.max(r.requests or 1, 1)
+  local x = { requests = r.requests, rps = (r.requests or 0) / ((r.duration_us or 1) / 1e6),
+              p50 = (r.p50_us or 0) / 1000, p99 = (r.p99_us or 0) / 1000, non2xx = r.non2xx or 0,
+              socket = r.socket_errors or 0, out = out }
+  for k in pairs(before) do x[k] = (after[k] - before[k]) * 1e6 / requests end
+  local wu, ws = out:match("wrk_cpu=([%d.]+)%+([%d.]+)")
+  x.wrk = ((tonumber(wu) or 0) + (tonumber(ws) or 0)) * 1e6 / requests
+  return x
 end
 
 -- One run: requests/s, p50 and p99 (ms), errors, database ok, what.
@@ -105,17 +145,14 @@ local function run(uri, workers, mode, conns)
   local n = start(uri, name, workers, mode)
   -- every worker makes its manager before the timed part
   for _ = 1, 4 * workers do n:request("POST", "/transfer", '{"from":"a1","to":"a2","amount":1}') end
-  local out = wrk(n, conns, opts.seconds)
+  local r = measure(n, conns)
   n:stop()
-  local r = {}
-  for k, v in out:gmatch("([%w_]+)=(%d+)") do r[k] = tonumber(v) end
   local ok, what = check(name)
-  if not r.requests then ok, what = false, "wrk: " .. out end
+  if not r.requests then ok, what = false, "wrk: " .. r.out end
   if not ok then failed = failed + 1 end
   client:command(name, { dropDatabase = 1 })
-  return { rps = (r.requests or 0) / ((r.duration_us or 1) / 1e6), p50 = (r.p50_us or 0) / 1000,
-           p99 = (r.p99_us or 0) / 1000, non2xx = r.non2xx or 0, socket = r.socket_errors or 0,
-           ok = ok, what = what }
+  r.ok, r.what = ok, what
+  return r
 end
 
 local function median(list, field)
@@ -139,8 +176,11 @@ local function warm_up()
   end
 end
 
+-- The processes whose CPU a request costs (stack_cpu, wrk).
+local CPU = { "nginx", "server", "wrk", "proxy" }
+local CORES = tonumber(capture("nproc")) or 1
+
 local levels = { { key = "loopback", label = "loopback", uri = srv.uri } }
-local proxy
 if opts.loopback ~= 1 then
   local err
   proxy, err = latency.start(srv.uri)
@@ -181,6 +221,7 @@ for _, lv in ipairs(levels) do
       for _, mode in ipairs { "ungrouped", "grouped" } do
         c[mode] = { rps = median(res[mode], "rps"), p50 = median(res[mode], "p50"),
                     p99 = median(res[mode], "p99"), non2xx = 0, socket = 0, ok = true }
+        for _, k in ipairs(CPU) do c[mode][k] = median(res[mode], k) end
         for _, x in ipairs(res[mode]) do
           c[mode].non2xx, c[mode].socket = c[mode].non2xx + x.non2xx, c[mode].socket + x.socket
           c[mode].ok = c[mode].ok and x.ok
@@ -262,10 +303,24 @@ print("| network | nginx workers | connections | ungrouped req/s | grouped req/s
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for _, row in ipairs(rows) do print(row) end
 print()
+print(string.format("CPU microseconds a request (medians), by process, and the requests/s the " ..
+  "machine's %d cores could serve at that cost (ceiling):", CORES))
+print()
+print("| network | nginx workers | connections | mode | nginx | server | wrk | toxiproxy | total | ceiling req/s |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for _, c in ipairs(cells) do
+  for _, mode in ipairs { "ungrouped", "grouped" } do
+    local x, total = c[mode], 0
+    for _, k in ipairs(CPU) do total = total + x[k] end
+    print(string.format("| %s | %d | %d | %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f |", c.level.label,
+      c.workers, c.conns, mode, x.nginx, x.server, x.wrk, x.proxy, total, CORES * 1e6 / math.max(total, 1)))
+  end
+end
+print()
 print("Targets (issue 22):")
 for _, t in ipairs(targets) do print(t) end
 if opts.metrics > 0 then failed = failed + require("bench.openresty-metrics")(opts, {
-  srv = srv, fresh = fresh, check = check, capture = capture }) end
+  srv = srv, fresh = fresh, check = check, measure = measure, CPU = CPU }) end
 srv:stop()
 if failed > 0 then
   io.stderr:write(failed, " run(s) failed their check\n")

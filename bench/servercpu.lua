@@ -1,6 +1,6 @@
--- bench/servercpu.lua: the CPU time the test server spends, read from
--- /proc/<pid>/stat (user + system, all its threads: the JVM's request
--- threads, its collector and compiler), so that the table can show what a
+-- bench/servercpu.lua: the CPU time the test server (or any process:
+-- of(pid)) spends, read from /proc/<pid>/stat (user + system, all its
+-- threads: the JVM's request threads, its collector and compiler), so that the table can show what a
 -- transfer costs the server beside what it costs the client.  Client and
 -- server share this machine's cores, and on loopback the server's work
 -- per document written, not the round trips, bounds every mode.
@@ -19,12 +19,12 @@ local function ticks_per_second()
   if f then f:close() end
   return n or 100
 end
-local HZ = pid and ticks_per_second()
+local HZ -- clock ticks a second, read at the first use
 
--- Seconds of CPU the server has used so far, or nil when unknown.
-function _M.read()
-  if not pid then return nil end
-  local f = io.open("/proc/" .. pid .. "/stat")
+-- Seconds of CPU process `p` (all its threads) has used so far, or nil
+-- when unknown.
+function _M.of(p)
+  local f = io.open("/proc/" .. p .. "/stat")
   if not f then return nil end
   local stat = f:read("*a")
   f:close()
@@ -36,7 +36,13 @@ function _M.read()
   for w in rest:gmatch("%S+") do fields[#fields + 1] = w end
   local utime, stime = tonumber(fields[12]), tonumber(fields[13])
   if not (utime and stime) then return nil end
+  HZ = HZ or ticks_per_second()
   return (utime + stime) / HZ
+end
+
+-- Seconds of CPU the server has used so far, or nil when unknown.
+function _M.read()
+  return pid and _M.of(pid)
 end
 
 -- The seconds used since `since` (a read()), or nil.
