@@ -31,7 +31,7 @@
 -- signal():wait(seconds) returns when post() was called (true) or when the
 -- time is up (false); it and every call of g yield to the scheduler.
 
---- Group commit: concurrent `tm:transfer`, `tm:run` and `tm:commit` calls run as one batch (docs/openresty.md#group-commit).
+--- Group commit: concurrent `tm:transfer`, `tm:run`, `tm:commit` calls as one batch (docs/openresty.md#group-commit).
 -- @module mongotx.group
 
 local errors = require "mongotx.errors"
@@ -294,16 +294,15 @@ function _M.run_calls(tm, calls, wait)
   local specs, errs, where, items, cwhere = {}, {}, {}, {}, {}
   local ops, cops, ids = {}, {}, {}
   for i, c in ipairs(calls) do
-    local v = checked[i]
-    if v == nil then -- luacheck: ignore 542 (answered)
-    elseif c.method ~= "commit" then
+    local v = checked[i] -- (nil: answered above)
+    if v ~= nil and c.method ~= "commit" then
       if admit(v, ops, ids) then
         local k = #specs + 1
         specs[k], errs[k], where[k] = v, false, i
       else
         out[i] = AGAIN -- (never the first: it meets an empty batch)
       end
-    else
+    elseif v ~= nil then
       local id = c[1]._id
       local k = tid_key(id)
       local item = found and found[k]

@@ -17,11 +17,11 @@
 --   forward   (initial, pending) apply as a batch does (mongotx.batch:
 --             guarded ops first), commit per epoch, then with the applied
 --             ones finish and done (batch.finish);
+--   back      (canceling, and pending rolled back) undo, fence (every one
+--             was taken over) and cancelled, one bulk write each.
 --
 -- versions, claim and forward are mongotx.engine.forward's, which the
 -- grouped tm:commit drives its batches with too.
---   back      (canceling, and pending rolled back) undo, fence (every one
---             was taken over) and cancelled, one bulk write each.
 --
 -- Whatever cannot go that way (an op that cannot apply, a guard meeting
 -- holders, a commit that did not match, a late apply the fence found)
