@@ -514,6 +514,37 @@ describe("#server mongotx.group with a coroutine scheduler", function()
     assert.matches("interrupted!$", tostring(err))
   end)
 
+  it("groups the calls of a mongotx.pool manager, commits among them", function()
+    local db = bank({ P = 100, Q = 0, R = 50 })
+    local tm0 = assert(db:manager{ application = "pooled" })
+    begin_all(tm0, { move("P", "Q", 10, 0), move("R", "Q", 60, 0) })
+    local pdb = assert(require("mongotx.pool").connect(helpers.uri(), { database = db.name }))
+    local tm = assert(pdb:manager{ application = "pooled" })
+    local S = scheduler()
+    local g = group.wrap(tm, { max = 16, delay = 0.01, signal = S.signal, spawn = S.spawn, now = S.now })
+    local got, sizes, run = {}, {}, g.group.run
+    g.group.run = function(items, info)
+      sizes[#sizes + 1] = #items
+      return run(items, info)
+    end
+    local calls = {
+      { "commit", { _id = "b-1" } }, { "transfer", "accounts", "R", "Q", 5, { min = 0 } },
+      { "commit", { _id = "b-2" } }, { "commit", { _id = "none" } },
+    }
+    for i, c in ipairs(calls) do
+      S.spawn(function() got[i] = { g[c[1]](g, unpack(c, 2)) } end)
+    end
+    S.loop()
+    assert.are.same({ 4 }, sizes)
+    assert.are.equal("done", got[1][1].state)
+    assert.are.equal("done", got[2][1].state)
+    assert.are.same({ "guard", "state" }, { got[3][2].code, got[4][2].code })
+    assert.are.same({ P = 90, Q = 15, R = 45 }, (helpers.balances(db:collection("accounts"))))
+    local states = {}
+    for _, T in ipairs(assert(db:collection("transactions"):find_all({}))) do states[T._id] = T.state end
+    assert.are.same({ "done", "cancelled" }, { states["b-1"], states["b-2"] })
+  end)
+
   it("checks its options", function()
     local S = scheduler()
     local base = { run = function() end, signal = S.signal, spawn = S.spawn, now = S.now }
