@@ -232,6 +232,22 @@ describe("#server mongotx.group with a coroutine scheduler", function()
     assert.are.same({ 1, 1 }, sizes)
     assert.are.equal("twice", got[1][1]._id)
     assert.are.equal("twice", got[2][1]._id)
+    -- a begun transaction committed twice: the second waits, and gets it
+    -- done as a commit of a done one does
+    assert(tm:begin({ { collection = "accounts", id = "Z", update = { ["$inc"] = { balance = -1 } } },
+                      { collection = "accounts", id = "W", update = { ["$inc"] = { balance = 1 } } } },
+                    { id = "begun" }))
+    got, sizes = together(tm, { { "commit", { _id = "begun" } }, { "commit", { _id = "begun" } } }, events)
+    assert.are.same({ 1, 1 }, sizes)
+    assert.are.same({ "done", "done", 1, 1 }, { got[1][1].state, got[2][1].state, got[1][1].epoch,
+                                                 got[2][1].epoch })
+    -- a commit of the id a transfer before it in the batch creates waits
+    -- for the next batch, and finds it done
+    got, sizes = together(tm, { { "transfer", "accounts", "Z", "W", 1, { min = 0, id = "made" } },
+                                { "commit", { _id = "made" } } }, events)
+    assert.are.same({ 1, 1 }, sizes)
+    assert.are.same({ "made", "done", "made", "done" }, { got[1][1]._id, got[1][1].state, got[2][1]._id,
+                                                         got[2][1].state })
     -- X (now 30) pays 40 first, then Z credits X: in one batch the guard
     -- fails, is tried again after the credit, and passes: its call took
     -- effect second
@@ -243,7 +259,7 @@ describe("#server mongotx.group with a coroutine scheduler", function()
     assert.are.same({ 2 }, sizes)
     assert.are.equal("done", got[1][1].state)
     assert.are.same({ 2, 1 }, { tickets[1].position, tickets[2].position })
-    assert.are.same({ X = 10, Y = 30, Z = 29, W = 41 }, (helpers.balances(db:collection("accounts"))))
+    assert.are.same({ X = 10, Y = 30, Z = 27, W = 43 }, (helpers.balances(db:collection("accounts"))))
   end)
 
   it("runs a call alone in its caller when no driver can start, and fails a batch whose runner raises", function()
