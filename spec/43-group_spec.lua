@@ -232,6 +232,22 @@ describe("#server mongotx.group with a coroutine scheduler", function()
     assert.are.same({ 1, 1 }, sizes)
     assert.are.equal("twice", got[1][1]._id)
     assert.are.equal("twice", got[2][1]._id)
+    -- a begun transaction committed twice: the second waits, and gets it
+    -- done as a commit of a done one does
+    assert(tm:begin({ { collection = "accounts", id = "Z", update = { ["$inc"] = { balance = -1 } } },
+                      { collection = "accounts", id = "W", update = { ["$inc"] = { balance = 1 } } } },
+                    { id = "begun" }))
+    got, sizes = together(tm, { { "commit", { _id = "begun" } }, { "commit", { _id = "begun" } } }, events)
+    assert.are.same({ 1, 1 }, sizes)
+    assert.are.same({ "done", "done", 1, 1 }, { got[1][1].state, got[2][1].state, got[1][1].epoch,
+                                                 got[2][1].epoch })
+    -- a commit of the id a transfer before it in the batch creates waits
+    -- for the next batch, and finds it done
+    got, sizes = together(tm, { { "transfer", "accounts", "Z", "W", 1, { min = 0, id = "made" } },
+                                { "commit", { _id = "made" } } }, events)
+    assert.are.same({ 1, 1 }, sizes)
+    assert.are.same({ "made", "done", "made", "done" }, { got[1][1]._id, got[1][1].state, got[2][1]._id,
+                                                         got[2][1].state })
     -- X (now 30) pays 40 first, then Z credits X: in one batch the guard
     -- fails, is tried again after the credit, and passes: its call took
     -- effect second
@@ -243,7 +259,7 @@ describe("#server mongotx.group with a coroutine scheduler", function()
     assert.are.same({ 2 }, sizes)
     assert.are.equal("done", got[1][1].state)
     assert.are.same({ 2, 1 }, { tickets[1].position, tickets[2].position })
-    assert.are.same({ X = 10, Y = 30, Z = 29, W = 41 }, (helpers.balances(db:collection("accounts"))))
+    assert.are.same({ X = 10, Y = 30, Z = 27, W = 43 }, (helpers.balances(db:collection("accounts"))))
   end)
 
   it("runs a call alone in its caller when no driver can start, and fails a batch whose runner raises", function()
@@ -281,6 +297,268 @@ describe("#server mongotx.group with a coroutine scheduler", function()
     S.spawn(function() r2 = g2:call(21) end)
     S.loop()
     assert.are.equal(42, r2)
+  end)
+
+  -- Begins the same transactions in db (ids b-<i>): list[i] = ops.
+  local function begin_all(tm, list)
+    for i, ops in ipairs(list) do assert(tm:begin(ops, { id = "b-" .. i })) end
+  end
+
+  local function move(from, to, amount, floor)
+    return {
+      { collection = "accounts", id = from, update = { ["$inc"] = { balance = -amount } },
+        where = floor and { balance = { ["$gte"] = floor + amount } } or nil },
+      { collection = "accounts", id = to, update = { ["$inc"] = { balance = amount } } },
+    }
+  end
+
+  -- What a commit answers, for the comparison: outcome's, and the
+  -- transaction's epoch, attempts and reason.
+  local function commit_outcome(ok, ...)
+    local out = outcome(ok, ...)
+    local T = ok and (...)
+    if T then out.epoch, out.attempts, out.reason = T.epoch, T.attempts, T.reason end
+    return out
+  end
+
+  -- The begun transactions of the commit mix: good ones, guards that
+  -- fail, a missing account, one over the same accounts as another.
+  local BEGUN = {
+    move("A", "B", 30, 0), move("D", "E", 500, 0), move("B", "C", 10, 0),
+    move("E", "nobody", 5), move("D", "A", 40, 0), move("C", "D", 1000, 0),
+    move("A", "B", 20, 0), move("E", "C", 3), move("B", "A", 5, 0), move("D", "C", 60, 0),
+  }
+
+  it("commits begun transactions among transfers and runs, each answered as tm:commit alone", function()
+    local events = {}
+    local db = bank(BALANCES)
+    local tm = assert(db:manager{ application = "grouped",
+      on_event = function(name, info) if name == "group" then events[#events + 1] = info end end })
+    begin_all(tm, BEGUN)
+    assert(tm:commit({ _id = "b-10" })) -- already done: answered as commit answers it again
+    local db2 = bank(BALANCES)
+    local tm2 = assert(db2:manager{ application = "alone" })
+    begin_all(tm2, BEGUN)
+    assert(tm2:commit({ _id = "b-10" }))
+    local calls = mix()
+    -- commits between the mix's calls: every begun one, b-3 twice, an
+    -- id that is none, one that may not go into a query, and no table
+    local commits = {}
+    for i = 1, #BEGUN do commits[#commits + 1] = { "commit", { _id = "b-" .. i } } end
+    commits[#commits + 1] = { "commit", { _id = "b-3" } }
+    commits[#commits + 1] = { "commit", { _id = "nope" } }
+    commits[#commits + 1] = { "commit", { _id = { ["$gt"] = "" } } }
+    commits[#commits + 1] = { "commit", "b-1" }
+    for k, c in ipairs(commits) do table.insert(calls, 3 * k, c) end
+    local S = scheduler()
+    local g = group.wrap(tm, { max = 16, delay = 0.005, signal = S.signal, spawn = S.spawn, now = S.now })
+    local order, run, mixed = {}, g.group.run, 0
+    g.group.run = function(items, info)
+      local out, took = run(items, info)
+      for _, i in ipairs(took) do order[#order + 1] = items[i].index end
+      local kinds = {}
+      for _, item in ipairs(items) do kinds[item.method == "commit"] = true end
+      if kinds[true] and kinds[false] then mixed = mixed + 1 end
+      return out, took
+    end
+    local got, current, call = {}, nil, g.group.call
+    g.group.call = function(self, item)
+      item.index = current
+      return call(self, item)
+    end
+    for i, c in ipairs(calls) do
+      S.spawn(function()
+        current = i
+        got[i] = commit_outcome(pcall(g[c[1]], g, unpack(c, 2)))
+      end)
+    end
+    S.loop()
+    assert.are.equal(#calls, #order)
+    -- batches held commits and other calls together
+    assert(mixed > 1 and #events < #calls, #events .. " batches, " .. mixed .. " mixed")
+    local codes = {}
+    for _, i in ipairs(order) do
+      local c = calls[i]
+      local alone = commit_outcome(pcall(tm2[c[1]], tm2, unpack(c, 2)))
+      assert.are.same(alone, got[i], "call " .. i .. " (" .. c[1] .. ")")
+      if c[1] == "commit" then codes[alone.code or alone.raised and "raise" or alone.state] = true end
+    end
+    -- every kind of commit answer was met
+    for _, k in ipairs { "done", "guard", "missing", "state", "invalid", "raise" } do
+      assert(codes[k], "no commit answered " .. k)
+    end
+    assert.are.same(helpers.balances(db2:collection("accounts")),
+                    helpers.balances(db:collection("accounts")))
+    local txs = assert(db:collection("transactions"):find_all({ _id = { ["$regex"] = "^b-" } }))
+    assert.are.equal(#BEGUN, #txs)
+    for _, T in ipairs(txs) do
+      assert(T.state == "done" or T.state == "cancelled", T._id .. " " .. T.state)
+    end
+  end)
+
+  it("commits a batch of begun transactions in as many round trips for 24 as for 4", function()
+    local deadlines
+    local function round_trips(n)
+      local balances = {}
+      for i = 1, 2 * n do balances["acct" .. i] = 100 end
+      local db = bank(balances)
+      local tm = assert(db:manager{ application = "trips" })
+      local list = {}
+      for i = 1, n do list[i] = move("acct" .. (2 * i - 1), "acct" .. (2 * i), 10, 0) end
+      begin_all(tm, list)
+      -- a first batch reads what a manager reads once (the server's
+      -- clock, whether it fences by deadline)
+      assert(tm:transfer("accounts", "acct1", "acct2", 1, { min = 0 }))
+      local S = scheduler()
+      local g = group.wrap(tm, { max = 100, delay = 0.05, signal = S.signal, spawn = S.spawn,
+                                 now = S.now })
+      local got = {}
+      db.client:reset_counters()
+      for i = 1, n do S.spawn(function() got[i] = { g:commit({ _id = "b-" .. i }) } end) end
+      S.loop()
+      local c = db.client:counters()
+      deadlines = tm.engine:deadlines()
+      for i = 1, n do assert.are.equal("done", got[i][1].state, tostring(got[i][2])) end
+      local b, sum = helpers.balances(db:collection("accounts"))
+      assert.are.equal(200 * n, sum)
+      assert.are.same({ 89, 111 }, { b.acct1, b.acct2 })
+      assert.are.same({ 90, 110 }, { b["acct" .. (2 * n - 1)], b["acct" .. (2 * n)] })
+      return c.commands
+    end
+    local small, large = round_trips(4), round_trips(24)
+    assert.are.equal(small, large)
+    -- load, claim, 2 applies (the guarded debits first), commit, finish,
+    -- done; and the versions, where the server cannot fence by deadline
+    assert(large <= (deadlines and 7 or 8), large .. " round trips")
+  end)
+
+  it("fails only the caller whose policy raised while its entry settled", function()
+    local db = bank({ X = 10, Y = 0, Z = 100 })
+    local function opts(app)
+      return { application = app, lease = 1,
+               on_op_failure = function(T, _, reason)
+                 if T._id == "boom" or T._id == "b-2" then error("policy bug for " .. T._id) end
+                 if reason == "busy" then return "retry" end
+                 return "cancel"
+               end }
+    end
+    local tm = assert(db:manager(opts("raises")))
+    local begun = { move("Z", "Y", 5, 0), move("X", "Y", 50, 0) }
+    begin_all(tm, begun)
+    -- four calls in one batch: two guards that fail (one raises), a good
+    -- transfer and two commits (the second's guard fails, and raises)
+    local calls = {
+      { "transfer", "accounts", "X", "Y", 40, { min = 0, id = "boom" } },
+      { "transfer", "accounts", "X", "Y", 30, { min = 0, id = "quiet" } },
+      { "transfer", "accounts", "Z", "Y", 20, { min = 0, id = "good" } },
+      { "commit", { _id = "b-1" } },
+      { "commit", { _id = "b-2" } },
+    }
+    local S = scheduler()
+    local g = group.wrap(tm, { max = 16, delay = 0.01, signal = S.signal, spawn = S.spawn, now = S.now })
+    local got, sizes = {}, {}
+    local run = g.group.run
+    g.group.run = function(items, info)
+      sizes[#sizes + 1] = #items
+      return run(items, info)
+    end
+    for i, c in ipairs(calls) do
+      S.spawn(function()
+        got[i] = (function(...) return { n = select("#", ...), ... } end)(pcall(g[c[1]], g, unpack(c, 2)))
+      end)
+    end
+    S.loop()
+    assert.are.same({ 5 }, sizes)
+    for _, i in ipairs { 1, 5 } do
+      local ok, err = got[i][1], got[i][2]
+      assert.is_false(ok)
+      assert.are.equal("policy", err.code)
+      assert.are.equal("on_op_failure", err.policy)
+      assert.matches("policy on_op_failure raised: .*policy bug for " .. (i == 1 and "boom" or "b%-2"),
+        err.message)
+    end
+    assert.are.equal("guard", got[2][3].code)
+    assert.are.equal("done", got[3][2].state)
+    assert.are.equal("done", got[4][2].state)
+    -- each call alone answers the same, on a copy
+    local db2 = bank({ X = 10, Y = 0, Z = 100 })
+    local tm2 = assert(db2:manager(opts("alone")))
+    begin_all(tm2, begun)
+    for i, c in ipairs(calls) do
+      assert.are.same(commit_outcome(pcall(tm2[c[1]], tm2, unpack(c, 2))),
+        commit_outcome(unpack(got[i], 1, got[i].n)), "call " .. i)
+    end
+    -- what the database holds: the good ones moved, the raised ones wait
+    -- pending for recovery, which settles them
+    local states = {}
+    for _, T in ipairs(assert(db:collection("transactions"):find_all({}))) do states[T._id] = T.state end
+    assert.are.same({ boom = "pending", quiet = "cancelled", good = "done", ["b-1"] = "done",
+                      ["b-2"] = "pending" }, states)
+    core.sleep(1.1)
+    local rec = assert(db:manager{ application = "rec", stale_after = 0 })
+    local report = assert(rec:recover())
+    assert.are.equal(2, report.cancelled, tostring(report.errors[1] and report.errors[1].error))
+    assert.are.same({ X = 10, Y = 25, Z = 75 }, (helpers.balances(db:collection("accounts"))))
+  end)
+
+  it("gives transfer_many's item whose policy raised that raise as its error, the others settled", function()
+    local db = bank({ X = 10, Y = 0, Z = 100 })
+    local tm = assert(db:manager{ application = "many", lease = 1,
+      on_op_failure = function(T) if T._id == "boom" then error("policy bug") end return "cancel" end })
+    local results, errs = tm:transfer_many {
+      { collection = "accounts", from = "X", to = "Y", amount = 40, min = 0, id = "boom" },
+      { collection = "accounts", from = "Z", to = "Y", amount = 20, min = 0 },
+      { collection = "accounts", from = "X", to = "Z", amount = 30, min = 0 },
+    }
+    assert.is_false(results[1])
+    assert.are.same({ "policy", "on_op_failure", "boom" }, { errs[1].code, errs[1].policy, errs[1].id })
+    assert.are.equal("done", results[2].state)
+    assert.are.equal("guard", errs[3].code)
+    assert.are.same({ X = 10, Y = 20, Z = 80 }, (helpers.balances(db:collection("accounts"))))
+    -- tm:transfer alone raises it
+    local ok, err = pcall(tm.transfer, tm, "accounts", "X", "Y", 40, { min = 0, id = "boom" })
+    assert.is_false(ok)
+    assert.are.equal("policy", err.code)
+    -- a raise that is not a policy's (an interrupt) goes up from the batch
+    local tm2 = assert(db:manager{ application = "interrupted",
+      on_op_failure = function() error("interrupted!") end })
+    ok, err = pcall(tm2.transfer_many, tm2, {
+      { collection = "accounts", from = "X", to = "Y", amount = 40, min = 0 },
+      { collection = "accounts", from = "Z", to = "Y", amount = 1, min = 0 },
+    })
+    assert.is_false(ok)
+    assert.matches("interrupted!$", tostring(err))
+  end)
+
+  it("groups the calls of a mongotx.pool manager, commits among them", function()
+    local db = bank({ P = 100, Q = 0, R = 50 })
+    local tm0 = assert(db:manager{ application = "pooled" })
+    begin_all(tm0, { move("P", "Q", 10, 0), move("R", "Q", 60, 0) })
+    local pdb = assert(require("mongotx.pool").connect(helpers.uri(), { database = db.name }))
+    local tm = assert(pdb:manager{ application = "pooled" })
+    local S = scheduler()
+    local g = group.wrap(tm, { max = 16, delay = 0.01, signal = S.signal, spawn = S.spawn, now = S.now })
+    local got, sizes, run = {}, {}, g.group.run
+    g.group.run = function(items, info)
+      sizes[#sizes + 1] = #items
+      return run(items, info)
+    end
+    local calls = {
+      { "commit", { _id = "b-1" } }, { "transfer", "accounts", "R", "Q", 5, { min = 0 } },
+      { "commit", { _id = "b-2" } }, { "commit", { _id = "none" } },
+    }
+    for i, c in ipairs(calls) do
+      S.spawn(function() got[i] = { g[c[1]](g, unpack(c, 2)) } end)
+    end
+    S.loop()
+    assert.are.same({ 4 }, sizes)
+    assert.are.equal("done", got[1][1].state)
+    assert.are.equal("done", got[2][1].state)
+    assert.are.same({ "guard", "state" }, { got[3][2].code, got[4][2].code })
+    assert.are.same({ P = 90, Q = 15, R = 45 }, (helpers.balances(db:collection("accounts"))))
+    local states = {}
+    for _, T in ipairs(assert(db:collection("transactions"):find_all({}))) do states[T._id] = T.state end
+    assert.are.same({ "done", "cancelled" }, { states["b-1"], states["b-2"] })
   end)
 
   it("checks its options", function()

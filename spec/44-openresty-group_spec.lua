@@ -1,6 +1,8 @@
 -- Group commit in real nginx (mongotx.group through mongotx.resty): the
 -- handlers of examples/openresty/bank.lua with db:manager{ group = ... },
--- against a mongo-java-server this spec starts itself.  `make
+-- and POST /commit (spec/support/group_commit.lua: tm:commit of a begun
+-- transaction, on the same manager), against a mongo-java-server this
+-- spec starts itself.  `make
 -- test-openresty` runs it; the other targets report it pending.
 local helpers = require "spec.helpers"
 
@@ -65,6 +67,9 @@ describe("#openresty group commit in nginx", function()
     o.uri, o.database, o.workers = srv.uri, name, o.workers or 1
     o.threads, o.vms = o.threads or 4, o.vms or 16
     o.http = LOG_GROUP
+    -- /commit's manager: the options table bank's /transfer uses
+    o.init_worker = 'require("spec.support.group_commit").manager = conf.manager'
+    o.locations = 'location = /commit { content_by_lua_block { require("spec.support.group_commit").commit() } }'
     o.configure = ("{ manager = { application = %q, policies = 'spec.support.group_events', " ..
       "group = %s, stale_after = 1, lease = 1 }, recovery = %s }")
       :format(app, group, o.recovery == false and "false" or "{ every = 0.5 }")
@@ -128,6 +133,52 @@ describe("#openresty group commit in nginx", function()
     return list
   end
 
+  -- Transactions begun (ids b-<seed>-<i>) over `accounts`, the same in
+  -- every database they are begun in: transfers, some more than any
+  -- balance (their guard fails), some to an unknown account.
+  local function begun(n, accounts, seed)
+    math.randomseed(seed)
+    local list = {}
+    for i = 1, n do
+      local a = accounts[math.random(#accounts)]
+      local b
+      repeat b = accounts[math.random(#accounts)] until b ~= a
+      local kind, amount = math.random(10), math.random(1, 60)
+      if kind <= 2 then amount = math.random(400, 900) elseif kind == 3 then b = "nobody" end
+      list[i] = { id = ("b-%d-%d"):format(seed, i), ops = {
+        { collection = "accounts", id = a, update = { ["$inc"] = { balance = -amount } },
+          where = { balance = { ["$gte"] = amount } } },
+        { collection = "accounts", id = b, update = { ["$inc"] = { balance = amount } } } } }
+    end
+    return list
+  end
+
+  local function begin_all(db, list)
+    local tm = assert(db:manager{ application = "beginner" })
+    for _, b in ipairs(list) do assert(tm:begin(b.ops, { id = b.id })) end
+  end
+
+  -- The requests that commit `list` (begun), spread over `requests`
+  -- (one every `every`), with one id committed twice and one that is none.
+  local function with_commits(requests, list, every)
+    local out, k = {}, 0
+    local function commit(id)
+      k = k + 1
+      return { method = "POST", path = "/commit", headers = { ["X-Txid"] = id, ["X-Req"] = "c" .. k } }
+    end
+    local commits = {}
+    for _, b in ipairs(list) do commits[#commits + 1] = commit(b.id) end
+    commits[#commits + 1] = commit(list[1].id)
+    commits[#commits + 1] = commit("none-such")
+    for i, r in ipairs(requests) do
+      out[#out + 1] = r
+      if i % every == 0 and #commits > 0 then out[#out + 1] = table.remove(commits, 1) end
+    end
+    for _, c in ipairs(commits) do out[#out + 1] = c end
+    for i, r in ipairs(out) do r.headers["X-Req"] = tostring(i) end
+    return out
+  end
+
   -- A response as compared: JSON without lastModified, and without the
   -- id when the request named none (a fresh ObjectId).
   local function normal(req, res)
@@ -135,7 +186,7 @@ describe("#openresty group commit in nginx", function()
     if not ok then return { status = res.status, raw = res.body } end
     if type(t) == "table" then
       t.lastModified = nil
-      if not req.headers["Idempotency-Key"] then t.id = nil end
+      if not req.headers["Idempotency-Key"] and not req.headers["X-Txid"] then t.id = nil end
     end
     return { status = res.status, body = t }
   end
@@ -186,9 +237,10 @@ describe("#openresty group commit in nginx", function()
   -- floor, then the same requests one at a time, ungrouped, in the order
   -- the batches ran them, against a copy of the starting balances; every
   -- response and the final databases must be the same.
-  local function grouped_equals_alone(balances, list, app)
+  local function grouped_equals_alone(balances, list, app, txs)
     os.remove("/tmp/mongotx-group-events-" .. app)
     local db, name = bank(balances)
+    begin_all(db, txs)
     local n = start(name, app, "{ max = 100, delay = 0.002 }", { recovery = false })
     finally(function() n:stop() end)
     local h = n:many(list, { parallel = true })
@@ -208,6 +260,16 @@ describe("#openresty group commit in nginx", function()
       if x.batch ~= y.batch then return x.batch < y.batch end
       return x.pos < y.pos
     end)
+    -- batches that held commits and transfers together
+    local kinds, mixed = {}, 0
+    for _, o in ipairs(order) do
+      kinds[o.batch] = kinds[o.batch] or {}
+      kinds[o.batch][list[o.req].path] = true
+    end
+    for _, k in pairs(kinds) do
+      if k["/commit"] and k["/transfer"] then mixed = mixed + 1 end
+    end
+    assert(mixed > 0, "no batch held a commit and a transfer")
     local ev, calls, biggest = events(app), 0, 0
     for _, e in ipairs(ev) do
       calls, biggest = calls + e.size, math.max(biggest, e.size)
@@ -232,39 +294,50 @@ describe("#openresty group commit in nginx", function()
       if not reached[i] then replay[#replay + 1], index[#replay + 1] = r, i end
     end
     local db2, name2 = bank(balances)
+    begin_all(db2, txs)
     local n2 = start(name2, app .. "-alone", "false", { recovery = false })
     local alone = assert(n2:many(replay):wait(120))
     n2:stop()
-    local statuses = {}
+    local statuses, committed = {}, {}
     for k, res in ipairs(alone) do
       local i = index[k]
       assert.are.same(normal(list[i], res), normal(list[i], results[i]),
-        "request " .. i .. " " .. tostring(list[i].body))
-      statuses[tostring(res.status)] = (statuses[tostring(res.status)] or 0) + 1
+        "request " .. i .. " " .. tostring(list[i].body or list[i].headers["X-Txid"]))
+      local counts = list[i].path == "/commit" and committed or statuses
+      counts[tostring(res.status)] = (counts[tostring(res.status)] or 0) + 1
+    end
+    -- commits done, cancelled (a guard, an unknown account) and of no
+    -- such transaction
+    for _, st in ipairs { "200", "404", "409" } do
+      assert(committed[st], "no commit answered " .. st .. ": " .. cjson.encode(committed))
     end
     assert.are.same(helpers.balances(db2:collection("accounts")),
                     helpers.balances(db:collection("accounts")))
     return statuses, #ev
   end
 
-  it("answers 240 concurrent requests (transfers, overdrafts, bad input, repeated keys) " ..
-     "each as the same request alone, and no balance ever goes below its floor", function()
+  it("answers 282 concurrent requests (transfers, overdrafts, bad input, repeated keys, " ..
+     "commits of begun transactions) each as the same request alone, and no balance ever " ..
+     "goes below its floor", function()
     local balances = {}
     for c = 65, 76 do balances[string.char(c)] = math.random(50, 300) end
     local ids = {}
     for id in pairs(balances) do ids[#ids + 1] = id end
     table.sort(ids)
-    local statuses, batches = grouped_equals_alone(balances, mix(240, ids, 4242), "group-mix")
+    local txs = begun(40, ids, 4242)
+    local statuses, batches = grouped_equals_alone(balances,
+      with_commits(mix(240, ids, 4242), txs, 6), "group-mix", txs)
     -- every kind of answer was met
     for _, s in ipairs { "200", "400", "404", "409", "422" } do
       assert(statuses[s] and statuses[s] > 0, "no " .. s .. ": " .. cjson.encode(statuses))
     end
-    assert(batches < 200, batches .. " batches for 240 requests")
+    assert(batches < 230, batches .. " batches for 282 requests")
   end)
 
   it("does the same when every request touches the same 3 accounts", function()
+    local txs = begun(30, { "A", "B", "C" }, 77)
     local statuses = grouped_equals_alone({ A = 300, B = 200, C = 100 },
-      mix(200, { "A", "B", "C" }, 77), "group-hot")
+      with_commits(mix(200, { "A", "B", "C" }, 77), txs, 6), "group-hot", txs)
     assert((statuses["200"] or 0) > 20 and (statuses["422"] or 0) > 0, cjson.encode(statuses))
   end)
 
@@ -275,6 +348,8 @@ describe("#openresty group commit in nginx", function()
     for id in pairs(balances) do ids[#ids + 1] = id end
     table.sort(ids)
     local db, name = bank(balances)
+    local txs = begun(50, ids, 99)
+    begin_all(db, txs)
     local n = start(name, "group-kill", "{ max = 100, delay = 0.002 }", { recovery = false })
     finally(function() srv:kill("CONT") n:stop() end)
     local list = {}
@@ -284,6 +359,7 @@ describe("#openresty group commit in nginx", function()
       list[i] = { method = "POST", path = "/transfer", body = body(a, b, 10),
                   headers = { ["X-Req"] = tostring(i) } }
     end
+    list = with_commits(list, txs, 3)
     local h = n:many(list, { parallel = true, max_time = 20 })
     -- a batch in flight: its worker thread waits on the stopped server
     for _ = 1, 100 do

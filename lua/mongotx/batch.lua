@@ -33,7 +33,7 @@ local stored = require "mongotx.stored"
 local validate = require "mongotx.validate"
 local canon, id_key = validate.canon, validate.id_key
 
-local ipairs, pairs = ipairs, pairs
+local ipairs, pairs, pcall, error = ipairs, pairs, pcall, error
 local floor = math.floor
 
 local _M = {}
@@ -45,6 +45,23 @@ local _M = {}
 -- all transactions of a batch share are sent once (`common`).
 
 local function fail(e, err) e.err = e.err or err end
+
+-- What a step of entry e alone raised: a policy's raise
+-- (errors.guard_policy) fails e only, with that raise as its error (code
+-- "policy", and e's id); anything else (an interrupt, out of memory, a
+-- bug of mongotx) is not e's failure and goes on up.
+local function raised_in(e, raised)
+  if not errors.is_policy(raised) then error(raised, 0) end
+  fail(e, errors.new("policy", raised.message, { id = e.T._id, policy = raised.policy }))
+end
+
+-- fn(eng, e, ...), a step of entry e alone, which may call the policies
+-- (on_op_failure, backoff, sleep): one that raises fails e, not the rest
+-- of its batch (they settle, commit and finish as usual).
+local function guarded(fn, eng, e, ...)
+  local ok, raised = pcall(fn, eng, e, ...)
+  if not ok then raised_in(e, raised) end
+end
 
 -- The result of a request of a batch that did not fail.
 local OK = { ok = true }
@@ -138,14 +155,14 @@ local function apply(eng, entries, deadline, versions)
       if op.where then guards = true end
     end
   end
-  -- guarded: true for the guarded ops only, false for the others of the
-  -- transactions whose guards passed, nil for every op
-  local function phase(guarded)
+  -- with_guard: true for the guarded ops only, false for the others of
+  -- the transactions whose guards passed, nil for every op
+  local function phase(with_guard)
     local by_coll, order = {}, {}
     for t, e in ipairs(entries) do
-      if not e.err and (guarded ~= false or guards_passed(e)) then
+      if not e.err and (with_guard ~= false or guards_passed(e)) then
         for i, op in ipairs(e.T.ops) do
-          if not e.applied[i] and (guarded == nil or guarded == (op.where ~= nil)) then
+          if not e.applied[i] and (with_guard == nil or with_guard == (op.where ~= nil)) then
             local items = by_coll[op.collection]
             if not items then
               items = {}
@@ -240,7 +257,7 @@ function _M.finish(eng, list)
   if not res then return nil, err end
   local loud = eng:listening()
   for _, T in ipairs(list) do
-    T.state = "done"
+    T.state, T.parked = "done", nil -- (done unsets parked: csrc/txn_state.c)
     if loud then
       eng:event_id("finish", T._id)
       eng:event_id("done", T._id)
@@ -305,7 +322,9 @@ end
 -- of the transaction document> } as one batch up to the commit point.
 -- Returns results, errs, committed: results[i] the transaction (state
 -- `applied`, or `done` when it went the one-at-a-time way) or false,
--- errs[i] why not, the committed transactions left to finish (the
+-- errs[i] why not (a policy that raised while one was settled: the
+-- raise, code "policy"; errors.is_policy tells it), the committed
+-- transactions left to finish (the
 -- caller finishes them at once or later: policy.finish), and late[i] =
 -- true for those settled one at a time after the others had committed
 -- (their effects, and what their guards read, come after the others':
@@ -375,7 +394,7 @@ function _M.run(eng, specs)
   for t, e in ipairs(entries) do
     if e.slow and not e.err then
       late[t] = true
-      settle(eng, e, deadline, versions and versions[t])
+      guarded(settle, eng, e, deadline, versions and versions[t])
     end
   end
   local committed = {}
@@ -386,9 +405,10 @@ function _M.run(eng, specs)
   return results, errs, committed, late
 end
 
--- Batched recovery (mongotx.recovery) drives the transactions it claimed
--- pending with the same apply, and settles the ones left behind the same
--- way: entries { T, err, slow } as above.
-_M.apply, _M.settle = apply, settle
+-- Batched recovery and the grouped tm:commit (mongotx.engine.forward)
+-- drive the transactions they claimed pending with the same apply, and
+-- settle the ones left behind the same way, each step of one entry
+-- guarded: entries { T, err, slow } as above.
+_M.apply, _M.settle, _M.fail, _M.guarded, _M.raised_in = apply, settle, fail, guarded, raised_in
 
 return _M

@@ -1,7 +1,8 @@
--- mongotx.group: group commit.  Calls of tm:transfer and tm:run that
--- concurrent callers make one at a time are collected and run as one
--- batch (the way tm:transfer_many runs), and each caller gets exactly
--- what its own call would have returned alone.
+-- mongotx.group: group commit.  Calls of tm:transfer, tm:run and
+-- tm:commit that concurrent callers make one at a time are collected and
+-- run as one batch (the way tm:transfer_many runs; begun transactions the
+-- way batched recovery drives them), and each caller gets exactly what
+-- its own call would have returned alone.
 --
 -- Two halves:
 --
@@ -30,7 +31,7 @@
 -- signal():wait(seconds) returns when post() was called (true) or when the
 -- time is up (false); it and every call of g yield to the scheduler.
 
---- Group commit: concurrent `tm:transfer` and `tm:run` calls run as one batch (docs/openresty.md#group-commit).
+--- Group commit: concurrent `tm:transfer`, `tm:run`, `tm:commit` calls as one batch (docs/openresty.md#group-commit).
 -- @module mongotx.group
 
 local errors = require "mongotx.errors"
@@ -38,6 +39,7 @@ local stored = require "mongotx.stored"
 local engine = require "mongotx.engine"
 local checks = require "mongotx.manager.checks"
 local batches = require "mongotx.manager.batches"
+local forward = require "mongotx.engine.forward"
 
 local type, ipairs, pairs, pcall, error, select, setmetatable, tostring =
   type, ipairs, pairs, pcall, error, select, setmetatable, tostring
@@ -202,14 +204,15 @@ end
 -- The batch, on the manager's side ------------------------------------------
 
 -- What each method checks before it runs (mongotx.manager.checks:
--- transfer_call, run_call), with the level that leaves a raise without a position, as
+-- transfer_call, run_call, tx_ref), with the level that leaves a raise without a position, as
 -- the ungrouped call's is when it runs under pcall.
 local CHECK = {
   transfer = function(tm, c) return pcall(checks.transfer_call, tm, c[1], c[2], c[3], c[4], c[5], 1) end,
   run = function(tm, c) return pcall(checks.run_call, tm, c[1], c[2], c[3], 1) end,
+  commit = function(_, c) return pcall(checks.tx_ref, c[1], "commit", 1) end,
 }
 
-_M.METHODS = { "transfer", "run" }
+_M.METHODS = { "transfer", "run", "commit" }
 
 -- May spec join the batch whose admitted ops are `ops` (by document key:
 -- "any" when some op there is no floor guard, "floor" when all are) and
@@ -242,82 +245,119 @@ local function admit(spec, ops, ids)
   return true
 end
 
--- run_calls(tm, calls, wait): calls[i] = { method = "transfer" | "run", n
--- = <how many arguments>, <the arguments> }.  Returns one result per
--- call: { n = 1, T } or { n = 2, nil, err } as the call alone returns,
--- { raise = <message> } for what it raises, or group.AGAIN (the call
--- conflicts with one before it here); and the order the calls answered
--- took effect in: theirs, but those the batch settled one at a time after
--- the others had committed (a guard that failed at first is tried again
--- then: mongotx.batch) last.  So each answer is what its call alone gives
--- when the calls run one at a time in that order.  Emits
--- on_event("group", { size = <calls answered>, wait = wait, application })
--- once.
+-- The answer of a call the batch ran: { n = 1, T } or { n = 2, nil, err }
+-- as the call alone returns, or { raise = err } for a policy's raise
+-- (errors.is_policy: the batch failed that call's entry with it, the
+-- others went on; alone, the call raises it).
+local function answer(T, err)
+  if T then return { n = 1, T } end
+  if errors.is_policy(err) then return { raise = err } end
+  return { n = 2, nil, err or errors.new("internal", "no result", { step = "group" }) }
+end
+
+-- run_calls(tm, calls, wait): calls[i] = { method = "transfer" | "run" |
+-- "commit", n = <how many arguments>, <the arguments> }.  Returns one
+-- result per call: { n = 1, T } or { n = 2, nil, err } as the call alone
+-- returns, { raise = <message or error> } for what it raises, or
+-- group.AGAIN (the call conflicts with one before it here); and the
+-- order the calls answered took effect in.
+--
+-- The transfers and runs go first, as one batch (mongotx.batch); then the
+-- commits: their transactions loaded in one find, the begun ones
+-- (`initial`) claimed, applied, committed and finished as one batch
+-- (mongotx.engine.forward), any other driven alone as tm:commit drives it.
+-- The order is theirs within each part, but those settled one at a time
+-- after the others of their part had committed (a guard that failed at
+-- first is tried again then: mongotx.batch) come after them.  So each
+-- answer is what its call alone gives when the calls run one at a time in
+-- that order.  Emits on_event("group", { size = <calls answered>, wait =
+-- wait, application }) once.
 function _M.run_calls(tm, calls, wait)
-  local out, specs, errs, where = {}, {}, {}, {}
-  local ops, ids = {}, {}
+  local out, checked, sent = {}, {}, {}
   for i, c in ipairs(calls) do
     local check = CHECK[c.method]
     if not check then error(format("mongotx.group: no grouped method %s", tostring(c.method)), 2) end
-    local ok, spec, err = check(tm, c)
+    local ok, v, err = check(tm, c)
     if not ok then
-      out[i] = { raise = type(spec) == "string" and spec or tostring(spec) }
-    elseif not spec then
+      out[i] = { raise = type(v) == "string" and v or tostring(v) }
+    elseif v == nil then
       out[i] = { n = 2, nil, err }
-    elseif not admit(spec, ops, ids) then
-      out[i] = AGAIN -- (never the first: it meets an empty batch)
     else
-      local k = #specs + 1
-      specs[k], errs[k], where[k] = spec, false, i
+      checked[i] = v
+      if c.method == "commit" then sent[#sent + 1] = v end
     end
   end
-  local late = {}
-  if #specs > 0 then
-    local results
-    results, errs, late = batches.run_batch(tm, specs, errs)
-    for k, i in ipairs(where) do
-      if results[k] then
-        out[i] = { n = 1, results[k] }
+  -- the transactions to commit, in one read
+  local found, load_err
+  if #sent > 0 then found, load_err = forward.load(tm.engine, sent) end
+  -- which join: a part's ops by document (admit), ids across both parts
+  local specs, errs, where, items, cwhere = {}, {}, {}, {}, {}
+  local ops, cops, ids = {}, {}, {}
+  for i, c in ipairs(calls) do
+    local v = checked[i] -- (nil: answered above)
+    if v ~= nil and c.method ~= "commit" then
+      if admit(v, ops, ids) then
+        local k = #specs + 1
+        specs[k], errs[k], where[k] = v, false, i
       else
-        out[i] = { n = 2, nil, errs[k] or errors.new("internal", "no result", { step = "group" }) }
+        out[i] = AGAIN -- (never the first: it meets an empty batch)
+      end
+    elseif v ~= nil then
+      local id = c[1]._id
+      local k = tid_key(id)
+      local item = found and found[k]
+      if ids[k] or (item and item.ready and not admit({ id = id, ops = item.T.ops }, cops, ids)) then
+        out[i] = AGAIN
+      else
+        ids[k] = true
+        if not found then
+          out[i] = { n = 2, nil, load_err }
+        elseif not item then
+          out[i] = { n = 2, nil, errors.new("state", "no such transaction", { step = "commit", id = id }) }
+        else
+          local n = #items + 1
+          items[n], cwhere[n] = item, i
+        end
       end
     end
   end
-  local order, last = {}, {}
-  for i = 1, #calls do
-    if out[i] ~= AGAIN then order[#order + 1] = i end
+  -- part (1 the batch, 2 settled after it, 3 the commits, 4 those
+  -- settled or driven after them) of each call the batch ran
+  local part = {}
+  if #specs > 0 then
+    local results, late
+    results, errs, late = batches.run_batch(tm, specs, errs)
+    for k, i in ipairs(where) do out[i], part[i] = answer(results[k], errs[k]), late[k] and 2 or 1 end
   end
-  local size, is_last = #order, {}
-  for k, i in ipairs(where) do
-    if late[k] then last[#last + 1], is_last[i] = i, true end
+  if #items > 0 then
+    local results, cerrs, late = forward.commit(tm.engine, items)
+    for k, i in ipairs(cwhere) do out[i], part[i] = answer(results[k], cerrs[k]), late[k] and 4 or 3 end
   end
-  if #last > 0 then
-    local first = {}
-    for _, i in ipairs(order) do
-      if not is_last[i] then first[#first + 1] = i end
+  local order = {}
+  for p = 1, 4 do
+    for i = 1, #calls do
+      if out[i] ~= AGAIN and (part[i] or 1) == p then order[#order + 1] = i end
     end
-    order = first
-    for _, i in ipairs(last) do order[#order + 1] = i end
   end
-  tm.engine:event("group", { size = size, wait = wait, application = tm.application })
+  tm.engine:event("group", { size = #order, wait = wait, application = tm.application })
   return out, order
 end
 
 -- A manager (mongotx, or mongotx.pool's) behind a group: group.wrap(tm,
--- opts) with opts as group.new's but run (tm:run_calls).  Its transfer and
--- run answer as tm's.
+-- opts) with opts as group.new's but run (tm:run_calls).  Its transfer,
+-- run and commit answer as tm's.
 
 --- For a program with its own scheduler.
 -- @section scheduler
 local Wrapped = {}
 Wrapped.__index = Wrapped
 
---- A manager behind a group, for a program with its own scheduler: its `transfer` and `run` answer as `tm`'s.
+--- A manager behind a group, for a program with its own scheduler: its `transfer`, `run` and `commit` answer as `tm`'s.
 -- @syntax g = group.wrap(tm, { signal, spawn, now [, max = 100] [, delay = 0] })
 -- @tparam table tm a manager (mongotx's or mongotx.pool's)
 -- @tparam table opts as `group.new`'s, without `run`
--- @treturn table an object with `g:transfer(...)` and `g:run(...)`, each answering exactly as the manager's
---   call alone (its transaction, `nil, err`, or its raise), run in batches with the concurrent ones
+-- @treturn table an object with `g:transfer(...)`, `g:run(...)` and `g:commit(t)`, each answering exactly as the
+--   manager's call alone (its transaction, `nil, err`, or its raise), run in batches with the concurrent ones
 -- @errors a bad option raises; each call's errors are its own
 -- @usage local g = group.wrap(tm, { signal = signal, spawn = spawn, now = now })
 -- local t, err = g:transfer("accounts", "A", "B", 100, { min = 0 })
@@ -341,7 +381,8 @@ for _, method in ipairs(_M.METHODS) do
     local r = self.group:call({ method = method, n = select("#", ...), ... })
     if r.raise then
       -- as the call alone raises: at the caller, unless it says where
-      if r.raise:find("^[^\n]-:%d+: ") then error(r.raise, 0) end
+      -- (or is an error value: a policy's raise)
+      if type(r.raise) ~= "string" or r.raise:find("^[^\n]-:%d+: ") then error(r.raise, 0) end
       error(r.raise, 2)
     end
     return unpack(r, 1, r.n)

@@ -140,10 +140,10 @@ function Manager:get(id)
 end
 
 function Manager:_load(t, step)
-  if type(t) ~= "table" or t._id == nil then
-    error("expected a transaction (a table with _id)", HELPER_CALLER)
-  end
-  local T, err = self:_get(t._id, step, HELPER_CALLER)
+  local _, err = checks.tx_ref(t, step, HELPER_CALLER)
+  if err then return nil, err end
+  local T
+  T, err = self:_get(t._id, step, HELPER_CALLER)
   if err then return nil, err end
   if not T then
     return nil, errors.new("state", "no such transaction", { step = step, id = t._id })
@@ -252,9 +252,7 @@ end
 function Manager:run(ops, opts, extra)
   local spec, err = checks.run_call(self, ops, opts, extra, CALLER)
   if not spec then return nil, err end
-  local results, errs = batches.run_batch(self, { spec }, { false })
-  if results[1] then return results[1] end
-  return nil, errs[1]
+  return batches.run_one(self, spec)
 end
 
 --- Moves `amount` of `field` from one document to another: `run` of two `$inc` ops.
@@ -271,22 +269,20 @@ end
 function Manager:transfer(collection, from, to, amount, opts)
   local spec, err = checks.transfer_call(self, collection, from, to, amount, opts, CALLER)
   if not spec then return nil, err end
-  local results, errs = batches.run_batch(self, { spec }, { false })
-  if results[1] then return results[1] end
-  return nil, errs[1]
+  return batches.run_one(self, spec)
 end
 
--- Runs calls of tm:transfer and tm:run that concurrent callers made as
--- one batch, each answered as its call alone would be: the batch of
--- mongotx.group's driver (group.wrap; through mongotx.pool and
--- mongotx.resty, which lend it a client).  calls[i] = { method =
--- "transfer" | "run", n = <argument count>, <the arguments> }; returns
+-- Runs calls of tm:transfer, tm:run and tm:commit that concurrent
+-- callers made as one batch, each answered as its call alone would be:
+-- the batch of mongotx.group's driver (group.wrap; through mongotx.pool
+-- and mongotx.resty, which lend it a client).  calls[i] = { method =
+-- "transfer" | "run" | "commit", n = <argument count>, <the arguments> }; returns
 -- one result per call and the order they took effect in
 -- (group.run_calls), or nil, err when no client came free (a pool).
 
---- Internal: the batch of mongotx.group's driver, concurrent `transfer` and `run` calls run as one.
+--- Internal: the batch of mongotx.group's driver, concurrent `transfer`, `run` and `commit` calls run as one.
 -- @syntax out, order = tm:run_calls(calls, wait)
--- @tparam table calls `{ method = "transfer" | "run", n = <argument count>, <the arguments> }` each
+-- @tparam table calls `{ method = "transfer" | "run" | "commit", n = <argument count>, <the arguments> }` each
 -- @number wait the seconds the driver waited for them
 -- @treturn table one result per call (as the call alone answers), and the order they took effect in
 -- @errors nil, err when no client of a pool came free
@@ -302,14 +298,18 @@ local many_options = { ops = true, id = true, meta = true }
 -- whole batch.  list[i] is an ops list or { ops =, id =, meta = }.
 -- Returns results, errs: results[i] the transaction or false, errs[i]
 -- why not (false when it ran); an op that cannot apply cancels only its
--- own transaction.
+-- own transaction, and a policy that raises for one (on_op_failure, ...)
+-- fails only that one, with its raise as the error (code "policy"; the
+-- transaction is left to recovery) while the others settle as usual.
 
 --- Runs many transactions as one batch: one round trip per protocol step for the whole batch.
 -- @syntax results, errs = tm:commit_many(list)
 -- @tparam table list items: an ops list, or `{ ops =, id =, meta = }`
 -- @treturn table `results[i]`: the transaction, or false
 -- @treturn table `errs[i]`: its error, or false
--- @errors per item, in `errs`: as `run`; a bad item writes nothing for itself only
+-- @errors per item, in `errs`: as `run`; a bad item writes nothing for itself only; a policy that raises for
+--   an item is that item's error (code `policy`, `err.policy` names it; recovery finishes its transaction), not a
+--   raise: the other items settle as usual
 -- @usage local results, errs = tm:commit_many({ ops1, { ops = ops2, id = "o-3" } })
 function Manager:commit_many(list)
   return batches.run_batch(self, checks.batch_specs(list, "commit_many", function(item, i)
@@ -338,7 +338,7 @@ for k in pairs(checks.transfer_options) do transfer_many_options[k] = true end
 -- @tparam table list items `{ collection =, from =, to =, amount = [, field, min, id, meta] }`
 -- @treturn table results, as `commit_many`
 -- @treturn table errs, as `commit_many`
--- @errors per item, in `errs`
+-- @errors per item, in `errs`, as `commit_many`
 -- @usage local results, errs = tm:transfer_many { { collection = "accounts", from = "A", to = "B", amount = 10 } }
 function Manager:transfer_many(list)
   return batches.run_batch(self, checks.batch_specs(list, "transfer_many", function(item, i)

@@ -8,8 +8,9 @@
 -- Batched (the default, BATCH at a time): the policies are applied per
 -- transaction as read, then for the whole batch one round trip per step:
 --
---   versions  one find per collection (initial and pending ones: the
---             versions that fence their applies, read before the claim);
+--   versions  one find per collection (pending ones, and initial ones
+--             where the server cannot fence by deadline: the versions
+--             that fence their applies, read before the claim);
 --   claim     one bulk write, each claim fenced as a single one is (state,
 --             epoch, and for a pending one its owner's deadline passed);
 --             a lost claim is not driven (Engine:claim_many says which);
@@ -19,11 +20,15 @@
 --   back      (canceling, and pending rolled back) undo, fence (every one
 --             was taken over) and cancelled, one bulk write each.
 --
+-- versions, claim and forward are mongotx.engine.forward's, which the
+-- grouped tm:commit drives its batches with too.
+--
 -- Whatever cannot go that way (an op that cannot apply, a guard meeting
 -- holders, a commit that did not match, a late apply the fence found)
 -- goes on alone through the engine.  batch = 1: each alone (recover_one).
 
 local batch = require "mongotx.batch"
+local forward = require "mongotx.engine.forward"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local stored = require "mongotx.stored"
@@ -117,33 +122,15 @@ end
 -- outcome = "done" | "cancelled" | "skipped", err = <why it failed>,
 -- slow = <goes on one at a time> } (the fields mongotx.batch reads too).
 
-local function fail(e, err) e.err = e.err or err end
-
--- What a step of entry e raised: a policy's raise (errors.guard_policy)
--- fails e; anything else (an interrupt, out of memory, a bug of mongotx)
--- is not e's failure and goes on up, recorded on no transaction.
-local function raised_in(e, raised)
-  if not errors.is_policy(raised) then error(raised, 0) end
-  fail(e, errors.new("policy", raised.message, { id = e.T._id, policy = raised.policy }))
-end
-
--- fn(eng, e, ...), a step of entry e alone, which may call the policies
--- (on_op_failure, backoff, ...): one that raises fails e only, not the
--- rest of its batch.
-local function guarded(fn, eng, e, ...)
-  local ok, raised = pcall(fn, eng, e, ...)
-  if not ok then raised_in(e, raised) end
-end
+local fail, raised_in, guarded = batch.fail, batch.raised_in, batch.guarded
 
 -- Drives entry e on alone, from where it stands now.
 local function alone(eng, e)
-  local T, err = eng:get(e.T._id)
-  if T then T, err = eng:drive(T, nil) end
-  if T then
-    e.outcome = "done"
+  forward.again(eng, e)
+  if e.err then
+    e.outcome, e.err = failed_or_cancelled(eng, e.T, e.err)
   else
-    e.outcome, e.err = failed_or_cancelled(eng, e.T, err or errors.new("state",
-      "no such transaction", { id = e.T._id }))
+    e.outcome = "done"
   end
 end
 
@@ -167,50 +154,13 @@ local function by_collection(entries, each)
   return by_coll, order
 end
 
--- pending -> applied for the entries still on the batch's way, one
--- update per epoch (claims moved them on from where each was); a group
--- that did not all move goes on one at a time (batch.settle looks).
-local function commit(eng, entries)
-  local groups, epochs = {}, {}
+-- The claimed initial and pending entries: forward (apply, commit, those
+-- left behind one at a time); the committed ones are left `applied` for
+-- finish, a failure that ended in a cancel is that outcome.
+local function drive_forward(eng, entries, versions, deadline)
+  forward.forward(eng, entries, versions, deadline)
   for _, e in ipairs(entries) do
-    if not e.err and not e.slow then
-      local g = groups[e.T.epoch]
-      if not g then
-        g = {}
-        groups[e.T.epoch], epochs[#epochs + 1] = g, e.T.epoch
-      end
-      g[#g + 1] = e
-    end
-  end
-  for _, epoch in ipairs(epochs) do
-    local g, ids = groups[epoch], {}
-    for i, e in ipairs(g) do ids[i] = e.T._id end
-    local res, err = eng:many("commit", eng.tx, ids, epoch)
-    for _, e in ipairs(g) do
-      if not res then
-        fail(e, err)
-      elseif res.moved == #ids then
-        e.T.state = "applied"
-        eng:hold(e.T._id, nil) -- past the commit point: nothing to fence
-        eng:event("commit", { id = e.T._id })
-      else
-        e.slow = "commit"
-      end
-    end
-  end
-end
-
--- The claimed initial and pending entries (versions[t] read before the
--- claim): apply, commit; those left behind one at a time.  The committed
--- ones are left `applied` for finish.
-local function forward(eng, entries, versions, deadline)
-  batch.apply(eng, entries, deadline, versions)
-  commit(eng, entries)
-  for t, e in ipairs(entries) do
-    if e.slow and not e.err then
-      guarded(batch.settle, eng, e, deadline, versions[t])
-      if e.err then e.outcome, e.err = failed_or_cancelled(eng, e.T, e.err) end
-    end
+    if e.err then e.outcome, e.err = failed_or_cancelled(eng, e.T, e.err) end
   end
 end
 
@@ -285,35 +235,19 @@ local function back(eng, entries)
 end
 
 -- Claims the entries (all triaged "claim") in one bulk write, after
--- reading the versions of the initial and pending ones, and routes the
+-- reading the versions that fence them (forward.claim), and routes the
 -- ones won by the state each is in: pending (forward, with its versions),
 -- canceling (back), applied (finish), anything else alone.  A lost claim
 -- is "skipped", as recover_one's is.
 local function claim(eng, entries, now)
   local routes = { forward = {}, versions = {}, back = {}, applied = {}, alone = {} }
-  local read = {}
-  for _, e in ipairs(entries) do
-    if e.was == "initial" or e.was == "pending" then read[#read + 1] = e.T end
-  end
-  local versions, err = {}, nil
-  if #read > 0 then versions, err = eng:versions_many(read) end
-  local deadline, claimed
-  if versions then deadline, err = eng:new_deadline() end
-  if versions and not err then
-    local list = {}
-    for i, e in ipairs(entries) do
-      list[i] = { T = e.T, set = e.was == "initial" and { state = "pending" } or nil }
-    end
-    claimed, err = eng:claim_many(list, now, deadline)
-  end
+  local claimed, versions, deadline = forward.claim(eng, entries, now)
   if not claimed then
-    for _, e in ipairs(entries) do fail(e, err) end
+    for _, e in ipairs(entries) do fail(e, versions) end
     return routes
   end
-  local vs_of = {}
-  for t, T in ipairs(read) do vs_of[T] = versions[t] end
   for i, e in ipairs(entries) do
-    local vs = vs_of[e.T]
+    local vs = versions[i]
     if not claimed[i] then
       e.outcome = "skipped"
     else
@@ -323,8 +257,7 @@ local function claim(eng, entries, now)
         if not ok then
           raised_in(e, way)
         elseif way == "back" then
-          local T
-          T, err = eng:cancel(e.T, "rolled back by recovery")
+          local T, err = eng:cancel(e.T, "rolled back by recovery")
           if T then e.T = T else fail(e, err) end
         end
       end
@@ -364,7 +297,7 @@ local function recover_batch(eng, entries, now, me)
   end
   if #claims == 0 then return end
   local routes, deadline = claim(eng, claims, now)
-  if #routes.forward > 0 then forward(eng, routes.forward, routes.versions, deadline) end
+  if #routes.forward > 0 then drive_forward(eng, routes.forward, routes.versions, deadline) end
   if #routes.back > 0 then back(eng, routes.back) end
   for _, e in ipairs(routes.alone) do guarded(alone, eng, e) end
   -- finish the applied ones, claimed so or committed above, together

@@ -278,8 +278,9 @@ local groups = {}
 -- reach a worker thread, so policies that are functions come from a
 -- module named by `policies` (a module that returns a table of them, which
 -- each worker-thread VM requires; options given here win).  Plus `group`:
--- false (the default), or { max = 100, delay = 0 }: tm:transfer and tm:run
--- of concurrent handlers of this worker run as one batch (mongotx.group).
+-- false (the default), or { max = 100, delay = 0 }: tm:transfer, tm:run
+-- and tm:commit of concurrent handlers of this worker run as one batch
+-- (mongotx.group).
 
 --- @type Database
 
@@ -288,7 +289,7 @@ local groups = {}
 -- @tparam[opt] table opts `db:manager`'s, as data; `policies` names a module of policy functions;
 --   `metrics` names a `lua_shared_dict` the events are counted in (`mongotx.metrics.shared`);
 --   `group`: `false` (the default) or `{ max = 100, delay = 0 }`, group commit of this worker's
---   concurrent `tm:transfer` and `tm:run` calls (docs/openresty.md)
+--   concurrent `tm:transfer`, `tm:run` and `tm:commit` calls (docs/openresty.md)
 -- @treturn table the manager
 -- @errors as `db:manager`; `overloaded` (every thread busy for `wait` seconds) from its calls;
 --   a bad `group` or `metrics` raises

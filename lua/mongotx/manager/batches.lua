@@ -5,8 +5,9 @@
 -- (policy.finish).  mongotx.group runs its batches through run_batch too.
 
 local batch = require "mongotx.batch"
+local errors = require "mongotx.errors"
 
-local ipairs = ipairs
+local ipairs, error = ipairs, error
 
 local _M = {}
 
@@ -43,6 +44,17 @@ function _M.run_batch(self, specs, errs)
   end
   if m > 0 then run() end
   return results, errs, late
+end
+
+-- One spec, as tm:run and tm:transfer run it: the transaction, or nil,
+-- err.  A policy that raised while it settled (batch.run fails its entry
+-- with the raise, code "policy") raises here, as it did before it reached
+-- the batch's guard: the call's own raise.
+function _M.run_one(self, spec)
+  local results, errs = _M.run_batch(self, { spec }, { false })
+  if results[1] then return results[1] end
+  if errors.is_policy(errs[1]) then error(errs[1], 0) end
+  return nil, errs[1]
 end
 
 -- The committed transactions of a batch: finished now (policy.finish =

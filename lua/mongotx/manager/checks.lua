@@ -1,8 +1,9 @@
 -- mongotx.manager.checks: what the manager's calls check before they run,
 -- as functions taking the manager: the batch spec of begin, check, run,
 -- and commit_many (spec), of a transfer (transfer_spec), the whole
--- check of tm:run and tm:transfer (run_call, transfer_call), which
--- mongotx.group runs for each call it groups, and the items of a batch
+-- check of tm:run and tm:transfer (run_call, transfer_call) and of
+-- tm:commit's transaction (tx_ref), which mongotx.group runs for each
+-- call it groups, and the items of a batch
 -- call (batch_specs).  Wrong argument types raise at `level`, or at
 -- HELPER_CALLER, counted as in mongotx.manager.
 
@@ -87,6 +88,24 @@ function _M.transfer_call(self, collection, from, to, amount, opts, level)
   if not opts then return nil, err end
   spec, err = _M.transfer_spec(self, collection, from, to, amount, opts, level + 1)
   return spec, err
+end
+
+-- What tm:commit (and tm:step) checks of its transaction `t` before it
+-- reads: a table with an _id that may go into a query (validate.check_tid:
+-- {$gt = ""} must not find another one).  Returns the id as sent, or
+-- nil, err (`invalid`); raises at `level` for a wrong Lua type.
+-- mongotx.group checks each grouped commit with it.
+function _M.tx_ref(t, step, level)
+  if type(t) ~= "table" or t._id == nil then
+    error("expected a transaction (a table with _id)", level + 1)
+  end
+  local kind = type(t._id)
+  if kind == "function" or kind == "thread" then
+    error(format("%s needs a transaction id, not a %s", step, kind), level + 1)
+  end
+  local sent, err = validate.check_tid(t._id)
+  if sent == nil then return nil, errors.wrap(err, step, nil) end
+  return sent
 end
 
 -- A batch of specs checked one by one: a bad one gets its error and is

@@ -33,7 +33,8 @@ local function run_group(tm, list, wait)
     if r == group.AGAIN then
       out[i] = { again = true }
     elseif r.raise then
-      out[i] = { raise = r.raise }
+      -- a message, as thread() sends what a call alone raised
+      out[i] = { raise = type(r.raise) == "string" and r.raise or tostring(r.raise) }
     else
       out[i] = { ok = pack(r.n, unpack(r, 1, r.n)) }
     end
@@ -84,7 +85,7 @@ local function new_group(tm, o)
   }
 end
 
--- tm:transfer and tm:run under group: the call joins its worker's next
+-- tm:transfer, tm:run and tm:commit under group: the call joins its worker's next
 -- batch.  ngx.ctx.mongotx_group says which batch of this manager in this
 -- worker ran it ({ batch, position }: for logs).
 local function grouped(self, method, ...)
