@@ -556,7 +556,7 @@ local entry_points = {
   { "tm:find opts", function(e, v) return e.tm:find({}, v) end,
     wrong = { "o", { bogus = 1 }, { limit = "1" }, { sort = 1 } },
     bad = { { limit = -1 }, { limit = NAN }, { limit = 1.5 }, { limit = INF }, { skip = -1 },
-            { batch_size = -1 }, { skip = NAN } } },
+            { batch_size = -1 }, { skip = NAN }, { limit = 100001 } } },
   { "queue:heartbeat job", setup = claimed, function(e, v) return e.queue:heartbeat(v) end,
     wrong = { "job", 1, {}, { _id = "j" } }, bad = { { _id = evil_id, epoch = 1 } } },
   { "queue:heartbeat epoch", setup = claimed,

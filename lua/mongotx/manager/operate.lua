@@ -195,25 +195,35 @@ end
 -- (`filter`): a former owner stalled for longer than the retention period
 -- is the risk this takes.  A placeholder that mongotx has written to since
 -- (it carries a marker field) is left alone, and so are malformed
--- transactions.
+-- transactions.  Read from a cursor PRUNE_READ a reply: a prune without
+-- a limit may have any number before it, and holds one reply.
+_M.PRUNE_READ = 1000
+
 function Manager:_prune_placeholders(filter)
   local only = { ["ops.kind"] = "insert" }
   for k, v in pairs(filter) do only[k] = v end
   only.state = "cancelled"
-  local list, err = self.tx:find_all(only)
-  if not list then return nil, errors.wrap(err, "prune") end
-  for _, T in ipairs(list) do
+  local cursor = self.tx:find(only, { batch_size = _M.PRUNE_READ })
+  while true do
+    local T, err = cursor:next()
+    if not T then
+      cursor:close()
+      if err then return nil, errors.wrap(err, "prune") end
+      return true
+    end
     for _, op in ipairs(validate.malformed(T, self.engine.vctx) and {} or T.ops) do
       if op.kind == "insert" then
         local res
         res, err = self.engine:coll(op.collection):delete_one({ _id = op.id,
           [self.engine.fields.placeholder] = stored.mark(T),
           [self.engine:form(T).marker] = { ["$exists"] = false } }, self.engine.wopts)
-        if not res then return nil, errors.wrap(err, "prune", T._id) end
+        if not res then
+          cursor:close()
+          return nil, errors.wrap(err, "prune", T._id)
+        end
       end
     end
   end
-  return true
 end
 
 -- Clears `parked` on a transaction recovery gave up on, and its
