@@ -1,7 +1,7 @@
 -- Every read is bounded (issue 29): tm:find has a default limit and a
--- maximum, prune's clean-up of placeholders, L:reconcile and v:read read
--- from the server a reply or a chunk at a time, whatever lies in the
--- collection.  What a read brought is counted from the server's replies
+-- maximum; prune's clean-up of placeholders, L:reconcile, L:balance,
+-- L:commit and v:read read from the server a reply or a chunk at a time,
+-- whatever lies in the collection.  What a read brought is counted from the server's replies
 -- (client:returned(), as spec/19 does) and its round trips from
 -- client:counters(): a read cut into replies of n documents takes one
 -- more command per n documents, which a read held whole does not.
@@ -10,6 +10,7 @@ local mongotx = require "mongotx"
 local options = require "mongotx.options"
 local operate = require "mongotx.manager.operate"
 local committer = require "mongotx.ledger.committer"
+local accounts = require "mongotx.ledger.accounts"
 local versioned = require "mongotx.versioned"
 local patterns = require "spec.support.patterns"
 
@@ -163,6 +164,50 @@ describe("#server bounded reads", function()
     local _, _, broken = reconcile(10)
     assert.is_false(broken.ok)
     assert.are.same({ "cacheBal 1 at seqId 23, the replay gives 276" }, broken.problems)
+  end)
+
+  it("L:balance reads an account's uncommitted tail in chunks of seqIds", function()
+    if no_ledger then pending(no_ledger) return end
+    local L = assert(db:ledger {})
+    local n = 45 -- no commit: every entry is after the (missing) head
+    for i = 1, n do assert(L:post({ { account = "A", value = i } })) end
+    local function balance(chunk)
+      return with(accounts, "TAIL_CHUNK", chunk, function()
+        return cost(function() return { assert(L:balance("A")) } end)
+      end)
+    end
+    local whole_cmds, whole_read, whole = balance(1000)
+    local cmds, read, got = balance(10)
+    assert.are.same({ n * (n + 1) / 2, n }, got)
+    assert.are.same(whole, got)
+    -- no head yet; 8 entries one by one, then the other 37 in chunks of
+    -- 10 (four reads) against one read of them all
+    assert.are.equal(whole_read, read)
+    assert.are.equal(n, read)
+    assert.are.equal(whole_cmds + 3, cmds)
+  end)
+
+  it("L:commit caches an account's tail a chunk a call", function()
+    if no_ledger then pending(no_ledger) return end
+    local L = assert(db:ledger {})
+    local n = 25
+    for i = 1, n do assert(L:post({ { account = "A", value = i } })) end
+    local heads, entries = db:collection("ledger_accounts"), db:collection("ledger")
+    local seqs = {}
+    with(accounts, "TAIL_CHUNK", 10, function()
+      for _ = 1, 4 do
+        local r = assert(L:commit { account = "A" })
+        seqs[#seqs + 1] = { r.cached, assert(heads:find_one({ _id = "A" })).seq }
+      end
+    end)
+    -- 8 walked one by one and 2 of the first chunk, then 10, then the last 5
+    assert.are.same({ { 10, 10 }, { 10, 20 }, { 5, 25 }, { 0, 25 } }, seqs)
+    assert.are.equal(n * (n + 1) / 2, assert(heads:find_one({ _id = "A" })).balance)
+    assert.are.equal(0, entries:count({ proc = "UNCOMMITTED" }))
+    assert.is_true(assert(L:reconcile("A")).ok)
+    local none, err = L:commit { limit = 100001 }
+    assert.is_nil(none)
+    assert.are.equal("invalid", err.code)
   end)
 
   it("v:read streams the item versions, keeping only the structure", function()

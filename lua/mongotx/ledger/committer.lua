@@ -23,6 +23,9 @@ local _M = {}
 
 local CALLER = 2
 
+-- The most UNCOMMITTED entries one commit reads (option limit).
+local MAX_LIMIT = 100000
+
 -- Caches the balances of one account's entries after its head (`view`,
 -- as accounts.read left it), in seqId
 -- order: each change's cacheBal (a value every committer computes alike,
@@ -77,16 +80,18 @@ end
 
 -- commit([{ account = a } | { limit = n }]): the committer.  With an
 -- account, caches that account's entries; else finds up to limit (default
--- 1000) UNCOMMITTED entries, oldest first, and caches the accounts they
--- touch.  Safe to run in several processes at once and to kill at any
+-- 1000, at most MAX_LIMIT) UNCOMMITTED entries, oldest first, and caches
+-- the accounts they touch.  Each account's tail is read and cached
+-- acct.TAIL_CHUNK changes a call at most: a committer far behind catches
+-- up over several calls, in the memory of one chunk.  Safe to run in several processes at once and to kill at any
 -- point.  Returns { accounts = n, cached = changes cached, uncommitted =
 -- entries still UNCOMMITTED among those seen }; nil, err.
 
---- The committer: caches balances and marks entries COMMITTED.
+--- The committer: caches balances and marks entries COMMITTED, up to 1000 changes an account a call.
 -- @syntax report, err = L:commit([{ limit = 1000 } | { account = a }])
--- @tparam[opt] table opts `limit`, or `account`
+-- @tparam[opt] table opts `limit` (1 to 100000), or `account`
 -- @treturn table `{ accounts, cached, uncommitted }`
--- @errors database errors
+-- @errors `invalid` (a limit above 100000, an account and a limit), database errors
 -- @usage assert(L:commit())
 -- @function Ledger:commit
 function _M.commit(self, opts)
@@ -95,6 +100,10 @@ function _M.commit(self, opts)
   if not opts then return nil, err end
   if opts.account ~= nil and opts.limit ~= nil then
     return invalid("commit takes an account or a limit, not both", "commit")
+  end
+  if opts.limit ~= nil and opts.limit > MAX_LIMIT then
+    return invalid(format("option limit of commit must be a whole number from 1 to %d " ..
+      "(the entries seen are held in memory), not %d", MAX_LIMIT, opts.limit), "commit")
   end
   local accounts, seen = {}, nil
   if opts.account ~= nil then
@@ -119,14 +128,14 @@ function _M.commit(self, opts)
   local report = { accounts = #accounts, cached = 0, uncommitted = 0 }
   if #accounts == 0 then return report end
   local ok
-  ok, err = acct.read(self, accounts)
-  if not ok then return nil, errors.wrap(err, "commit") end
-  for _, view in ipairs(accounts) do
-    local n
-    n, err = commit_account(self, view)
-    if not n then return nil, errors.wrap(err, "commit") end
+  -- each account's tail in turn, at most TAIL_CHUNK changes of it a call
+  ok, err = acct.read(self, accounts, acct.TAIL_CHUNK, function(view)
+    local n, why = commit_account(self, view)
+    if not n then return nil, why end
     report.cached = report.cached + n
-  end
+    return true
+  end)
+  if not ok then return nil, errors.wrap(err, "commit") end
   if seen and #seen > 0 then
     local ids = {}
     for i, e in ipairs(seen) do ids[i] = e._id end
