@@ -591,7 +591,7 @@ local entry_points = {
   { "ledger:commit opts", setup = posted, function(e, v) return e.ledger:commit(v) end,
     wrong = { "o", { bogus = 1 }, { limit = "1" } },
     bad = { { limit = 0 }, { limit = -1 }, { limit = 1.5 }, { limit = NAN }, { account = evil_id },
-            { account = "A\255" }, { account = {} }, { account = "A", limit = 1 } } },
+            { account = "A\255" }, { account = {} }, { account = "A", limit = 1 }, { limit = 100001 } } },
   { "ledger:reconcile account", setup = posted, function(e, v) return e.ledger:reconcile(v) end,
     wrong = { print }, bad = { evil_id, NAN, {}, "A\255" } },
   { "sync:repair opts", setup = flagged, function(e, v) return e.sync:repair(v) end,
