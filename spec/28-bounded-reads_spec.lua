@@ -1,8 +1,9 @@
 -- Every read is bounded (issue 29): tm:find has a default limit and a
 -- maximum; prune's clean-up of placeholders, L:reconcile, L:balance,
--- L:commit and v:read read from the server a reply or a chunk at a time,
--- whatever lies in the collection.  What a read brought is counted from the server's replies
--- (client:returned(), as spec/19 does) and its round trips from
+-- L:commit, sync:repair and v:read read from the server a reply or a
+-- chunk at a time, whatever lies in the collection.  What a read brought
+-- is counted from the server's replies (client:returned(), as spec/19
+-- does) and its round trips from
 -- client:counters(): a read cut into replies of n documents takes one
 -- more command per n documents, which a read held whole does not.
 local helpers = require "spec.helpers"
@@ -12,6 +13,7 @@ local operate = require "mongotx.manager.operate"
 local committer = require "mongotx.ledger.committer"
 local accounts = require "mongotx.ledger.accounts"
 local versioned = require "mongotx.versioned"
+local sync = require "mongotx.sync"
 local patterns = require "spec.support.patterns"
 
 local core = mongotx.core
@@ -208,6 +210,42 @@ describe("#server bounded reads", function()
     local none, err = L:commit { limit = 100001 }
     assert.is_nil(none)
     assert.are.equal("invalid", err.code)
+  end)
+
+  it("sync:repair reads the flagged masters a reply at a time", function()
+    -- 25 masters flagged long ago (seed 002's recipe: no syncId), one
+    -- propagated per call of propagate
+    local masters = db:collection("masters")
+    local docs = {}
+    for i = 1, 25 do docs[i] = { _id = i, syncing = core.Date(1000 + i) } end
+    local propagated = {}
+    local s = assert(db:sync { collection = "masters", propagate = function(m)
+      propagated[#propagated + 1] = m._id
+      return true
+    end })
+    local function repair(read, limit)
+      assert(masters:delete_many({}))
+      assert(masters:insert_many(docs, {}))
+      propagated = {}
+      return with(sync, "READ", read, function()
+        return cost(function() return assert(s:repair { older_than = 0, limit = limit }) end)
+      end)
+    end
+    local whole_cmds, whole_read, whole = repair(1000, 1000)
+    local cmds, read, report = repair(10, 1000)
+    assert.are.same(whole, report)
+    assert.are.same({ repaired = 25, failed = {}, parked = 0 }, report)
+    assert.are.same({ 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
+                      21, 22, 23, 24, 25 }, propagated) -- oldest flag first
+    assert.are.equal(0, masters:count({ syncing = { ["$exists"] = true } }))
+    -- 25 in replies of 10: a find and two getMores, against one reply
+    assert.are.equal(whole_read, read)
+    assert.are.equal(whole_cmds + 2, cmds)
+    -- a limit reads no further than asked
+    local _, few, some = repair(10, 12)
+    assert.are.equal(12, some.repaired)
+    assert.are.equal(13, masters:count({ syncing = { ["$exists"] = true } }))
+    assert.are.equal(12, few)
   end)
 
   it("v:read streams the item versions, keeping only the structure", function()
