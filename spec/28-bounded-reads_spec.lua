@@ -141,6 +141,35 @@ describe("#server bounded reads", function()
     assert.are.equal(whole_cmds + 2, cmds)
   end)
 
+  it("prune with a limit deletes the oldest a step of ids at a time", function()
+    local tm = assert(db:manager { application = "app-1" })
+    local txs = db:collection("transactions")
+    local docs = {}
+    for i = 1, 30 do
+      docs[i] = { _id = i, state = "done", application = "app-1", ops = {},
+                  lastModified = core.Date(1000 * i) }
+    end
+    local function prune(read)
+      assert(txs:delete_many({}))
+      assert(txs:insert_many(docs, {}))
+      return with(operate, "PRUNE_READ", read, function()
+        return cost(function() return assert(tm:prune { older_than = 0, limit = 25 }) end)
+      end)
+    end
+    local whole_cmds, whole_read, whole_n = prune(1000)
+    local cmds, read, n = prune(10)
+    assert.are.equal(25, whole_n)
+    assert.are.equal(25, n)
+    local left = {}
+    for _, T in ipairs(helpers.dump(txs)) do left[#left + 1] = T._id end
+    assert.are.same({ 26, 27, 28, 29, 30 }, left)
+    -- the same 25 ids read either way; in steps of 10, 10 and 5, each a
+    -- find of ids, one of placeholders and a delete: six commands more
+    assert.are.equal(25, read)
+    assert.are.equal(whole_read, read)
+    assert.are.equal(whole_cmds + 6, cmds)
+  end)
+
   it("L:reconcile replays an account in chunks of seqIds", function()
     if no_ledger then pending(no_ledger) return end
     local L = assert(db:ledger {})

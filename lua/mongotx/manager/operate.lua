@@ -169,20 +169,37 @@ function Manager:prune(opts)
     if not n then return nil, errors.wrap(err, "prune") end
     return opts.limit and math.min(n, opts.limit) or n
   end
-  if opts.limit then
+  if not opts.limit then return self:_prune_where(filter) end
+  -- the `limit` oldest, PRUNE_READ ids a step: a limit of any size holds
+  -- one step's ids (and sends them in one $in)
+  local deleted = 0
+  while deleted < opts.limit do
+    local step = math.min(opts.limit - deleted, _M.PRUNE_READ)
     local list
-    list, err = self.tx:find_all(filter, { sort = { lastModified = 1 }, limit = opts.limit,
+    list, err = self.tx:find_all(filter, { sort = { lastModified = 1 }, limit = step,
                                            projection = { _id = 1 } })
     if not list then return nil, errors.wrap(err, "prune") end
-    if #list == 0 then return 0 end
+    if #list == 0 then break end
     local ids = {}
     for i, T in ipairs(list) do ids[i] = T._id end
     -- with the conditions above still in the filter: one that moved
     -- meanwhile is not deleted
-    filter._id = { ["$in"] = ids }
+    local only = { _id = { ["$in"] = ids } }
+    for k, v in pairs(filter) do only[k] = v end
+    local n
+    n, err = self:_prune_where(only)
+    if not n then return nil, err end
+    deleted = deleted + n
+    -- (none deleted: another pruner took them; it goes on from there)
+    if #list < step or n == 0 then break end
   end
-  local ok
-  ok, err = self:_prune_placeholders(filter)
+  return deleted
+end
+
+-- Deletes the finished transactions `filter` matches, their placeholders
+-- first; how many, or nil, err.
+function Manager:_prune_where(filter)
+  local ok, err = self:_prune_placeholders(filter)
   if not ok then return nil, err end
   local res
   res, err = self.tx:delete_many(filter, self.engine.wopts)
