@@ -299,7 +299,9 @@ describe("#server the mongotx command", function()
           local _, reports = said:gsub("examined:", "")
           assert.are.equal(1, reports, said)
         end
-        assert.matches("^mongotx: recover .*stopped by SIGTERM", err)
+        -- (a line of libmongoc's own may come first: "Falling back to
+        -- malloc for counters" when a busy machine's shared memory is short)
+        assert.matches("\nmongotx: recover .*stopped by SIGTERM", "\n" .. err)
       end)
   end
 
