@@ -83,9 +83,10 @@ end
 -- 1000, at most MAX_LIMIT) UNCOMMITTED entries, oldest first, and caches
 -- the accounts they touch.  Each account's tail is read and cached
 -- acct.TAIL_CHUNK changes a call at most: a committer far behind catches
--- up over several calls, in the memory of one chunk.  Safe to run in several processes at once and to kill at any
--- point.  Returns { accounts = n, cached = changes cached, uncommitted =
--- entries still UNCOMMITTED among those seen }; nil, err.
+-- up over several calls, in the memory of one chunk.  Safe to run in
+-- several processes at once and to kill at any point.  Returns
+-- { accounts = n, cached = changes cached, uncommitted = entries still
+-- UNCOMMITTED among those seen }; nil, err.
 
 --- The committer: caches balances and marks entries COMMITTED, up to 1000 changes an account a call.
 -- @syntax report, err = L:commit([{ limit = 1000 } | { account = a }])
