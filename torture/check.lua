@@ -133,11 +133,19 @@ function M.database(db, fixture, opts)
   local txs = {}
   for _, coll in ipairs { "transactions", M.OTHER.collection } do
     local tm = assert(db:manager { application = "checker", collection = coll })
-    -- batches of 1000: mongo-java-server does not cut a reply at 48 MB
-    for _, T in ipairs(assert(tm:find({}, { sort = { _id = 1 }, batch_size = 1000 }))) do
-      if coll ~= "transactions" then T.key = coll .. ":" .. canon(T._id) end
-      txs[#txs + 1] = T
-    end
+    -- batches of 1000: mongo-java-server does not cut a reply at 48 MB;
+    -- pages of tm:find's largest limit, by skip (ids of several types
+    -- have no range to page by)
+    local page, skip = require("mongotx.options").FIND_MAX, 0
+    repeat
+      local list = assert(tm:find({}, { sort = { _id = 1 }, batch_size = 1000, skip = skip,
+                                        limit = page }))
+      for _, T in ipairs(list) do
+        if coll ~= "transactions" then T.key = coll .. ":" .. canon(T._id) end
+        txs[#txs + 1] = T
+      end
+      skip = skip + #list
+    until #list < page
   end
   local model = { docs = {}, removed = {} } -- removed: who removed what
   for name, docs in pairs(fixture) do

@@ -84,7 +84,8 @@ elseif mode == "recover" then
     for _, coll in ipairs { "transactions", require("torture.check").OTHER.collection } do
       local tm = assert(db:manager(scenarios.recovery_manager {
         collection = coll, stale_pending = function() return direction end }))
-      for _, T in ipairs(assert(tm:find({ state = { ["$nin"] = { "done", "cancelled" } } }))) do
+      for _, T in ipairs(assert(tm:find({ state = { ["$nin"] = { "done", "cancelled" } } },
+                                        { limit = 100000 }))) do
         local after = scenarios.settle(tm, T._id, 15)
         if after and after.state ~= "done" and after.state ~= "cancelled" then left = left + 1 end
       end

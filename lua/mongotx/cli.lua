@@ -89,7 +89,8 @@ local function parser()
 
   local recover = p:command("recover", "Drive stale transactions to done or cancelled.")
   recover:option("--limit", "Look at <n> transactions at most."):argname("<n>"):convert(count)
-  recover:option("--loop", "Sweep again every <sec> seconds, until stopped.")
+  recover:option("--loop", "Sweep again every <sec> seconds, until stopped; " ..
+    "a sweep that did nothing prints nothing.")
     :argname("<sec>"):convert(seconds)
   recover:option("--stale-after", "Seconds after which this application's own " ..
     "transactions count as stale."):argname("<sec>"):convert(seconds)

@@ -410,10 +410,11 @@ _M.compensation_id = operate.compensation_id
 -- `$where` or `$expr` is `invalid`); option values are checked first.
 -- @syntax list, err = tm:find(filter [, opts])
 -- @tparam table filter a query on the transactions collection
--- @tparam[opt] table opts as the core's `find_all`: `sort`, `limit` (1 to
--- 2^31-1), `projection`, `skip`, `batch_size`, `read_preference`
--- @treturn table a list of transaction documents
--- @errors `invalid` (a bad filter or option value), database errors
+-- @tparam[opt] table opts as the core's `find_all`: `sort`, `limit` (default
+-- 1000, at most 100000: the list is held in memory; page with `skip` or a
+-- filter), `projection`, `skip`, `batch_size`, `read_preference`
+-- @treturn table a list of at most `limit` transaction documents
+-- @errors `invalid` (a bad filter or option value, a limit above 100000), database errors
 -- @usage local stuck = tm:find({ state = "pending" }, { limit = 10 })
 function Manager:find(filter, opts)
   if filter ~= nil and type(filter) ~= "table" then
@@ -422,7 +423,7 @@ function Manager:find(filter, opts)
   local err
   filter, err = validate.filter(filter or {})
   if not filter then return nil, err end
-  opts, err = options.check(opts, options.FIND, "find", CALLER)
+  opts, err = options.find(opts, "find", CALLER)
   if not opts then return nil, err end
   local list
   list, err = self.tx:find_all(filter, opts)

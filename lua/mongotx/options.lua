@@ -262,6 +262,28 @@ end
 _M.FIND = { sort = true, limit = true, projection = true, skip = true, batch_size = true,
             read_preference = true }
 
+-- tm:find and db:find hand back a list held in memory: FIND_LIMIT
+-- documents unless the caller asks for another limit, FIND_MAX at most
+-- (the largest batch of recover and each); past that a caller pages
+-- (skip, or a filter on where the last page ended).
+_M.FIND_LIMIT, _M.FIND_MAX = 1000, 100000
+
+-- The options of a find that returns a list (FIND, checked), its limit
+-- set: FIND_LIMIT by default, `invalid` above FIND_MAX.
+function _M.find(opts, what, level)
+  local err
+  opts, err = _M.check(opts, _M.FIND, what, level + 1)
+  if not opts then return nil, err end
+  if opts.limit == nil then
+    opts.limit = _M.FIND_LIMIT
+  elseif opts.limit > _M.FIND_MAX then
+    return nil, errors.new("invalid", format("option limit of %s must be a whole number " ..
+      "from 1 to %d (a list held in memory: page with skip or a filter), not %s", what,
+      _M.FIND_MAX, shown(opts.limit)), { step = what })
+  end
+  return opts
+end
+
 -- What connect(uri, opts) needs of its arguments, for mongotx.connect and
 -- mongotx.pool alike: the database's name (opts.database, else the URI's
 -- path, else "test") and the C core's options (the rest).  A wrong type

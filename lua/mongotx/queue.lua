@@ -24,6 +24,10 @@
 -- then the oldest ts), created, attempts (claims so far), epoch, worker,
 -- claimed and lease_until (the last claim), error (the last failure),
 -- result and finished (done), and for dead jobs `died`.
+--
+-- This module owns the queue object and the job API (push, claim,
+-- heartbeat, done, fail, requeue_stale, get, counts); the worker loop
+-- (work, run_one) is mongotx.queue.worker.
 
 --- A job queue in a collection: `db:queue(opts)` returns one (docs/queue.md).
 -- @module mongotx.queue
@@ -34,9 +38,10 @@ local validate = require "mongotx.validate"
 local options = require "mongotx.options"
 local clock = require "mongotx.clock"
 local points = require "mongotx.points"
+local loop = require "mongotx.queue.worker"
 
 local type, tostring, setmetatable, pcall, next = type, tostring, setmetatable, pcall, next
-local rawget, rawlen = rawget, rawlen or function(t) return #t end
+local rawget = rawget
 local format, floor, Date = string.format, math.floor, core.Date
 
 local _M = {}
@@ -268,29 +273,6 @@ function Queue:push(kind, details, opts)
     { step = "push", id = id })
 end
 
--- The types a claim takes: nil (any), or a non-empty list of types read
--- raw.  Returns the filter's value, or nil, err.
-local function claim_types(types, step)
-  if types == nil then return nil end
-  if type(types) ~= "table" then error(step .. ": types must be a list of strings", HELPER_CALLER) end
-  local n, list = rawlen(types), {}
-  if n == 0 then return false, errors.new("invalid", step .. ": types is an empty list", { step = step }) end
-  for i = 1, n do
-    local t = rawget(types, i)
-    if type(t) ~= "string" or t == "" then
-      return false, errors.new("invalid", format("%s: types[%d] must be a job type (a " ..
-        "non-empty string)", step, i), { step = step })
-    end
-    list[i] = t
-  end
-  for k in next, types do
-    if type(k) ~= "number" or k < 1 or k > n or floor(k) ~= k then
-      return false, errors.new("invalid", step .. ": types must be a list (keys 1..n)", { step = step })
-    end
-  end
-  return { ["$in"] = list }
-end
-
 -- claim(worker [, types]): the ready job of the highest priority whose
 -- time came (oldest first), of one of these types, now running for
 -- `worker` with a lease; false when there is none, or nil, err.
@@ -307,7 +289,7 @@ function Queue:claim(worker, types)
   if not options.text_ok(worker) then
     return invalid("claim", "claim: worker must be a non-empty UTF-8 string")
   end
-  local of, why = claim_types(types, "claim")
+  local of, why = loop.claim_types(types, "claim")
   if of == false then return nil, why end
   local now, err = self.clock:now()
   if not now then return nil, err end
@@ -508,117 +490,7 @@ function Queue:counts()
   return out
 end
 
--- Runs handler on a claimed job and records the outcome: "done",
--- "failed" (ready again) or "dead"; nil, err (`fenced` when the job was
--- taken meanwhile).  A result that cannot be stored fails the job, and so
--- does nil or false with an error beside it.  The outcome is recorded
--- with the claim's own reference to the job, so that a handler that edits
--- its job table cannot finish another job (or break the loop).
-
---- Internal (used by `work`): runs a handler on a claimed job and records the outcome.
--- @syntax outcome, err = q:run_one(handler, job)
--- @func handler `handler(job, queue)`
--- @tparam table job the claimed job
--- @treturn string "done", "failed" or "dead"
--- @errors `fenced`, database errors
--- @usage -- see work
-function Queue:run_one(handler, job)
-  local claimed = { _id = job._id, epoch = job.epoch, attempts = job.attempts }
-  local ok, res, herr = pcall(handler, job, self)
-  local state, err
-  if ok and (res or herr == nil) then
-    state, err = self:done(claimed, res)
-    if state then return "done" end
-    if err.code ~= "invalid" then return nil, err end
-    herr = err
-  end
-  state, err = self:fail(claimed, ok and herr or res)
-  if state == "ready" then return "failed" end
-  return state, err
-end
-
-local work_options = { worker = true, types = true, idle = true, poll = true,
-                       max_jobs = true, stop = true }
-
--- work(handlers [, { worker, types, idle, poll, max_jobs, stop }]): a
--- worker loop.  handlers maps job types to function(job, queue) that
--- return a result (anything storable; nil counts as success) or nil (or
--- false), err, or raise; the job is then done or failed.  The loop claims only the
--- types of `types` (default: every type handlers has), runs
--- requeue_stale() whenever it finds nothing to claim, and stops when the
--- queue had nothing for `idle` seconds (default 0: at the first empty
--- claim; it polls every `poll` seconds, default 0.5), after `max_jobs`
--- jobs, or when stop() returns true (asked before each claim).  Returns
--- { done, failed, dead, fenced } counts, or those counts and err for a
--- database failure or a backoff policy that failed, which ends the loop
--- (that job stays running until its lease ends).
-
---- A worker loop: claims jobs of the handlers' types and runs them.
--- @syntax counts, err = q:work(handlers [, { worker, types, idle, poll, max_jobs, stop }])
--- @tparam table handlers `handlers[type](job, queue)`: a result (done), or nil, err / a raise (fail)
--- @tparam[opt] table opts `idle` (seconds with nothing to claim before it returns, default 0), `poll`, `max_jobs`,
---   `stop()`
--- @treturn table `{ done, failed, dead, fenced }`
--- @errors the counts and err for a database or backoff failure
--- @usage local r = q:work({ mail = send_mail }, { idle = 5 })
-function Queue:work(handlers, opts)
-  if type(handlers) ~= "table" then error("work: handlers must be a table", CALLER) end
-  local why
-  opts, why = validate.options(opts, work_options, "work", CALLER)
-  if not opts then return nil, why end
-  local fns, names = {}, {}
-  for k, fn in next, handlers do
-    if type(k) ~= "string" or type(fn) ~= "function" then
-      error("work: handlers maps job types (strings) to functions", CALLER)
-    end
-    fns[k], names[#names + 1] = fn, k
-  end
-  local types = opts.types or names
-  local of
-  of, why = claim_types(types, "work")
-  if of == false then return nil, why end
-  for _, t in ipairs(of["$in"]) do
-    if not fns[t] then return invalid("work", "work: no handler for the type " .. t) end
-  end
-  local worker = opts.worker or ("worker-" .. core.ObjectId():value())
-  local idle, poll = opts.idle or 0, opts.poll or 0.5
-  local stats = { done = 0, failed = 0, dead = 0, fenced = 0 }
-  local empty_since, requeued_at
-  while not (opts.max_jobs and stats.done + stats.failed + stats.dead + stats.fenced >= opts.max_jobs)
-        and not (opts.stop and opts.stop()) do
-    local err
-    -- expired leases are requeued once a lease, busy or not, so that a
-    -- dead worker's jobs do not wait for the queue to run dry
-    local now = core.monotonic_ms()
-    local requeued = 0
-    if not requeued_at or now - requeued_at >= self.policy.lease * 1000 then
-      local res
-      res, err = self:requeue_stale()
-      if not res then return stats, err end
-      requeued, requeued_at = res.requeued, now
-    end
-    local job
-    job, err = self:claim(worker, of["$in"])
-    if job == nil then return stats, err end
-    if job then
-      empty_since = nil
-      local state
-      state, err = self:run_one(fns[job.type], job)
-      if state then
-        stats[state] = stats[state] + 1
-      elseif err.code == "fenced" then
-        stats.fenced = stats.fenced + 1
-      else
-        return stats, err
-      end
-    elseif requeued == 0 then
-      empty_since = empty_since or now
-      if now - empty_since >= idle * 1000 then break end
-      core.sleep(poll)
-      requeued_at = nil -- look for expired leases before the next claim
-    end
-  end
-  return stats
-end
+-- The worker loop (run_one, work): mongotx.queue.worker.
+Queue.run_one, Queue.work = loop.run_one, loop.work
 
 return _M

@@ -114,7 +114,7 @@ local function read_args(collection, filter, opts)
   if filter ~= nil and type(filter) ~= "table" then error("filter must be a table", 0) end
   filter, err = validate.filter(filter or {})
   if not filter then return nil, err end
-  opts, err = options.check(opts, options.FIND, "find", 3)
+  opts, err = options.find(opts, "find", 3)
   if not opts then return nil, err end
   return filter, opts
 end
@@ -337,15 +337,16 @@ end
 
 -- db:find(collection, filter [, opts]) -> list, db:count(collection,
 -- filter) -> n: reads of any collection of the database (opts as the
--- core's find_all), for handlers that check input before a transaction.
+-- core's find_all, the limit as tm:find's), for handlers that check input
+-- before a transaction.
 
 --- Reads documents of any collection, in a worker thread.
 -- @syntax list, err = db:find(collection, filter [, opts])
 -- @string collection the collection
 -- @tparam table filter the query
--- @tparam[opt] table opts as `find_all`
--- @treturn table the documents
--- @errors `overloaded`, database errors
+-- @tparam[opt] table opts as `find_all`; `limit` as tm:find's (default 1000, at most 100000)
+-- @treturn table at most `limit` documents
+-- @errors `invalid`, `overloaded`, database errors
 -- @usage local found = assert(db:find("accounts", { _id = "A" }, { limit = 1 }))
 function Database:find(collection, filter, opts)
   if type(collection) ~= "string" then error("collection must be a string", 2) end

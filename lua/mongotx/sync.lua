@@ -69,6 +69,8 @@ local sync_options = { collection = true, propagate = true, flag = true,
 -- propagations of one change repair tries before it parks the master.
 _M.flag = "syncing"
 _M.max_attempts = 5
+-- How many masters a repair reads a reply (a cursor: memory is one reply).
+_M.READ = 1000
 
 -- db:sync{ collection, propagate, flag, write_concern, max_attempts }:
 -- creates the sparse index on the flag.  Missing or mistyped options
@@ -272,20 +274,31 @@ function Sync:repair(opts)
   -- keeps $currentDate finer than a millisecond, so $lte of the
   -- millisecond would miss a flag set within it
   cutoff = core.Date(math.floor(cutoff) + 1)
-  local todo
-  todo, err = self.coll:find_all({ [self.flag] = { ["$lt"] = cutoff },
-                                   -- also flags set without syncAttempts
-                                   [ATTEMPTS] = { ["$not"] = { ["$gte"] = self.max_attempts } } },
-                                 { sort = { [self.flag] = 1 }, limit = opts.limit or 100 })
-  if not todo then return nil, errors.wrap(err, "repair") end
+  -- from a cursor, READ a reply: memory is one reply, whatever the limit
+  -- (a settled master leaves the flag's index, a failed one keeps its
+  -- place, a flag set meanwhile is after the cutoff: none comes back)
+  local limit = opts.limit or 100
+  local cursor = self.coll:find({ [self.flag] = { ["$lt"] = cutoff },
+                                  -- also flags set without syncAttempts
+                                  [ATTEMPTS] = { ["$not"] = { ["$gte"] = self.max_attempts } } },
+                                { sort = { [self.flag] = 1 }, limit = limit,
+                                  batch_size = math.min(limit, _M.READ) })
   local report = { repaired = 0, failed = {} }
-  for _, master in ipairs(todo) do
+  while true do
+    local master
+    master, err = cursor:next()
+    if not master then
+      cursor:close()
+      if err then return nil, errors.wrap(err, "repair") end
+      break
+    end
     local ok, why = self:settle(master)
     if ok then
       report.repaired = report.repaired + 1
     elseif why.code == "propagation" then
       report.failed[#report.failed + 1] = why
     else
+      cursor:close()
       return nil, why
     end
   end

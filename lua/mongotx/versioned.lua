@@ -408,9 +408,13 @@ end
 -- The structure as of the root's published version: { version, items =
 -- { { id, version, doc }, ... } in item order }, each item at its highest
 -- visible version, deleted items left out.  A root nobody published is
--- version 0 with no items.  nil, err.
+-- version 0 with no items.  nil, err.  The stored versions up to the
+-- published one come from a cursor READ at a time, and only each item's
+-- visible head is kept: memory is the structure plus one reply, however
+-- long the history.
+_M.READ = 1000
 
---- The structure as of the root's published version.
+--- The structure as of the root's published version, read from a cursor 1000 item versions a reply.
 -- @syntax tree, err = v:read(root)
 -- @param root the root's id
 -- @treturn table `{ version, items = { { id, version, doc }, ... } }`
@@ -425,12 +429,17 @@ function Versioned:read(root)
   local out = { version = doc and doc.version or 0, items = {} }
   if out.version == 0 then return out end
   local skip = hidden(doc)
-  local versions
-  versions, err = self.items:find_all({ root = sent, version = { ["$lte"] = out.version } },
-    { sort = core.doc("itemId", 1, "version", -1) })
-  if not versions then return nil, errors.wrap(err, "read") end
+  local cursor = self.items:find({ root = sent, version = { ["$lte"] = out.version } },
+    { sort = core.doc("itemId", 1, "version", -1), batch_size = _M.READ })
   local seen = {}
-  for _, iv in ipairs(versions) do
+  while true do
+    local iv
+    iv, err = cursor:next()
+    if not iv then
+      cursor:close()
+      if err then return nil, errors.wrap(err, "read") end
+      return out
+    end
     local key = id_key(iv.itemId)
     if not skip[iv.version] and key and not seen[key] then
       seen[key] = true
@@ -439,7 +448,6 @@ function Versioned:read(root)
       end
     end
   end
-  return out
 end
 
 -- gc's work on one root document: aborts its open versions that can no
@@ -493,7 +501,7 @@ function Versioned:gc(opts)
   if not cutoff then return nil, err end
   local cursor = self.roots:find({ ["$or"] = { { ["open.0"] = { ["$exists"] = true } },
                                                { ["dead.0"] = { ["$exists"] = true } } } },
-                                 { sort = { _id = 1 } })
+                                 { sort = { _id = 1 }, batch_size = _M.READ })
   local report = { aborted = 0, removed = 0 }
   while true do
     local doc, ok

@@ -182,10 +182,15 @@ local COUNTS = { "examined", "done", "cancelled", "skipped", "parked", "failed",
 -- twice as many, until one is not full.
 -- A SIGINT or SIGTERM (core.catch_signals, set by mongotx.cli) stops the
 -- sweep before its next pass, and total.stopped names the signal.
+-- Under --loop the --json lines of the passes are held until a pass
+-- moves, fails or finds a malformed one: a sweep that did nothing says
+-- nothing (total.quiet), so a worker does not fill its log every few
+-- seconds.
 local function sweep(tm, o, bar)
-  local total = { passes = 0 }
+  local total = { passes = 0, quiet = true }
   for _, k in ipairs(COUNTS) do total[k] = 0 end
   local rows, batch, moved, seen = {}, o.batch, 0, {}
+  local held = o.loop and {} or nil
   while true do
     total.stopped = core.signal_caught()
     if total.stopped then break end
@@ -202,12 +207,17 @@ local function sweep(tm, o, bar)
     -- most one pass saw (every pass counts all of them)
     total.failed = total.failed + report_errors(o, report, rows, seen)
     total.malformed = math.max(total.malformed, report.malformed)
+    local moved_now = report.done + report.cancelled + report.parked
+    if moved_now + total.failed + total.malformed > 0 then total.quiet = false end
     if o.json then
       local rec = record("event", "pass")
       for _, k in ipairs(COUNTS) do add(rec, k, report[k]) end
-      say(json(rec))
+      if held then held[#held + 1] = json(rec) else say(json(rec)) end
     end
-    local moved_now = report.done + report.cancelled + report.parked
+    if held and not total.quiet then
+      for _, line in ipairs(held) do say(line) end
+      held = nil
+    end
     moved = moved + moved_now
     bar:update(moved + total.failed)
     if report.examined < n and moved_now == 0 then break end
@@ -249,6 +259,7 @@ local function recover_once(tm, o, fail)
   end
   local moved = total.done + total.cancelled + total.parked
   bar:finish(moved + total.failed)
+  if o.loop and total.quiet and not total.stopped then return OK end
   local secs = (core.monotonic_ms() - start) / 1000
   if o.json then
     local rec = record("event", "summary")

@@ -61,9 +61,11 @@ end
 -- Each account's entries after seq, read one seqId at a time by the
 -- whole key of the unique index (a lookup every server answers from the
 -- index; mongo-java-server scans the collection for anything else) while
--- the tail is short, then the rest at once by $elemMatch (an index range
--- on MongoDB).
+-- the tail is short, then TAIL_CHUNK seqIds at a time by $elemMatch (an
+-- index range on MongoDB): a committer far behind makes the reads many,
+-- not large.
 local WALK = 8
+_M.TAIL_CHUNK = 1000
 
 -- The change of account `view` at seqId seq and its entry, or nil (the
 -- two path conditions may match two elements: the change is picked here).
@@ -78,28 +80,48 @@ local function entry_at(self, view, seq)
   return false
 end
 
--- Appends the entries of `view` after view.seq to view.tail, in seqId
--- order; true or nil, err.
+-- Has `view` kept as many changes as it asked for (view.keep)?
+local function full(view)
+  return view.keep ~= nil and #view.tail >= view.keep
+end
+
+-- Moves `view` on over the change t (its account's next): its seqId and
+-- balance, and t into view.tail while it keeps changes.
+local function take(view, t)
+  view.seq = t.change.seqId
+  if t.entry.state == "VALID" then view.balance = view.balance + t.change.value end
+  if view.keep then view.tail[#view.tail + 1] = t end
+end
+
+-- Moves `view` over its account's entries after view.seq, in seqId order,
+-- until their end or until view.tail is full; true or nil, err.
 local function read_tail(self, view)
   for _ = 1, WALK do
+    if full(view) then return true end
     local t, err = entry_at(self, view, view.seq + 1)
     if t == nil then return nil, err end
     if not t then return true end
-    view.tail[#view.tail + 1] = t
-    view.seq = view.seq + 1
+    take(view, t)
   end
-  local rest, err = self.entries:find_all({ changes = { ["$elemMatch"] = {
-    account = view.account, seqId = { ["$gt"] = view.seq } } } })
-  if not rest then return nil, err end
-  local more = {}
-  for _, e in ipairs(rest) do
-    local c, at = _M.change_of(e, view.key)
-    if c and c.seqId > view.seq then more[#more + 1] = { entry = e, change = c, at = at } end
-  end
-  sort(more, function(a, b) return a.change.seqId < b.change.seqId end)
-  for _, t in ipairs(more) do
-    view.tail[#view.tail + 1] = t
-    view.seq = t.change.seqId
+  local chunk = _M.TAIL_CHUNK
+  while not full(view) do
+    -- (a broken ledger may hold two entries at a seqId: up to twice the
+    -- chunk is read)
+    local rest, err = self.entries:find_all({ changes = { ["$elemMatch"] = {
+      account = view.account, seqId = { ["$gt"] = view.seq, ["$lte"] = view.seq + chunk } } } },
+      { limit = 2 * chunk })
+    if not rest then return nil, err end
+    local more = {}
+    for _, e in ipairs(rest) do
+      local c, at = _M.change_of(e, view.key)
+      if c and c.seqId > view.seq then more[#more + 1] = { entry = e, change = c, at = at } end
+    end
+    sort(more, function(a, b) return a.change.seqId < b.change.seqId end)
+    for _, t in ipairs(more) do
+      if full(view) then return true end
+      take(view, t)
+    end
+    if #more < chunk then return true end -- seqIds have no gap: this was the end
   end
   return true
 end
@@ -124,20 +146,27 @@ end
 -- What the database says of these accounts ({ account, key } tables):
 -- their heads in one read, then the entries after each.  Fills view.head
 -- and view.head_balance (the head, if any), view.seq (the last seqId
--- taken), view.balance (head + every valid change after it) and
--- view.tail (those changes with their entries, in seqId order).
-function _M.read(self, views)
+-- taken) and view.balance (head + every valid change up to view.seq).
+-- With `keep` (the committer), view.tail holds the changes after the
+-- head with their entries, in seqId order, and the read stops at `keep`
+-- of them (view.seq and view.balance where it stopped); without, it reads
+-- to the end holding none, so a balance costs the memory of one chunk.
+-- each(view), when given, is called as soon as a view is read (true or
+-- nil, err), and its tail let go after it: one account's at a time.
+function _M.read(self, views, keep, each)
   local _, err = read_heads(self, views)
   if err then return nil, err end
-  for _, v in ipairs(views) do v.seq, v.tail = v.head or 0, {} end
+  for _, v in ipairs(views) do
+    v.seq, v.balance, v.tail, v.keep = v.head or 0, v.head_balance or 0, {}, keep
+  end
   for _, v in ipairs(views) do
     local ok
     ok, err = read_tail(self, v)
-    if not ok then return nil, err end
-    v.balance = v.head_balance or 0
-    for _, t in ipairs(v.tail) do
-      if t.entry.state == "VALID" then v.balance = v.balance + t.change.value end
+    if ok and each then
+      ok, err = each(v)
+      v.tail = {}
     end
+    if not ok then return nil, err end
   end
   _M.remember(self, views)
   return true

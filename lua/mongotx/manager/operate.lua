@@ -169,20 +169,37 @@ function Manager:prune(opts)
     if not n then return nil, errors.wrap(err, "prune") end
     return opts.limit and math.min(n, opts.limit) or n
   end
-  if opts.limit then
+  if not opts.limit then return self:_prune_where(filter) end
+  -- the `limit` oldest, PRUNE_READ ids a step: a limit of any size holds
+  -- one step's ids (and sends them in one $in)
+  local deleted = 0
+  while deleted < opts.limit do
+    local step = math.min(opts.limit - deleted, _M.PRUNE_READ)
     local list
-    list, err = self.tx:find_all(filter, { sort = { lastModified = 1 }, limit = opts.limit,
+    list, err = self.tx:find_all(filter, { sort = { lastModified = 1 }, limit = step,
                                            projection = { _id = 1 } })
     if not list then return nil, errors.wrap(err, "prune") end
-    if #list == 0 then return 0 end
+    if #list == 0 then break end
     local ids = {}
     for i, T in ipairs(list) do ids[i] = T._id end
     -- with the conditions above still in the filter: one that moved
     -- meanwhile is not deleted
-    filter._id = { ["$in"] = ids }
+    local only = { _id = { ["$in"] = ids } }
+    for k, v in pairs(filter) do only[k] = v end
+    local n
+    n, err = self:_prune_where(only)
+    if not n then return nil, err end
+    deleted = deleted + n
+    -- (none deleted: another pruner took them; it goes on from there)
+    if #list < step or n == 0 then break end
   end
-  local ok
-  ok, err = self:_prune_placeholders(filter)
+  return deleted
+end
+
+-- Deletes the finished transactions `filter` matches, their placeholders
+-- first; how many, or nil, err.
+function Manager:_prune_where(filter)
+  local ok, err = self:_prune_placeholders(filter)
   if not ok then return nil, err end
   local res
   res, err = self.tx:delete_many(filter, self.engine.wopts)
@@ -195,25 +212,35 @@ end
 -- (`filter`): a former owner stalled for longer than the retention period
 -- is the risk this takes.  A placeholder that mongotx has written to since
 -- (it carries a marker field) is left alone, and so are malformed
--- transactions.
+-- transactions.  Read from a cursor PRUNE_READ a reply: a prune without
+-- a limit may have any number before it, and holds one reply.
+_M.PRUNE_READ = 1000
+
 function Manager:_prune_placeholders(filter)
   local only = { ["ops.kind"] = "insert" }
   for k, v in pairs(filter) do only[k] = v end
   only.state = "cancelled"
-  local list, err = self.tx:find_all(only)
-  if not list then return nil, errors.wrap(err, "prune") end
-  for _, T in ipairs(list) do
+  local cursor = self.tx:find(only, { batch_size = _M.PRUNE_READ })
+  while true do
+    local T, err = cursor:next()
+    if not T then
+      cursor:close()
+      if err then return nil, errors.wrap(err, "prune") end
+      return true
+    end
     for _, op in ipairs(validate.malformed(T, self.engine.vctx) and {} or T.ops) do
       if op.kind == "insert" then
         local res
         res, err = self.engine:coll(op.collection):delete_one({ _id = op.id,
           [self.engine.fields.placeholder] = stored.mark(T),
           [self.engine:form(T).marker] = { ["$exists"] = false } }, self.engine.wopts)
-        if not res then return nil, errors.wrap(err, "prune", T._id) end
+        if not res then
+          cursor:close()
+          return nil, errors.wrap(err, "prune", T._id)
+        end
       end
     end
   end
-  return true
 end
 
 -- Clears `parked` on a transaction recovery gave up on, and its
