@@ -39,10 +39,10 @@ local config = {
   wait = 5,                             -- seconds a call waits for a free thread (then 503)
   -- db:manager's options (data only). metrics: the lua_shared_dict that
   -- counts its events (mongotx.metrics.shared), served at GET /metrics;
-  -- group = { max = 100, delay = 0 } runs concurrent transfers of a worker
-  -- as one batch (README, "Group commit"; off by default: bench/README.md
-  -- says why)
-  manager = { application = "bank", metrics = "mongotx_metrics" },
+  -- group: concurrent transfers of a worker run as one batch
+  -- (docs/openresty.md, "Group commit"; the default, written out here;
+  -- group = false runs each call alone)
+  manager = { application = "bank", metrics = "mongotx_metrics", group = { max = 100, delay = 0 } },
   dict = "mongotx",                     -- lua_shared_dict for the recovery election
   recovery = { every = 5, limit = 1000 },
   max_amount = 2 ^ 53,                  -- exact in a double, and in BSON

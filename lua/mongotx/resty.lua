@@ -278,9 +278,9 @@ local groups = {}
 -- reach a worker thread, so policies that are functions come from a
 -- module named by `policies` (a module that returns a table of them, which
 -- each worker-thread VM requires; options given here win).  Plus `group`:
--- false (the default), or { max = 100, delay = 0 }: tm:transfer, tm:run
--- and tm:commit of concurrent handlers of this worker run as one batch
--- (mongotx.group).
+-- { max = 100, delay = 0 } (the default; true is the same), or false:
+-- tm:transfer, tm:run and tm:commit of concurrent handlers of this worker
+-- run as one batch (mongotx.group).
 
 --- @type Database
 
@@ -288,8 +288,8 @@ local groups = {}
 -- @syntax tm, err = db:manager(opts)
 -- @tparam[opt] table opts `db:manager`'s, as data; `policies` names a module of policy functions;
 --   `metrics` names a `lua_shared_dict` the events are counted in (`mongotx.metrics.shared`);
---   `group`: `false` (the default) or `{ max = 100, delay = 0 }`, group commit of this worker's
---   concurrent `tm:transfer`, `tm:run` and `tm:commit` calls (docs/openresty.md)
+--   `group`: `{ max = 100, delay = 0 }` (the default; `true` is the same) or `false`, group commit of this
+--   worker's concurrent `tm:transfer`, `tm:run` and `tm:commit` calls (docs/openresty.md)
 -- @treturn table the manager
 -- @errors as `db:manager`; `overloaded` (every thread busy for `wait` seconds) from its calls;
 --   a bad `group` or `metrics` raises
@@ -401,7 +401,7 @@ for _, method in ipairs(group.METHODS) do
   local alone = Manager[method]
   Manager[method] = function(self, ...)
     if not self.group or not YIELDS[ngx.get_phase()] then return alone(self, ...) end -- luacheck: ignore 113
-    return grouped(self, method, ...)
+    return grouped(self, method, alone, ...)
   end
 end
 
