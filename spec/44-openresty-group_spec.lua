@@ -387,6 +387,27 @@ describe("#openresty group commit in nginx", function()
     assert.are.equal(200, status, res)
   end)
 
+  it("groups by default and with group = true, and not with group = false", function()
+    for _, case in ipairs { { "nil", true }, { "true", true }, { "false", false } } do
+      local db, name = bank({ A = 1000, B = 1000, C = 1000, D = 1000 })
+      local n = start(name, "group-default-" .. case[1], case[1], { recovery = false })
+      local list = {}
+      for i = 1, 16 do
+        list[i] = { method = "POST", path = "/transfer", headers = { ["X-Req"] = tostring(i) },
+                    body = body(string.char(65 + i % 4), string.char(65 + (i + 1) % 4), 3) }
+      end
+      local answers = assert(n:many(list, { parallel = true }):wait(60))
+      local log = n:error_log()
+      n:stop()
+      for i = 1, #list do assert.are.equal(200, answers[i].status, answers[i].body) end
+      local grouped = 0
+      for _ in log:gmatch("mongotx%-group req=%d+ batch=%d+") do grouped = grouped + 1 end
+      assert.are.equal(case[2] and 16 or 0, grouped, "group = " .. case[1])
+      local txs = assert_consistent(db, 4000)
+      assert.are.equal(16, #txs)
+    end
+  end)
+
   it("runs the batch of callers that went away while it formed, and serves the next ones", function()
     os.remove("/tmp/mongotx-group-events-group-abort")
     local db, name = bank({ A = 1000, B = 1000, C = 1000, D = 1000 })
