@@ -49,11 +49,6 @@ describe("#server a recovery pass", function()
     return ids
   end
 
-  -- On FerretDB v1 these runs stall (the full suite sat in this spec
-  -- for over 15 minutes, the server idle); not diagnosed this stop.
-  local stalls = helpers.server_kind() == "ferretdb" and
-    "FerretDB v1: a backlog of a few hundred recovered in passes stalls there (under investigation)"
-
   local function recoverer()
     return assert(db:manager { application = "recoverer", stale_after = 0, lease = 5 })
   end
@@ -80,7 +75,6 @@ describe("#server a recovery pass", function()
   end
 
   it("reads at most its limit plus the margin, whatever the backlog", function()
-    if stalls then pending(stalls) return end
     local ids = leave_applied(300)
     local tm = recoverer()
     db.client:reset_counters()
@@ -98,7 +92,6 @@ describe("#server a recovery pass", function()
   end)
 
   it("streams a limit larger than one reply: read as it drives, a batch at a time", function()
-    if stalls then pending(stalls) return end
     local ids = leave_applied(260)
     local was = recovery.READ
     finally(function() recovery.READ = was end)
@@ -124,7 +117,6 @@ describe("#server a recovery pass", function()
   end)
 
   it("reads past up to MARGIN malformed transactions, and no further", function()
-    if stalls then pending(stalls) return end
     local ids = leave_applied(3)
     -- older than the good ones: an op list that is a string
     local function bad(i)

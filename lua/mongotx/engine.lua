@@ -25,6 +25,7 @@ local validate = require "mongotx.validate"
 local stored = require "mongotx.stored"
 local clock = require "mongotx.clock"
 local phases = require "mongotx.engine.phases"
+local commands = require "mongotx.engine.commands"
 
 local ipairs, pairs, tostring, setmetatable = ipairs, pairs, tostring, setmetatable
 local REMOVING, HELD, PLACEHOLDER = stored.REMOVING, stored.HELD, stored.PLACEHOLDER
@@ -193,7 +194,12 @@ end
 -- its own events.
 function Engine:many(name, ...)
   local steps = self.steps
-  return self:retry(name, nil, steps[name .. "_many"], steps, ...)
+  local fn = steps[name .. "_many"]
+  -- in as many write commands as the server takes (engine.commands); one
+  -- found to evaluate $$NOW (deadlines) is not FerretDB v1: no need to ask
+  return commands.run(not self.use_deadline and self.db.client, name, function(...)
+    return self:retry(name, nil, fn, steps, ...)
+  end, ...)
 end
 
 -- The server's clock (ms since the epoch), read now (mongotx.clock).
