@@ -111,8 +111,58 @@ move(lua_State *L, const mtx_steps *s, const char *from, const char *to, int epo
 	return find_and_modify(L, transition_point(to), coll, filter, update, s->wopts);
 }
 
+/* The filter of many transactions (ids: a list at stack index 3) each at
+ * its own epoch (a list as long at stack index `epochs`): {$or: [{_id:
+ * {$in: <the ids at epoch e>}, epoch: e}, ...]}, a clause per epoch in the
+ * order first listed.  Recovery commits transactions it claimed from
+ * different epochs (initial ones and pending ones) in one round trip. */
+static void
+append_epoch_groups(lua_State *L, int epochs, bson_t *filter)
+{
+	int n = (int)mtx_rawlen(L, 3), i, k, m, clauses = 0, first;
+	bson_t or, clause, id, in;
+	const char *key;
+	char buf[16];
+
+	luaL_argcheck(L, (int)mtx_rawlen(L, epochs) == n, epochs, "an epoch for each id");
+	bson_append_array_begin(filter, "$or", 3, &or);
+	for (i = 1; i <= n; i++) {
+		lua_rawgeti(L, epochs, i);
+		for (k = 1, first = 1; k < i && first; k++) {
+			lua_rawgeti(L, epochs, k);
+			first = !lua_rawequal(L, -1, -2);
+			lua_pop(L, 1);
+		}
+		if (!first) {
+			lua_pop(L, 1);
+			continue;
+		}
+		bson_uint32_to_string((uint32_t)clauses++, &key, buf, sizeof buf);
+		bson_append_document_begin(&or, key, -1, &clause);
+		bson_append_document_begin(&clause, "_id", 3, &id);
+		bson_append_array_begin(&id, "$in", 3, &in);
+		for (k = i, m = 0; k <= n; k++) {
+			lua_rawgeti(L, epochs, k);
+			if (lua_rawequal(L, -1, -2)) {
+				bson_uint32_to_string((uint32_t)m++, &key, buf, sizeof buf);
+				lua_rawgeti(L, 3, k);
+				mtx_append_value(L, -1, &in, key);
+				lua_pop(L, 1);
+			}
+			lua_pop(L, 1);
+		}
+		bson_append_array_end(&id, &in);
+		bson_append_document_end(&clause, &id);
+		mtx_append_value(L, -1, &clause, "epoch");
+		bson_append_document_end(&or, &clause);
+		lua_pop(L, 1);
+	}
+	bson_append_array_end(filter, &or);
+}
+
 /* The same for many transactions (ids: a list at stack index 3) in one
- * update_many; pushes { moved = <count> }. */
+ * update_many, at the epoch at stack index `epoch` (0 or nil: any; a
+ * list: each id's own); pushes { moved = <count> }. */
 static int
 move_many(lua_State *L, const mtx_steps *s, const char *from, const char *to, int epoch)
 {
@@ -124,9 +174,14 @@ move_many(lua_State *L, const mtx_steps *s, const char *from, const char *to, in
 	luaL_checktype(L, 3, LUA_TTABLE);
 	luaL_argcheck(L, mtx_rawlen(L, 3) > 0, 3, "at least one id");
 	scratch_pair(L, &filter, &update);
-	bson_append_document_begin(filter, "_id", 3, &id);
-	mtx_append_value(L, 3, &id, "$in"); /* a sequence: an array */
-	bson_append_document_end(filter, &id);
+	if (epoch && lua_istable(L, epoch)) {
+		append_epoch_groups(L, epoch, filter);
+		epoch = 0;
+	} else {
+		bson_append_document_begin(filter, "_id", 3, &id);
+		mtx_append_value(L, 3, &id, "$in"); /* a sequence: an array */
+		bson_append_document_end(filter, &id);
+	}
 	build_transition(L, from, to, epoch, NULL, 0, filter, update);
 	if ((rc = run_update(L, transition_point(to), coll, filter, update,
 			     s->checked_wopts, 1, &n)))
@@ -149,7 +204,8 @@ l_commit(lua_State *L)
 	return move(L, s, "pending", "applied", 4, NULL, 0);
 }
 
-/* steps:commit_many(txcoll, tids, epoch) -> { moved = <count> } */
+/* steps:commit_many(txcoll, tids, epoch) -> { moved = <count> }; epoch:
+ * every one's, or a list of each one's (append_epoch_groups). */
 static int
 l_commit_many(lua_State *L)
 {

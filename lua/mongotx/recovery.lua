@@ -14,8 +14,8 @@
 --             epoch, and for a pending one its owner's deadline passed);
 --             a lost claim is not driven (Engine:claim_many says which);
 --   forward   (initial, pending) apply as a batch does (mongotx.batch:
---             guarded ops first), commit per epoch, then with the applied
---             ones finish and done (batch.finish);
+--             guarded ops first), one commit (each at its own epoch),
+--             then with the applied ones finish and done (batch.finish);
 --   back      (canceling, and pending rolled back) undo, fence (every one
 --             was taken over) and cancelled, one bulk write each.
 --
@@ -167,35 +167,28 @@ local function by_collection(entries, each)
   return by_coll, order
 end
 
--- pending -> applied for the entries still on the batch's way, one
--- update per epoch (claims moved them on from where each was); a group
--- that did not all move goes on one at a time (batch.settle looks).
+-- pending -> applied for the entries still on the batch's way, in one
+-- update, each at its own epoch (claims moved them on from where each
+-- was); when not all moved, each goes on one at a time (batch.settle
+-- looks).
 local function commit(eng, entries)
-  local groups, epochs = {}, {}
+  local list, ids, epochs = {}, {}, {}
   for _, e in ipairs(entries) do
     if not e.err and not e.slow then
-      local g = groups[e.T.epoch]
-      if not g then
-        g = {}
-        groups[e.T.epoch], epochs[#epochs + 1] = g, e.T.epoch
-      end
-      g[#g + 1] = e
+      list[#list + 1], ids[#ids + 1], epochs[#epochs + 1] = e, e.T._id, e.T.epoch
     end
   end
-  for _, epoch in ipairs(epochs) do
-    local g, ids = groups[epoch], {}
-    for i, e in ipairs(g) do ids[i] = e.T._id end
-    local res, err = eng:many("commit", eng.tx, ids, epoch)
-    for _, e in ipairs(g) do
-      if not res then
-        fail(e, err)
-      elseif res.moved == #ids then
-        e.T.state = "applied"
-        eng:hold(e.T._id, nil) -- past the commit point: nothing to fence
-        eng:event("commit", { id = e.T._id })
-      else
-        e.slow = "commit"
-      end
+  if #ids == 0 then return end
+  local res, err = eng:many("commit", eng.tx, ids, epochs)
+  for _, e in ipairs(list) do
+    if not res then
+      fail(e, err)
+    elseif res.moved == #ids then
+      e.T.state = "applied"
+      eng:hold(e.T._id, nil) -- past the commit point: nothing to fence
+      eng:event("commit", { id = e.T._id })
+    else
+      e.slow = "commit"
     end
   end
 end

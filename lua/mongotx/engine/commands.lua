@@ -46,36 +46,29 @@ local function cap_of(client)
   return cap
 end
 
--- Transaction T cut to its ops in collection `name`, at most `cap` a
--- piece, appended to `out` (finish_many reads mark, _id and ops).
-local function pieces(T, name, cap, out)
-  local cur
-  for _, op in ipairs(T.ops) do
-    if op.collection == name then
-      if not cur or #cur.ops == cap then
-        cur = { _id = T._id, mark = T.mark, ops = {} }
-        out[#out + 1] = cur
-      end
-      cur.ops[#cur.ops + 1] = op
-    end
-  end
-end
-
--- The calls' item lists, each of at most `cap` statements; nil when
--- `list` fits in one.
+-- The calls' lists, each of at most `cap` statements (for finish, pieces
+-- of the transactions: { _id, mark, ops = <some of its ops in collection
+-- `name`> }, a transaction's ops cut between two calls where it
+-- straddles them: each op's finish stands alone); nil when `list` fits
+-- in one.
 local function cut(step, list, cap, name)
   local chunks, cur, n = {}, {}, 0
-  if step == "finish" then
-    local flat = {}
-    for _, T in ipairs(list) do pieces(T, name, cap, flat) end
-    for _, T in ipairs(flat) do
-      if n + #T.ops > cap then chunks[#chunks + 1], cur, n = cur, {}, 0 end
-      cur[#cur + 1], n = T, n + #T.ops
-    end
-  else
-    for _, item in ipairs(list) do
-      if n == cap then chunks[#chunks + 1], cur, n = cur, {}, 0 end
-      cur[#cur + 1], n = item, n + 1
+  for _, item in ipairs(list) do
+    local piece
+    for _, op in ipairs(step == "finish" and item.ops or { item }) do
+      if step ~= "finish" or op.collection == name then
+        if n == cap then chunks[#chunks + 1], cur, n, piece = cur, {}, 0, nil end
+        if step ~= "finish" then
+          cur[#cur + 1] = item
+        else
+          if not piece then
+            piece = { _id = item._id, mark = item.mark, ops = {} }
+            cur[#cur + 1] = piece
+          end
+          piece.ops[#piece.ops + 1] = op
+        end
+        n = n + 1
+      end
     end
   end
   chunks[#chunks + 1] = cur
