@@ -127,7 +127,9 @@ describe("#server batched recovery", function()
       assert.are.same(want, helpers.balances(d:collection("accounts")))
       return c.commands
     end
-    local small, large = round_trips(2), round_trips(10)
+    -- (FerretDB v1 takes 25 statements a command, engine.commands: there
+    -- the larger batch is 16 transactions, whose 24 finishes fit in one)
+    local small, large = round_trips(2), round_trips(helpers.server_kind() == "ferretdb" and 4 or 10)
     assert.are.equal(small, large)
     -- the stale list, versions, the clock and the $$NOW probe (once per
     -- manager), claim, 2 applies (guarded ops first), 1 commit (of two
