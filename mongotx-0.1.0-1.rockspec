@@ -76,6 +76,7 @@ build = {
     ["mongotx.stored"] = "lua/mongotx/stored.lua",
     ["mongotx.engine"] = "lua/mongotx/engine.lua",
     ["mongotx.engine.phases"] = "lua/mongotx/engine/phases.lua",
+    ["mongotx.engine.commands"] = "lua/mongotx/engine/commands.lua",
     ["mongotx.recovery"] = "lua/mongotx/recovery.lua",
     ["mongotx.stepwise"] = "lua/mongotx/stepwise.lua",
     ["mongotx.group"] = "lua/mongotx/group.lua",
