@@ -209,7 +209,7 @@ describe("#server batched recovery", function()
     assert.are.same({ holder._id }, held.pendingTransactions)
   end)
 
-  it("commits transactions claimed at different epochs in one update, none whose " ..
+  it("commits transactions claimed at different epochs in one round trip, none whose " ..
      "epoch moved on", function()
     assert(txs:insert_many({ { _id = "x1", state = "pending", epoch = 1 },
       { _id = "x2", state = "pending", epoch = 2 }, { _id = "x3", state = "pending", epoch = 3 },

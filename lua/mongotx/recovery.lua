@@ -168,9 +168,9 @@ local function by_collection(entries, each)
 end
 
 -- pending -> applied for the entries still on the batch's way, in one
--- update, each at its own epoch (claims moved them on from where each
--- was); when not all moved, each goes on one at a time (batch.settle
--- looks).
+-- round trip, each at its own epoch (claims moved them on from where each
+-- was: an update per epoch); when not all moved, each goes on one at a
+-- time (batch.settle looks).
 local function commit(eng, entries)
   local list, ids, epochs = {}, {}, {}
   for _, e in ipairs(entries) do
