@@ -77,6 +77,7 @@ build = {
     ["mongotx.engine"] = "lua/mongotx/engine.lua",
     ["mongotx.engine.phases"] = "lua/mongotx/engine/phases.lua",
     ["mongotx.engine.forward"] = "lua/mongotx/engine/forward.lua",
+    ["mongotx.engine.commands"] = "lua/mongotx/engine/commands.lua",
     ["mongotx.recovery"] = "lua/mongotx/recovery.lua",
     ["mongotx.stepwise"] = "lua/mongotx/stepwise.lua",
     ["mongotx.group"] = "lua/mongotx/group.lua",

@@ -137,6 +137,69 @@ move_many(lua_State *L, const mtx_steps *s, const char *from, const char *to, in
 	return 1;
 }
 
+/* The same for many transactions (ids at stack index 3) each at its own
+ * epoch (a list as long at stack index `epochs`), in one bulk write of an
+ * update_many per distinct epoch, {_id: {$in: <its ids>}, state: from,
+ * epoch: e}, in the order first listed: one round trip, each found by
+ * _id.  Recovery commits the ones it claimed from initial and from
+ * pending (two epochs) so.  Pushes { moved = <count> }, or nil, err. */
+static int
+move_many_epochs(lua_State *L, const mtx_steps *s, const char *from, const char *to,
+		 int epochs)
+{
+	mongoc_collection_t *coll = arg_collection(L, 2);
+	mongoc_bulk_operation_t *bulk;
+	bson_t *filter, *update, id, in;
+	bson_error_t err;
+	const char *key;
+	char buf[16];
+	int n = (int)mtx_rawlen(L, 3), i, k, m, groups = 0, first;
+
+	luaL_argcheck(L, n > 0, 3, "at least one id");
+	luaL_argcheck(L, (int)mtx_rawlen(L, epochs) == n, epochs, "an epoch for each id");
+	bulk = new_bulk(L, coll, s->bopts);
+	scratch_pair(L, &filter, &update);
+	for (i = 1; i <= n; i++) {
+		lua_rawgeti(L, epochs, i);
+		for (k = 1, first = 1; k < i && first; k++) {
+			lua_rawgeti(L, epochs, k);
+			first = !lua_rawequal(L, -1, -2);
+			lua_pop(L, 1);
+		}
+		if (first) {
+			bson_reinit(filter);
+			bson_reinit(update);
+			bson_append_document_begin(filter, "_id", 3, &id);
+			bson_append_array_begin(&id, "$in", 3, &in);
+			for (k = i, m = 0; k <= n; k++) {
+				lua_rawgeti(L, epochs, k);
+				if (lua_rawequal(L, -1, -2)) {
+					bson_uint32_to_string((uint32_t)m++, &key, buf, sizeof buf);
+					lua_rawgeti(L, 3, k);
+					mtx_append_value(L, -1, &in, key);
+					lua_pop(L, 1);
+				}
+				lua_pop(L, 1);
+			}
+			bson_append_array_end(&id, &in);
+			bson_append_document_end(filter, &id);
+			build_transition(L, from, to, lua_gettop(L), NULL, 0, filter, update);
+			check_added(L, mongoc_bulk_operation_update_many_with_opts(bulk, filter, update,
+										   s->checked_req, &err),
+				    ++groups, &err);
+		}
+		lua_pop(L, 1);
+	}
+	if (mtx_bulk_execute(L, step_owner(L), bulk, transition_point(to), groups,
+			     MTX_BULK_FAILURES) != 1)
+		return 2; /* nil, err */
+	lua_getfield(L, -1, "matched");
+	lua_createtable(L, 0, 1);
+	lua_insert(L, -2);
+	lua_setfield(L, -2, "moved");
+	return 1;
+}
+
 /* steps:commit(txcoll, tid, epoch): pending -> applied, the commit point,
  * by the owner at that epoch. */
 static int
@@ -149,7 +212,8 @@ l_commit(lua_State *L)
 	return move(L, s, "pending", "applied", 4, NULL, 0);
 }
 
-/* steps:commit_many(txcoll, tids, epoch) -> { moved = <count> } */
+/* steps:commit_many(txcoll, tids, epoch) -> { moved = <count> }; epoch:
+ * every one's, or a list of each one's (move_many_epochs). */
 static int
 l_commit_many(lua_State *L)
 {
@@ -157,6 +221,8 @@ l_commit_many(lua_State *L)
 
 	lua_settop(L, 4);
 	luaL_checkany(L, 4);
+	if (lua_istable(L, 4))
+		return move_many_epochs(L, s, "pending", "applied", 4);
 	return move_many(L, s, "pending", "applied", 4);
 }
 

@@ -25,6 +25,7 @@ local validate = require "mongotx.validate"
 local stored = require "mongotx.stored"
 local clock = require "mongotx.clock"
 local phases = require "mongotx.engine.phases"
+local commands = require "mongotx.engine.commands"
 
 local ipairs, pairs, tostring, setmetatable = ipairs, pairs, tostring, setmetatable
 local REMOVING, HELD, PLACEHOLDER = stored.REMOVING, stored.HELD, stored.PLACEHOLDER
@@ -193,7 +194,12 @@ end
 -- its own events.
 function Engine:many(name, ...)
   local steps = self.steps
-  return self:retry(name, nil, steps[name .. "_many"], steps, ...)
+  local fn = steps[name .. "_many"]
+  -- in as many write commands as the server takes (engine.commands); one
+  -- found to evaluate $$NOW (deadlines) is not FerretDB v1: no need to ask
+  return commands.run(not self.use_deadline and self.db.client, name, function(...)
+    return self:retry(name, nil, fn, steps, ...)
+  end, ...)
 end
 
 -- The server's clock (ms since the epoch), read now (mongotx.clock).
@@ -251,6 +257,22 @@ function Engine:deadlines()
     end
   end
   return self.use_deadline and self.policy.lease > 0
+end
+
+-- Does the server compare deadlines with its own clock for this manager
+-- ($$NOW, found as deadlines does), whatever its lease?
+function Engine:server_deadlines()
+  self:deadlines()
+  return self.use_deadline
+end
+
+-- The time a recovery pass judges ages and staleness by, and claims
+-- with: the clock's estimate where claims compare deadlines on the
+-- server (claim_terms), else the server's clock, read now.
+function Engine:pass_now()
+  if not self:server_deadlines() then return self:server_now() end
+  local now, err = self:clock()
+  return now and math.floor(now), err
 end
 
 -- A deadline this manager's lease from now, or nil when it fences by
@@ -319,7 +341,7 @@ end
 function Engine:claim(T, set, now)
   local deadline, err = self:claim_deadline(T, set)
   if err then return nil, err end
-  if not now and T.deadline ~= nil and T.state == "pending" then
+  if not now and T.deadline ~= nil and T.state == "pending" and not self:server_deadlines() then
     now, err = self:server_now()
     if not now then return nil, err end
   end
@@ -346,15 +368,23 @@ end
 
 -- What a claim of T expects and what it sets (claim above, claim_many):
 -- T's state and epoch as read and, for a pending T that carries a
--- deadline, that it passed before `now` (the server's time); it sets this
--- owner, `set`'s fields and `deadline` (claim_deadline).
+-- deadline, that it passed: by the server's clock as the claim runs
+-- ($$NOW) where the server evaluates it, else before `now` (the server's
+-- time, read); it sets this owner, `set`'s fields and `deadline`
+-- (claim_deadline).  So a claim never comes before the deadline the
+-- owner's applies are fenced by, however far off this engine's estimate
+-- of the server's clock (clock) is.
 function Engine:claim_terms(T, set, now, deadline)
   set = set or {}
   set.application, set.instance, set.lease = self.application, self.instance, self.policy.lease
   set.deadline = deadline
   local expect = { state = T.state, epoch = T.epoch or 0 }
   if T.deadline ~= nil and T.state == "pending" then
-    expect.deadline = { ["$lt"] = core.Date(now) }
+    if self:server_deadlines() then
+      expect["$expr"] = { ["$lt"] = { "$deadline", "$$NOW" } }
+    else
+      expect.deadline = { ["$lt"] = core.Date(now) }
+    end
   end
   return expect, set
 end

@@ -15,8 +15,8 @@
 --             epoch, and for a pending one its owner's deadline passed);
 --             a lost claim is not driven (Engine:claim_many says which);
 --   forward   (initial, pending) apply as a batch does (mongotx.batch:
---             guarded ops first), commit per epoch, then with the applied
---             ones finish and done (batch.finish);
+--             guarded ops first), one commit (each at its own epoch),
+--             then with the applied ones finish and done (batch.finish);
 --   back      (canceling, and pending rolled back) undo, fence (every one
 --             was taken over) and cancelled, one bulk write each.
 --
@@ -341,9 +341,9 @@ _M.READ = 1000
 -- move lastModified on: on a server whose cursor reads on as it goes,
 -- MongoDB, a transaction this pass claimed and failed must not come back
 -- in a later chunk), oldest first; at most limit + MARGIN of them, READ
--- a reply.  SLACK_MS: a create stamps lastModified with its manager's
--- estimate of the server's clock (mongotx.clock), which may run ahead; a
--- write of the pass's own seen again within it is safely driven again.
+-- a reply.  SLACK_MS: a create stamps lastModified, and the pass takes
+-- `now` (Engine:pass_now), from estimates of the server's clock, which may
+-- be off; a write of the pass's own seen again is safely driven again.
 local SLACK_MS = 1000
 local function stale_cursor(eng, limit, size, now)
   local filter = { state = { ["$in"] = ACTIVE }, parked = { ["$ne"] = true },
@@ -456,7 +456,7 @@ end
 -- err when the read fails (what was driven before stays driven).
 function _M.recover(eng, limit, size)
   size = size or 1
-  local now, err = eng:server_now()
+  local now, err = eng:pass_now()
   if not now then return nil, err end
   local me = eng:me()
   local report = { examined = 0, done = 0, cancelled = 0, skipped = 0, parked = 0,

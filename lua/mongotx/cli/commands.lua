@@ -246,13 +246,16 @@ local function stopped(tm, o, fail, total, secs)
 end
 
 local function recover_once(tm, o, fail)
-  local backlog, err = tm:backlog()
-  if not backlog then return fail(FAILED, err) end
-  local todo = o.limit and math.min(o.limit, backlog.active) or backlog.active
-  local bar = progress.new(stdout, "recover", todo, not o.json and progress.is_terminal())
+  -- the bar's total is counted only for a bar drawn (four round trips)
+  local drawn, todo = not o.json and progress.is_terminal(), 0
+  if drawn then
+    local backlog, err = tm:backlog()
+    if not backlog then return fail(FAILED, err) end
+    todo = o.limit and math.min(o.limit, backlog.active) or backlog.active
+  end
+  local bar = progress.new(stdout, "recover", todo, drawn)
   local start = core.monotonic_ms()
-  local total
-  total, err = sweep(tm, o, bar)
+  local total, err = sweep(tm, o, bar)
   if not total then
     bar:finish(0)
     return fail(FAILED, err)

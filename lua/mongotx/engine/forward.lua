@@ -7,7 +7,7 @@
 --            cannot fence by deadline, then every claim in one bulk write
 --            (Engine:claim_many), each fenced as a single one is;
 --   forward  the claimed pending ones applied as a batch (mongotx.batch:
---            guarded ops first), committed with one update per epoch;
+--            guarded ops first), committed in one round trip (an update per epoch);
 --            those left behind settle one at a time (batch.settle), each
 --            guarded, so that a policy's raise fails its own entry only;
 --   commit   (the grouped tm:commit) begun transactions: load in one find,
@@ -74,35 +74,28 @@ function _M.claim(eng, entries, now)
   return claimed, versions, deadline
 end
 
--- pending -> applied for the entries still on the batch's way, one
--- update per epoch (claims moved them on from where each was); a group
--- that did not all move goes on one at a time (batch.settle looks).
+-- pending -> applied for the entries still on the batch's way, in one
+-- round trip, each at its own epoch (claims moved them on from where each
+-- was: an update per epoch); when not all moved, each goes on one at a
+-- time (batch.settle looks).
 local function commit(eng, entries)
-  local groups, epochs = {}, {}
+  local list, ids, epochs = {}, {}, {}
   for _, e in ipairs(entries) do
     if not e.err and not e.slow then
-      local g = groups[e.T.epoch]
-      if not g then
-        g = {}
-        groups[e.T.epoch], epochs[#epochs + 1] = g, e.T.epoch
-      end
-      g[#g + 1] = e
+      list[#list + 1], ids[#ids + 1], epochs[#epochs + 1] = e, e.T._id, e.T.epoch
     end
   end
-  for _, epoch in ipairs(epochs) do
-    local g, ids = groups[epoch], {}
-    for i, e in ipairs(g) do ids[i] = e.T._id end
-    local res, err = eng:many("commit", eng.tx, ids, epoch)
-    for _, e in ipairs(g) do
-      if not res then
-        fail(e, err)
-      elseif res.moved == #ids then
-        e.T.state = "applied"
-        eng:hold(e.T._id, nil) -- past the commit point: nothing to fence
-        eng:event("commit", { id = e.T._id })
-      else
-        e.slow = "commit"
-      end
+  if #ids == 0 then return end
+  local res, err = eng:many("commit", eng.tx, ids, epochs)
+  for _, e in ipairs(list) do
+    if not res then
+      fail(e, err)
+    elseif res.moved == #ids then
+      e.T.state = "applied"
+      eng:hold(e.T._id, nil) -- past the commit point: nothing to fence
+      eng:event("commit", { id = e.T._id })
+    else
+      e.slow = "commit"
     end
   end
 end
