@@ -396,7 +396,8 @@ describe("#server mongotx.group with a coroutine scheduler", function()
     end
   end)
 
-  it("commits a batch of begun transactions in as many round trips for 24 as for 4", function()
+  it("commits a batch of begun transactions in as many round trips for 24 (12 on FerretDB v1) as for 4",
+     function()
     local deadlines
     local function round_trips(n)
       local balances = {}
@@ -425,7 +426,10 @@ describe("#server mongotx.group with a coroutine scheduler", function()
       assert.are.same({ 90, 110 }, { b["acct" .. (2 * n - 1)], b["acct" .. (2 * n)] })
       return c.commands
     end
-    local small, large = round_trips(4), round_trips(24)
+    -- FerretDB v1 (no deadlines there) takes at most 25 statements a
+    -- command (mongotx.engine.commands): 12 transfers' 24 ops fit in one
+    local small = round_trips(4)
+    local large = round_trips(deadlines and 24 or 12)
     assert.are.equal(small, large)
     -- load, claim, 2 applies (the guarded debits first), commit, finish,
     -- done; and the versions, where the server cannot fence by deadline
