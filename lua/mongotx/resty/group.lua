@@ -102,7 +102,7 @@ end
 -- The group option of db:manager: false (off), or { max =, delay = }
 -- (each defaulting to GROUP_DEFAULT's); nil and true are GROUP_DEFAULT.
 -- On by default: it halves the CPU a request costs once calls are
--- concurrent and costs about 0.1 ms alone (bench/README.md, "OpenResty:
+-- concurrent and costs 0.2-0.3 ms alone (bench/README.md, "OpenResty:
 -- group commit").
 local GROUP_DEFAULT = { max = 100, delay = 0 }
 
