@@ -124,6 +124,27 @@ describe("#server mongotx.group with a coroutine scheduler", function()
     return out
   end
 
+  -- Runs calls[i] = { method, <arguments> } of group g, each in a task
+  -- of scheduler S, until all have answered; returns got[i] =
+  -- as_outcome(pcall(...)) of each.  Each call's item carries its index
+  -- (`item.index`, for the order the batches took): set just before the
+  -- call, which reaches the group without yielding.
+  local function run_indexed(S, g, calls, as_outcome)
+    local got, current, call = {}, nil, g.group.call
+    g.group.call = function(self, item)
+      item.index = current
+      return call(self, item)
+    end
+    for i, c in ipairs(calls) do
+      S.spawn(function()
+        current = i
+        got[i] = as_outcome(pcall(g[c[1]], g, unpack(c, 2)))
+      end)
+    end
+    S.loop()
+    return got
+  end
+
   it("gives each caller what its call alone gives, batch after batch", function()
     local events = {}
     local db = bank(BALANCES)
@@ -138,21 +159,8 @@ describe("#server mongotx.group with a coroutine scheduler", function()
       for _, i in ipairs(took) do order[#order + 1] = items[i].index end
       return out, took
     end
-    -- each call's item carries its index (for `order`): set just before
-    -- the call, which reaches the group without yielding
-    local calls, got, current = mix(), {}, nil
-    local call = g.group.call
-    g.group.call = function(self, item)
-      item.index = current
-      return call(self, item)
-    end
-    for i, c in ipairs(calls) do
-      S.spawn(function()
-        current = i
-        got[i] = outcome(pcall(g[c[1]], g, unpack(c, 2)))
-      end)
-    end
-    S.loop()
+    local calls = mix()
+    local got = run_indexed(S, g, calls, outcome)
     assert.are.equal(#calls, #order)
     -- batches held several calls, and one event each says how many
     local calls_in_events, biggest = 0, 0
@@ -361,18 +369,7 @@ describe("#server mongotx.group with a coroutine scheduler", function()
       if kinds[true] and kinds[false] then mixed = mixed + 1 end
       return out, took
     end
-    local got, current, call = {}, nil, g.group.call
-    g.group.call = function(self, item)
-      item.index = current
-      return call(self, item)
-    end
-    for i, c in ipairs(calls) do
-      S.spawn(function()
-        current = i
-        got[i] = commit_outcome(pcall(g[c[1]], g, unpack(c, 2)))
-      end)
-    end
-    S.loop()
+    local got = run_indexed(S, g, calls, commit_outcome)
     assert.are.equal(#calls, #order)
     -- batches held commits and other calls together
     assert(mixed > 1 and #events < #calls, #events .. " batches, " .. mixed .. " mixed")
