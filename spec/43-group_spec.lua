@@ -337,6 +337,42 @@ describe("#server mongotx.group with a coroutine scheduler", function()
     move("A", "B", 20, 0), move("E", "C", 3), move("B", "A", 5, 0), move("D", "C", 60, 0),
   }
 
+  it("drives the queue from a caller when the task its driver was spawned in never runs", function()
+    -- nginx drops a timer it accepted when lua_max_running_timers are
+    -- running: spawn says yes and the driver never begins
+    local db = bank(BALANCES)
+    local events = {}
+    local tm = assert(db:manager{ application = "dropped",
+      on_event = function(name, info) if name == "group" then events[#events + 1] = info end end })
+    local S = scheduler()
+    local dropped = 0
+    local g = group.wrap(tm, { signal = S.signal, now = S.now, delay = 0,
+      spawn = function(fn)
+        dropped = dropped + 1
+        if dropped == 1 then return true end -- the first one only
+        return S.spawn(fn)
+      end })
+    local got, started = {}, S.now()
+    for i, to in ipairs { "A", "B", "C", "E" } do
+      S.spawn(function() got[i] = { g:transfer("accounts", "D", to, 10, { min = 0 }) } end)
+    end
+    S.loop()
+    local took = S.now() - started
+    assert.are.equal(1, dropped)
+    for i = 1, 4 do assert.are.equal("done", got[i][1].state, tostring(got[i][2])) end
+    assert(took >= group.START and took < group.START + 5, "answered after " .. took .. " s")
+    assert.are.same({ 4 }, { events[1].size }) -- the first caller to give up drove them all
+    assert.are.same({ A = 110, B = 60, C = 10, D = 260, E = 20 }, (helpers.balances(db:collection("accounts"))))
+    -- and the group goes on: the next call's driver runs as usual
+    local T
+    started = S.now()
+    S.spawn(function() T = g:transfer("accounts", "A", "B", 1) end)
+    S.loop()
+    assert.are.equal("done", T.state)
+    assert.are.equal(2, dropped)
+    assert(S.now() - started < group.START, "the second batch waited for a take-over")
+  end)
+
   it("commits begun transactions among transfers and runs, each answered as tm:commit alone", function()
     local events = {}
     local db = bank(BALANCES)

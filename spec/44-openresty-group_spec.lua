@@ -408,6 +408,39 @@ describe("#openresty group commit in nginx", function()
     end
   end)
 
+  it("answers a grouped call whose driver's timer nginx never runs (lua_max_running_timers 1)", function()
+    -- the handler's own timer takes the one running slot, so the group's
+    -- driver timer is accepted and then skipped: its caller drives
+    local db, name = bank({ A = 100, B = 0 })
+    local n = assert(nginx.start { uri = srv.uri, database = name, workers = 1, threads = 2, vms = 4,
+      http = "lua_max_running_timers 1;\nlua_shared_dict via_timer 1m;", locations = [[
+        location = /via-timer { content_by_lua_block {
+          local resty = require "mongotx.resty"
+          local ok, err = ngx.timer.at(0, function()
+            local db = assert(resty.connect(os.getenv("MONGOTX_URI"),
+                                            { database = os.getenv("MONGOTX_DATABASE") }))
+            local tm = assert(db:manager({ application = "via-timer" }))
+            local T, e = tm:transfer("accounts", "A", "B", 1)
+            ngx.shared.via_timer:set("r", T and T.state or tostring(e))
+          end)
+          if not ok then return ngx.say("timer: ", err) end
+          for _ = 1, 100 do
+            ngx.sleep(0.1)
+            local v = ngx.shared.via_timer:get("r")
+            if v then return ngx.say(v) end
+          end
+          ngx.say("no answer in 10 s")
+        } }
+      ]] })
+    finally(function() n:stop() end)
+    local status, res = n:request("GET", "/via-timer", nil, { timeout = 20 })
+    assert.are.equal(200, status)
+    assert.are.equal("done\n", res)
+    assert(n:error_log():find("lua_max_running_timers are not enough", 1, true),
+           "nginx did not skip the driver's timer")
+    assert.are.same({ A = 99, B = 1 }, (helpers.balances(db:collection("accounts"))))
+  end)
+
   it("runs the batch of callers that went away while it formed, and serves the next ones", function()
     os.remove("/tmp/mongotx-group-events-group-abort")
     local db, name = bank({ A = 1000, B = 1000, C = 1000, D = 1000 })

@@ -67,7 +67,8 @@ Group.__index = Group
 --     of the batch with it
 --   signal() -> an object with :wait(seconds) -> woken? and :post()
 --   spawn(fn) -> ok, err: runs fn in a task of its own; when it cannot,
---     the call runs as a batch of one in the caller's task
+--     the call runs as a batch of one in the caller's task; when fn has
+--     not begun START seconds after a call, that call's caller drives
 --   now() -> seconds
 
 --- A group: the scheduler-neutral queue whose driver runs the calls queued as one batch.
@@ -93,7 +94,7 @@ function _M.new(o)
   end
   return setmetatable({ run = o.run, signal = o.signal, spawn = o.spawn, now = o.now,
                         max = max, delay = delay, queue = {}, driving = false,
-                        waiting = false, kick = o.signal(), batches = 0 }, Group)
+                        running = false, waiting = false, kick = o.signal(), batches = 0 }, Group)
 end
 
 -- Runs one batch of tickets and wakes their callers; returns the tickets
@@ -148,7 +149,19 @@ local function drive(self)
   end
 end
 
+-- How long a call waits for the driver spawn() started to begin before
+-- its caller drives the queue itself: a host may drop a task it accepted
+-- (nginx skips a timer's callback when lua_max_running_timers are
+-- running, or it cannot make the timer's fake connection, and only logs
+-- it), and the calls queued must not wait for ever.
+_M.START = 1
+
+-- The driver, in whichever task gets here first: the spawned one, or a
+-- caller whose driver never began (Group:call).  A task that finds
+-- another driving returns at once, so one drives at a time.
 local function drive_all(self)
+  if self.running then return end
+  self.running = true
   local ok, err = pcall(drive, self)
   if not ok then
     -- never leave a caller waiting: the calls still queued fail with err
@@ -159,7 +172,7 @@ local function drive_all(self)
       t.signal:post()
     end
   end
-  self.driving = false
+  self.running, self.driving = false, false
 end
 
 -- g:call(item) -> the runner's result for item, and the ticket ({ batch,
@@ -194,8 +207,11 @@ function Group:call(item)
     self.kick:post()
   end
   while not t.done do
-    local _, err = t.signal:wait(60)
+    local _, err = t.signal:wait(self.running and 60 or _M.START)
     if err and err ~= "timeout" then error("mongotx.group: cannot wait: " .. tostring(err), 2) end
+    if not t.done and not self.running and self.now() - t.at >= _M.START then
+      drive_all(self) -- no driver began: this caller drives
+    end
   end
   if not t.ok then error(t.result, 0) end
   return t.result, t
