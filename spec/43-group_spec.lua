@@ -538,6 +538,67 @@ describe("#server mongotx.group with a coroutine scheduler", function()
     assert.are.same({ X = 10, Y = 25, Z = 75 }, (helpers.balances(db:collection("accounts"))))
   end)
 
+  it("fails only the commits when a policy raises in a step all the batch's commits share", function()
+    -- a transient error in the commits' claim makes the engine retry, and
+    -- the caller's backoff raises there: each commit alone raises it, the
+    -- transfers that ran first in the batch keep their transactions
+    local db = bank({ X = 100, Y = 0, Z = 100 })
+    local tm = assert(db:manager{ application = "backoff", retries = 1,
+      backoff = function() error("backoff bug") end })
+    begin_all(tm, { move("X", "Y", 5, 0), move("Z", "Y", 7, 0) })
+    local real = tm.engine.steps
+    local failed = 0
+    local function transient()
+      failed = failed + 1
+      return nil, core.error({ code = "stream", transient = true, message = "injected" })
+    end
+    tm.engine.steps = setmetatable({ claim_many = transient, claim = transient }, { __index = function(_, k)
+        local v = real[k]
+        if type(v) ~= "function" then return v end
+        return function(_, ...) return v(real, ...) end
+      end })
+    local calls = {
+      { "transfer", "accounts", "X", "Z", 10, { min = 0, id = "t-1" } },
+      { "commit", { _id = "b-1" } },
+      { "transfer", "accounts", "Z", "X", 20, { min = 0, id = "t-2" } },
+      { "commit", { _id = "b-2" } },
+    }
+    local S = scheduler()
+    local g = group.wrap(tm, { max = 16, delay = 0.01, signal = S.signal, spawn = S.spawn, now = S.now })
+    local got = {}
+    for i, c in ipairs(calls) do
+      S.spawn(function() got[i] = { pcall(g[c[1]], g, unpack(c, 2)) } end)
+    end
+    S.loop()
+    assert.are.equal(1, failed)
+    for _, i in ipairs { 1, 3 } do
+      assert.is_true(got[i][1])
+      assert.are.equal("done", got[i][2].state, tostring(got[i][3]))
+    end
+    for _, i in ipairs { 2, 4 } do
+      assert.is_false(got[i][1])
+      assert.are.equal("policy", got[i][2].code)
+      assert.are.equal("backoff", got[i][2].policy)
+    end
+    -- a commit alone raises the same
+    local ok, err = pcall(tm.commit, tm, { _id = "b-1" })
+    assert.is_false(ok)
+    assert.are.equal("backoff", err.policy)
+    assert.are.equal(2, failed)
+    -- the transfers moved, the begun ones wait, unclaimed, for a commit
+    local states = {}
+    for _, T in ipairs(assert(db:collection("transactions"):find_all({}))) do states[T._id] = T.state end
+    assert.are.same({ ["t-1"] = "done", ["t-2"] = "done", ["b-1"] = "initial", ["b-2"] = "initial" }, states)
+    assert.are.same({ X = 110, Y = 0, Z = 90 }, (helpers.balances(db:collection("accounts"))))
+    tm.engine.steps = real
+    local g2 = group.wrap(tm, { signal = S.signal, spawn = S.spawn, now = S.now })
+    for i = 1, 2 do S.spawn(function() got[i] = { g2:commit({ _id = "b-" .. i }) } end) end
+    S.loop()
+    assert.are.equal("done", got[1][1].state)
+    assert.are.equal("done", got[2][1].state)
+    assert.are.same({ X = 105, Y = 12, Z = 83 }, (helpers.balances(db:collection("accounts"))))
+  end)
+
   it("gives transfer_many's item whose policy raised that raise as its error, the others settled", function()
     local db = bank({ X = 10, Y = 0, Z = 100 })
     local tm = assert(db:manager{ application = "many", lease = 1,

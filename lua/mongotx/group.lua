@@ -265,6 +265,17 @@ end
 -- as the call alone returns, or { raise = err } for a policy's raise
 -- (errors.is_policy: the batch failed that call's entry with it, the
 -- others went on; alone, the call raises it).
+-- fn(...) -> a, b, c, a part of the batch (the transfers and runs, or the
+-- commits): a policy's raise in a step the whole part shares (a retry's
+-- backoff, ...) is nil, <the raise>, as each of its calls alone would
+-- raise it, and the other part runs on; any other raise goes up.
+local function shared(fn, ...)
+  local ok, a, b, c = pcall(fn, ...)
+  if ok then return a, b, c end
+  if not errors.is_policy(a) then error(a, 0) end
+  return nil, a
+end
+
 local function answer(T, err)
   if T then return { n = 1, T } end
   if errors.is_policy(err) then return { raise = err } end
@@ -342,12 +353,16 @@ function _M.run_calls(tm, calls, wait)
   local part = {}
   if #specs > 0 then
     local results, late
-    results, errs, late = batches.run_batch(tm, specs, errs)
-    for k, i in ipairs(where) do out[i], part[i] = answer(results[k], errs[k]), late[k] and 2 or 1 end
+    results, errs, late = shared(batches.run_batch, tm, specs, errs)
+    for k, i in ipairs(where) do
+      out[i], part[i] = results and answer(results[k], errs[k]) or { raise = errs }, late and late[k] and 2 or 1
+    end
   end
   if #items > 0 then
-    local results, cerrs, late = forward.commit(tm.engine, items)
-    for k, i in ipairs(cwhere) do out[i], part[i] = answer(results[k], cerrs[k]), late[k] and 4 or 3 end
+    local results, cerrs, late = shared(forward.commit, tm.engine, items)
+    for k, i in ipairs(cwhere) do
+      out[i], part[i] = results and answer(results[k], cerrs[k]) or { raise = cerrs }, late and late[k] and 4 or 3
+    end
   end
   local order = {}
   for p = 1, 4 do
