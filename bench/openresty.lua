@@ -12,7 +12,7 @@
 -- not a test.
 --
 --   luajit bench/openresty.lua [--seconds 4] [--accounts 100] [--threads 4]
---                              [--runs 3] [--delay 0] [--loopback 1|0]
+--                              [--runs 3] [--delay 0] [--inflight 2] [--loopback 1|0]
 --                              [--metrics 3] [--workers 1|2] [--conns n]
 --
 -- --workers and --conns run one of those only.  A second table gives the
@@ -35,7 +35,7 @@ local nginx = require "spec.support.nginx"
 local latency = require "bench.latency"
 local cpu = require "bench.servercpu"
 
-local opts = { seconds = 4, accounts = 100, threads = 4, runs = 3, delay = 0, loopback = 0, metrics = 3,
+local opts = { seconds = 4, accounts = 100, threads = 4, runs = 3, delay = 0, inflight = 2, loopback = 0, metrics = 3,
                workers = 0, conns = 0 }
 do
   local i = 1
@@ -43,7 +43,7 @@ do
     local name = arg[i]:match("^%-%-(%w+)$")
     if not name or opts[name] == nil or not tonumber(arg[i + 1]) then
       io.stderr:write("usage: bench/openresty.lua [--seconds n] [--accounts n] [--threads n] " ..
-                      "[--runs n] [--delay s] [--loopback 1] [--metrics rounds] [--workers n] " ..
+                      "[--runs n] [--delay s] [--inflight n] [--loopback 1] [--metrics rounds] [--workers n] " ..
                       "[--conns n]\n")
       os.exit(2)
     end
@@ -56,7 +56,8 @@ local BALANCE = 1000000000
 local WORKERS, CONNECTIONS = { 1, 2 }, { 1, 16, 64 }
 if opts.workers > 0 then WORKERS = { opts.workers } end
 if opts.conns > 0 then CONNECTIONS = { opts.conns } end
-local MODES = { ungrouped = "false", grouped = ("{ max = 100, delay = %.17g }"):format(opts.delay) }
+local MODES = { ungrouped = "false",
+                grouped = ("{ max = 100, delay = %.17g, inflight = %d }"):format(opts.delay, opts.inflight) }
 
 local capture = server.capture
 
@@ -290,10 +291,10 @@ end
 
 local load2 = capture("cat /proc/loadavg"):match("^(%S+ %S+ %S+)")
 print(string.format("Measured %s UTC in %.1f minutes: medians of %d runs of %d s, %d accounts, " ..
-  "thread_pool threads=%d, lua_worker_thread_vm_pool_size 32, group = { max = 100, delay = %g }; " ..
+  "thread_pool threads=%d, lua_worker_thread_vm_pool_size 32, group = { max = 100, delay = %g, inflight = %d }; " ..
   "load average %s before, %s after; server: mongo-java-server memory%s.",
   os.date("!%Y-%m-%d %H:%M"), (os.time() - started) / 60, opts.runs, opts.seconds, opts.accounts,
-  opts.threads, opts.delay, load1, load2, pings["1ms"] and string.format(
+  opts.threads, opts.delay, opts.inflight, load1, load2, pings["1ms"] and string.format(
   "; ping round trip through toxiproxy at +1 ms: %.2f ms", pings["1ms"]) or ""))
 print()
 print("| network | nginx workers | connections | ungrouped req/s | grouped req/s | grouped/ungrouped " ..

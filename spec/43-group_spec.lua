@@ -131,9 +131,9 @@ describe("#server mongotx.group with a coroutine scheduler", function()
   -- call, which reaches the group without yielding.
   local function run_indexed(S, g, calls, as_outcome)
     local got, current, call = {}, nil, g.group.call
-    g.group.call = function(self, item)
+    g.group.call = function(self, item, keys)
       item.index = current
-      return call(self, item)
+      return call(self, item, keys)
     end
     for i, c in ipairs(calls) do
       S.spawn(function()
@@ -337,7 +337,9 @@ describe("#server mongotx.group with a coroutine scheduler", function()
     move("A", "B", 20, 0), move("E", "C", 3), move("B", "A", 5, 0), move("D", "C", 60, 0),
   }
 
-  it("drives the queue from a caller when the task its driver was spawned in never runs", function()
+  for _, inflight in ipairs { 1, 2 } do
+  it("drives the queue from a caller when the task its driver was spawned in never runs (inflight " ..
+     inflight .. ")", function()
     -- nginx drops a timer it accepted when lua_max_running_timers are
     -- running: spawn says yes and the driver never begins
     local db = bank(BALANCES)
@@ -346,7 +348,7 @@ describe("#server mongotx.group with a coroutine scheduler", function()
       on_event = function(name, info) if name == "group" then events[#events + 1] = info end end })
     local S = scheduler()
     local dropped = 0
-    local g = group.wrap(tm, { signal = S.signal, now = S.now, delay = 0,
+    local g = group.wrap(tm, { signal = S.signal, now = S.now, delay = 0, inflight = inflight,
       spawn = function(fn)
         dropped = dropped + 1
         if dropped == 1 then return true end -- the first one only
@@ -372,6 +374,7 @@ describe("#server mongotx.group with a coroutine scheduler", function()
     assert.are.equal(2, dropped)
     assert(S.now() - started < group.START, "the second batch waited for a take-over")
   end)
+  end
 
   it("commits begun transactions among transfers and runs, each answered as tm:commit alone", function()
     local events = {}
@@ -662,7 +665,7 @@ describe("#server mongotx.group with a coroutine scheduler", function()
   it("checks its options", function()
     local S = scheduler()
     local base = { run = function() end, signal = S.signal, spawn = S.spawn, now = S.now }
-    for k, v in pairs({ max = 0, delay = -1 }) do
+    for k, v in pairs({ max = 0, delay = -1, inflight = 0 }) do
       local o = {}
       for x, y in pairs(base) do o[x] = y end
       o[k] = v
@@ -670,5 +673,106 @@ describe("#server mongotx.group with a coroutine scheduler", function()
     end
     assert.has_error(function() group.new({ run = base.run }) end,
       "option signal of group.new must be a function")
+    assert.has_error(function() group.new(setmetatable({ inflight = 1.5 }, { __index = base })) end,
+      "option inflight of group must be a whole number >= 1")
+  end)
+
+  -- A group of tm whose runner yields to S for `hop` seconds before it
+  -- runs (the thread hop of mongotx.resty), so batches overlap.  While
+  -- they run it checks that no two share a key and that a call without
+  -- keys (a commit) runs alone; returns the group and its record
+  -- ({ most = <batches at once>, order = <call indices as they took
+  -- effect>, bad = <what broke those rules> }).
+  local function overlapping(S, tm, o, hop)
+    o.signal, o.spawn, o.now = S.signal, S.spawn, S.now
+    local g = group.wrap(tm, o)
+    local rec, running, run = { most = 0, order = {}, bad = {} }, {}, g.group.run
+    g.group.run = function(items, info)
+      local mine = { keys = {} }
+      for _, item in ipairs(items) do
+        local keys = group.keys(item.method, unpack(item, 1, item.n))
+        if not keys then mine.alone = true end
+        for _, k in ipairs(keys or {}) do mine.keys[k] = true end
+      end
+      -- (recorded: a raise here would only fail the batch's calls)
+      for other in pairs(running) do
+        if mine.alone or other.alone then rec.bad[#rec.bad + 1] = "a batch with a commit ran beside another" end
+        for k in pairs(mine.keys) do
+          if other.keys[k] then rec.bad[#rec.bad + 1] = "two batches at once hold " .. k end
+        end
+      end
+      running[mine] = true
+      local n = 0
+      for _ in pairs(running) do n = n + 1 end
+      rec.most = math.max(rec.most, n)
+      S.signal():wait(hop)
+      local out, took = run(items, info)
+      running[mine] = nil
+      for _, i in ipairs(took) do rec.order[#rec.order + 1] = items[i].index end
+      return out, took
+    end
+    return g, rec
+  end
+
+  it("runs up to `inflight` batches at once, never two that share a document, an id or a commit", function()
+    local db = bank(BALANCES)
+    local tm = assert(db:manager{ application = "inflight" })
+    begin_all(tm, BEGUN)
+    local db2 = bank(BALANCES)
+    local tm2 = assert(db2:manager{ application = "alone" })
+    begin_all(tm2, BEGUN)
+    -- the mix (5 accounts: most calls meet), transfers between accounts
+    -- of their own (P1..P24: none meet), and commits
+    local calls, fresh = mix(), {}
+    for i = 1, 24 do fresh[i] = { _id = "P" .. i, balance = 100 } end
+    assert(db:collection("accounts"):insert_many(fresh))
+    assert(db2:collection("accounts"):insert_many(fresh))
+    for i = 1, 12 do
+      table.insert(calls, 2 * i, { "transfer", "accounts", "P" .. (2 * i - 1), "P" .. (2 * i), i, { min = 0 } })
+    end
+    -- (a commit waits for every batch before it to end, and holds back
+    -- every call after it: last, so that the others can overlap)
+    for i = 1, #BEGUN do calls[#calls + 1] = { "commit", { _id = "b-" .. i } } end
+    local S = scheduler()
+    local g, rec = overlapping(S, tm, { max = 6, delay = 0, inflight = 3 }, 0.003)
+    local got = run_indexed(S, g, calls, commit_outcome)
+    assert.are.same({}, rec.bad)
+    assert.are.equal(3, rec.most)
+    assert.are.equal(#calls, #rec.order)
+    -- batches that overlapped touched nothing in common, so their calls
+    -- alone, in the order the batches ended, give the same answers
+    for _, i in ipairs(rec.order) do
+      local c = calls[i]
+      assert.are.same(commit_outcome(pcall(tm2[c[1]], tm2, unpack(c, 2))), got[i], "call " .. i)
+    end
+    assert.are.same(helpers.balances(db2:collection("accounts")),
+                    helpers.balances(db:collection("accounts")))
+  end)
+
+  it("keeps a document's calls in their order: one that waits holds back the later ones", function()
+    local db = bank({ A = 10, B = 10, C = 10, D = 10, E = 10, F = 10 })
+    local tm = assert(db:manager{ application = "order" })
+    local S = scheduler()
+    local g, rec = overlapping(S, tm, { delay = 0, inflight = 2 }, 0.02)
+    local tickets = {}
+    local function call(i, from, to, after)
+      S.spawn(function()
+        if after then S.signal():wait(after) end
+        local r, t = g.group:call({ method = "transfer", n = 4, "accounts", from, to, 1 },
+                                  group.keys("transfer", "accounts", from, to, 1))
+        assert.are.equal("done", r[1].state)
+        tickets[i] = t.batch
+      end)
+    end
+    -- 1 runs (A, B); 2 waits for B; 3 (C, D) meets no running batch but
+    -- waits behind 2, which holds C; 4 (E, F) runs beside 1
+    call(1, "A", "B")
+    call(2, "B", "C", 0.005)
+    call(3, "C", "D", 0.005)
+    call(4, "E", "F", 0.005)
+    S.loop()
+    assert.are.same({}, rec.bad)
+    assert.are.same({ 1, 3, 3, 2 }, tickets)
+    assert.are.same({ A = 9, B = 10, C = 10, D = 11, E = 9, F = 11 }, (helpers.balances(db:collection("accounts"))))
   end)
 end)

@@ -43,7 +43,7 @@ local forward = require "mongotx.engine.forward"
 
 local type, ipairs, pairs, pcall, error, select, setmetatable, tostring =
   type, ipairs, pairs, pcall, error, select, setmetatable, tostring
-local min, format = math.min, string.format
+local format = string.format
 local unpack = table.unpack or unpack -- luacheck: ignore 143
 local id_key, tid_key, is_floor = stored.id_key, engine.key, stored.is_floor
 
@@ -59,7 +59,7 @@ local AGAIN = _M.AGAIN
 local Group = {}
 Group.__index = Group
 
--- new{ run, signal, spawn, now [, max = 100] [, delay = 0] }:
+-- new{ run, signal, spawn, now [, max = 100] [, delay = 0] [, inflight = 1] }:
 --   run(items, { wait = <seconds the driver waited> }) -> results, one
 --     per item (group.AGAIN: put it in the next batch; never for the
 --     first item), and optionally the order the calls took effect in (a
@@ -70,13 +70,18 @@ Group.__index = Group
 --     the call runs as a batch of one in the caller's task; when fn has
 --     not begun START seconds after a call, that call's caller drives
 --   now() -> seconds
+--   inflight: how many batches may run at once, each driven by a task of
+--     its own.  A batch's round trips leave the server and the caller's
+--     CPU idle in turns; a second batch fills them.  Batches running at
+--     once touch disjoint documents and ids (Group:call's keys), so none
+--     meets another's holds, and each call still answers as it would alone.
 
---- A group: the scheduler-neutral queue whose driver runs the calls queued as one batch.
--- @syntax g = group.new{ run, signal, spawn, now [, max = 100] [, delay = 0] }
+--- A group: the scheduler-neutral queue whose drivers run the calls queued as batches.
+-- @syntax g = group.new{ run, signal, spawn, now [, max = 100] [, delay = 0] [, inflight = 1] }
 -- @tparam table o `run(items, { wait })` (one result per item, `group.AGAIN` to put one off; optionally the order
 --   they took effect in), `signal()` (an object with `:wait(seconds)` and `:post()`), `spawn(fn)` (runs fn in a
---   task of its own; false: the call runs alone), `now()` (seconds); `max` calls a batch, `delay` seconds the
---   driver waits for them
+--   task of its own; false: the call runs alone), `now()` (seconds); `max` calls a batch, `delay` seconds a
+--   driver waits for them, `inflight` batches at once (calls with disjoint keys)
 -- @treturn table the group
 -- @errors a bad option raises
 -- @usage local g = group.new{ run = run, signal = signal, spawn = spawn, now = now }
@@ -85,16 +90,22 @@ function _M.new(o)
   for _, k in ipairs { "run", "signal", "spawn", "now" } do
     if type(o[k]) ~= "function" then error("option " .. k .. " of group.new must be a function", 2) end
   end
-  local max, delay = o.max or 100, o.delay or 0
-  if type(max) ~= "number" or max < 1 or max ~= math.floor(max) then
-    error("option max of group must be a whole number >= 1", 2)
+  local max, delay, inflight = o.max or 100, o.delay or 0, o.inflight or 1
+  for name, v in pairs { max = max, inflight = inflight } do
+    if type(v) ~= "number" or v < 1 or v ~= math.floor(v) or v == math.huge then
+      error("option " .. name .. " of group must be a whole number >= 1", 2)
+    end
   end
   if type(delay) ~= "number" or delay ~= delay or delay < 0 or delay == math.huge then
     error("option delay of group must be a number of seconds >= 0", 2)
   end
+  -- held: key -> how many running batches hold it; alone: a running batch
+  -- holds a call without keys (it may touch anything); flying: batches
+  -- running; running: drivers begun; pending: drivers spawned, not begun
   return setmetatable({ run = o.run, signal = o.signal, spawn = o.spawn, now = o.now,
-                        max = max, delay = delay, queue = {}, driving = false,
-                        running = false, waiting = false, kick = o.signal(), batches = 0 }, Group)
+                        max = max, delay = delay, inflight = inflight, queue = {},
+                        held = {}, alone = false, flying = 0, running = 0, pending = {},
+                        npending = 0, gathering = false, kick = o.signal(), batches = 0 }, Group)
 end
 
 -- Runs one batch of tickets and wakes their callers; returns the tickets
@@ -103,6 +114,7 @@ local function run_batch(self, batch, waited)
   local items = {}
   for i, t in ipairs(batch) do items[i] = t.item end
   self.batches = self.batches + 1
+  local number = self.batches
   local ok, results, order = pcall(self.run, items, { wait = waited })
   if ok and type(results) ~= "table" then
     ok, results = false, "mongotx.group: the batch runner returned a " .. type(results)
@@ -119,29 +131,106 @@ local function run_batch(self, batch, waited)
         ok, results = false, "mongotx.group: the batch runner put off the first call"
       end
       t.done, t.ok, t.result = true, ok, ok and r or results
-      t.batch, t.position = self.batches, position[i] or i
+      t.batch, t.position = number, position[i] or i
       t.signal:post()
     end
   end
   return again
 end
 
--- The driver: batches until the queue is empty.
+-- Which calls may run now ----------------------------------------------------
+
+-- A key no call has: a call queued without keys reserves it, so that no
+-- call behind it overtakes it.
+local ALL = {}
+
+-- Must ticket t wait: does it meet a running batch, or a call queued
+-- before it that waits (reserved)?
+local function blocked(self, t, reserved)
+  if self.alone or reserved[ALL] then return true end
+  local keys = t.keys
+  if keys == nil then return self.flying > 0 end
+  for _, k in ipairs(keys) do
+    if self.held[k] or reserved[k] then return true end
+  end
+  return false
+end
+
+-- The next batch: up to max calls of the queue, in its order, that meet no
+-- running batch; a call that must wait holds back the later calls with
+-- its keys, so each key's calls keep their order and none waits for ever.
+-- Nil when none may run now.
+local function pick(self)
+  local batch, rest, reserved = {}, {}, {}
+  for _, t in ipairs(self.queue) do
+    if #batch < self.max and not blocked(self, t, reserved) then
+      batch[#batch + 1] = t
+    else
+      rest[#rest + 1] = t
+      for _, k in ipairs(t.keys or { ALL }) do reserved[k] = true end
+    end
+  end
+  if #batch == 0 then return nil end
+  self.queue, self.flying = rest, self.flying + 1
+  for _, t in ipairs(batch) do
+    if t.keys == nil then self.alone = true end
+    for _, k in ipairs(t.keys or {}) do self.held[k] = (self.held[k] or 0) + 1 end
+  end
+  return batch
+end
+
+local function release(self, batch)
+  self.flying = self.flying - 1
+  for _, t in ipairs(batch) do
+    if t.keys == nil then self.alone = false end
+    for _, k in ipairs(t.keys or {}) do
+      local n = self.held[k] - 1
+      self.held[k] = n > 0 and n or nil
+    end
+  end
+end
+
+local drive_all -- (below: a driver's task)
+
+-- Starts a driver; false when spawn cannot.
+local function start(self)
+  local token = {}
+  self.pending[token], self.npending = true, self.npending + 1
+  local ok = self.spawn(function()
+    if self.pending[token] then self.pending[token], self.npending = nil, self.npending - 1 end
+    drive_all(self)
+  end)
+  if not ok then self.pending[token], self.npending = nil, self.npending - 1 end
+  return ok
+end
+
+-- A driver: batches until no queued call may run (the rest wait for a
+-- running batch, whose driver goes on with them).
 local function drive(self)
-  while #self.queue > 0 do
+  while #self.queue > 0 and not self.gathering do
     local started = self.now()
     local left = self.queue[1].at + self.delay - started
     if #self.queue < self.max and left > 0 then
-      self.waiting = true
+      self.gathering = true
       self.kick:wait(left)
-      self.waiting = false
+      self.gathering = false
     end
-    local queue, n = self.queue, min(#self.queue, self.max)
-    local batch, rest = {}, {}
-    for i = 1, n do batch[i] = queue[i] end
-    for i = n + 1, #queue do rest[i - n] = queue[i] end
-    self.queue = rest
-    local again = run_batch(self, batch, self.now() - started)
+    local batch = pick(self)
+    if not batch then break end
+    if #self.queue > 0 and self.running + self.npending < self.inflight then
+      start(self) -- what is left may run beside this batch
+    end
+    local ok, again = pcall(run_batch, self, batch, self.now() - started)
+    release(self, batch)
+    if not ok then
+      for _, t in ipairs(batch) do
+        if not t.done then
+          t.done, t.ok, t.result = true, false, again
+          t.signal:post()
+        end
+      end
+      error(again, 0)
+    end
     if #again > 0 then
       for _, t in ipairs(self.queue) do again[#again + 1] = t end
       self.queue = again
@@ -156,13 +245,13 @@ end
 -- it), and the calls queued must not wait for ever.
 _M.START = 1
 
--- The driver, in whichever task gets here first: the spawned one, or a
--- caller whose driver never began (Group:call).  A task that finds
--- another driving returns at once, so one drives at a time.
-local function drive_all(self)
-  if self.running then return end
-  self.running = true
+-- A driver, in whichever task gets here: a spawned one, or a caller whose
+-- driver never began (Group:call).  At most `inflight` drive at once.
+function drive_all(self)
+  if self.running >= self.inflight then return end
+  self.running = self.running + 1
   local ok, err = pcall(drive, self)
+  self.running = self.running - 1
   if not ok then
     -- never leave a caller waiting: the calls still queued fail with err
     local queue = self.queue
@@ -172,49 +261,88 @@ local function drive_all(self)
       t.signal:post()
     end
   end
-  self.running, self.driving = false, false
 end
 
--- g:call(item) -> the runner's result for item, and the ticket ({ batch,
+-- g:call(item [, keys]) -> the runner's result for item, and the ticket ({ batch,
 -- position }: which batch of this group ran it, and where in the order
 -- its calls took effect).  Raises what the runner raised.
 
 --- @type Group
 
 --- Queues an item, waits for the batch that runs it, and returns its result.
--- @syntax result, ticket = g:call(item)
+-- @syntax result, ticket = g:call(item [, keys])
 -- @param item what the runner gets for this call
+-- @tparam[opt] table keys strings naming what the call touches (`group.keys`): it runs only in a batch whose
+--   neighbours running at once hold none of them; without keys, only when no other batch runs
 -- @return the runner's result for the item
 -- @treturn table the ticket: `{ batch, position }`, which batch of this group ran it and where in the order its
 --   calls took effect
 -- @errors raises what the runner raised
 -- @usage local result = g:call({ method = "transfer", n = 4, "accounts", "A", "B", 10 })
-function Group:call(item)
-  local t = { item = item, at = self.now(), signal = self.signal(), done = false }
+function Group:call(item, keys)
+  local t = { item = item, keys = keys, at = self.now(), signal = self.signal(), done = false }
   local queue = self.queue
   queue[#queue + 1] = t
-  if not self.driving then
-    self.driving = true
-    local ok = self.spawn(function() drive_all(self) end)
-    if not ok then
+  if self.running + self.npending == 0 then
+    if not start(self) then
       -- no task for a driver: this call alone, here (the queue held only it)
-      self.driving, self.queue = false, {}
+      self.queue = {}
       local again = run_batch(self, { t }, 0)
       assert(#again == 0)
     end
-  elseif #queue >= self.max and self.waiting then
-    self.waiting = false -- one post per wait
+  elseif #queue >= self.max and self.gathering then
+    self.gathering = false -- one post per wait
     self.kick:post()
+  elseif self.running + self.npending < self.inflight and not self.gathering
+      and self.npending == 0 and not blocked(self, t, {}) then
+    start(self) -- a batch runs; this call may run beside it
   end
   while not t.done do
-    local _, err = t.signal:wait(self.running and 60 or _M.START)
+    local _, err = t.signal:wait(self.running > 0 and 60 or _M.START)
     if err and err ~= "timeout" then error("mongotx.group: cannot wait: " .. tostring(err), 2) end
-    if not t.done and not self.running and self.now() - t.at >= _M.START then
-      drive_all(self) -- no driver began: this caller drives
+    if not t.done and self.running == 0 and self.now() - t.at >= _M.START then
+      self.pending, self.npending = {}, 0 -- the drivers spawned never began
+      drive_all(self) -- this caller drives
     end
   end
   if not t.ok then error(t.result, 0) end
   return t.result, t
+end
+
+-- What a call touches, as Group:call's keys: "d", collection and _id per
+-- document, "t" and the id when the caller names its transaction.  Nil
+-- (it may touch anything) for a commit, whose documents are stored, and
+-- for arguments whose ids have no key (they fail their checks anyway).
+local function call_keys(method, a1, a2, a3, _, a5)
+  local docs, id
+  if method == "transfer" then
+    docs, id = { { collection = a1, id = a2 }, { collection = a1, id = a3 } }, a5 and a5.id
+  elseif method == "run" then
+    docs, id = a1, a2 and a2.id
+  else
+    return nil
+  end
+  local keys = {}
+  for i, op in ipairs(docs) do
+    local k = id_key(op.id)
+    if type(op.collection) ~= "string" or k == nil then return nil end
+    keys[i] = "d\0" .. op.collection .. "\0" .. k
+  end
+  if #keys == 0 then return nil end
+  if id ~= nil then keys[#keys + 1] = "t\0" .. tid_key(id) end
+  return keys
+end
+
+--- The keys of a grouped call (`Group:call`'s second argument): the documents and transaction id it touches.
+-- @syntax keys = group.keys(method, ...)
+-- @tparam string method "transfer", "run" or "commit"
+-- @param ... the call's arguments
+-- @treturn ?table the keys, or nil when the call may touch any document (a commit, or arguments that fail their
+--   checks)
+-- @usage g:call(item, group.keys("transfer", "accounts", "A", "B", 10))
+function _M.keys(method, ...)
+  local ok, keys = pcall(call_keys, method, ...)
+  return ok and keys or nil
 end
 
 -- The batch, on the manager's side ------------------------------------------
@@ -409,7 +537,7 @@ end
 
 for _, method in ipairs(_M.METHODS) do
   Wrapped[method] = function(self, ...)
-    local r = self.group:call({ method = method, n = select("#", ...), ... })
+    local r = self.group:call({ method = method, n = select("#", ...), ... }, _M.keys(method, ...))
     if r.raise then
       -- as the call alone raises: at the caller, unless it says where
       -- (or is an error value: a policy's raise)

@@ -74,7 +74,7 @@ local function new_group(tm, o)
   local ngx = ngx -- luacheck: ignore 113
   local semaphore = require "ngx.semaphore"
   return group.new {
-    max = o.max, delay = o.delay, run = group_runner(tm),
+    max = o.max, delay = o.delay, inflight = o.inflight, run = group_runner(tm),
     signal = semaphore.new,
     spawn = function(fn) return ngx.timer.at(0, function() fn() end) end,
     now = function()
@@ -92,7 +92,7 @@ end
 local function grouped(self, method, alone, ...)
   local ok, args = pcall(pack, select("#", ...), ...)
   if not ok then return alone(self, ...) end
-  local r, ticket = self.group:call({ method = method, args = args })
+  local r, ticket = self.group:call({ method = method, args = args }, group.keys(method, ...))
   local ngx = ngx -- luacheck: ignore 113
   ngx.ctx.mongotx_group = { batch = ticket.batch, position = ticket.position }
   if r.raise then reraise(r.raise, 2) end
@@ -104,16 +104,20 @@ end
 -- On by default: it halves the CPU a request costs once calls are
 -- concurrent and costs 0.2-0.3 ms alone (bench/README.md, "OpenResty:
 -- group commit").
-local GROUP_DEFAULT = { max = 100, delay = 0 }
+local GROUP_DEFAULT = { max = 100, delay = 0, inflight = 1 }
 
 local function group_option(g)
   if g == false then return false end
   if g == nil or g == true then g = {} end
   if type(g) ~= "table" then error("option group of manager must be a table, true or false", 3) end
   for k in pairs(g) do
-    if k ~= "max" and k ~= "delay" then error("unknown option group." .. tostring(k), 3) end
+    if GROUP_DEFAULT[k] == nil then error("unknown option group." .. tostring(k), 3) end
   end
-  return { max = g.max or GROUP_DEFAULT.max, delay = g.delay or GROUP_DEFAULT.delay }
+  local o = {}
+  for k, v in pairs(GROUP_DEFAULT) do
+    if g[k] == nil then o[k] = v else o[k] = g[k] end
+  end
+  return o
 end
 
 _M.run_group, _M.new_group, _M.grouped, _M.group_option = run_group, new_group, grouped, group_option
