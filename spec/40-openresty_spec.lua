@@ -328,6 +328,105 @@ describe("#openresty mongotx.resty in nginx", function()
     end)
   end)
 
+  -- bank.lua's account_cache: a worker remembers the accounts it found
+  -- and skips the read for them; one worker, so every request meets the
+  -- same cache.
+  describe("the account cache", function()
+    local UNGROUPED = "{ manager = { application = 'bank', group = false } }"
+
+    local function transactions(db) return assert(db:collection("transactions"):count({})) end
+    local function marked(db)
+      return assert(db:collection("accounts"):count({ ["pendingTransactions.0"] = { ["$exists"] = true } }))
+    end
+
+    local function unknown(n, from, to, account)
+      local status, res = n:request("POST", "/transfer", body(from, to, 10))
+      assert.are.equal(404, status, res)
+      local e = json(res)
+      assert.are.same({ error = "unknown_account", message = "no account " .. account, account = account }, e)
+      return e
+    end
+
+    for _, mode in ipairs { { "grouped", nil }, { "ungrouped", UNGROUPED } } do
+      it("answers a cached account deleted since with the read's 404, its transfer cancelled (" ..
+         mode[1] .. "), then reads it again", function()
+        local db, name = bank(4, 1000)
+        local n = start(name, { recovery = false, configure = mode[2] })
+        finally(function() n:stop() end)
+        -- A, B, C, D found and cached
+        assert.are.equal(200, (n:request("POST", "/transfer", body("A", "B", 100))))
+        assert.are.equal(200, (n:request("POST", "/transfer", body("C", "D", 100))))
+        assert(db:collection("accounts"):delete_many({ _id = { ["$in"] = { "B", "C" } } }))
+        -- both cached: no read, so the transfer runs and its op on the
+        -- deleted account (the credit, then the debit) cancels it; a read
+        -- would have written nothing (the next case)
+        local first = { unknown(n, "A", "B", "B"), unknown(n, "C", "D", "C") }
+        assert.are.same({ A = 900, D = 1100 }, (helpers.balances(db:collection("accounts"))))
+        local txs = assert(db:collection("transactions"):find_all({ state = "cancelled" }))
+        assert.are.equal(2, #txs)
+        local reasons = { txs[1].reason, txs[2].reason }
+        table.sort(reasons)
+        assert.matches("^op 1 %(update C of accounts%): the document does not exist", reasons[1])
+        assert.matches("^op 2 %(update B of accounts%): the document does not exist", reasons[2])
+        assert.are.equal(4, transactions(db))
+        assert.are.equal(0, marked(db))
+        -- B and C forgotten: read, refused before anything is written,
+        -- with the same answer
+        assert.are.same(first, { unknown(n, "A", "B", "B"), unknown(n, "C", "D", "C") })
+        assert.are.equal(4, transactions(db))
+        assert.are.same({ A = 900, D = 1100 }, (helpers.balances(db:collection("accounts"))))
+      end)
+    end
+
+    it("reads every time with account_cache = false: a deleted account is refused, nothing written", function()
+      local db, name = bank(2, 1000)
+      local n = start(name, { recovery = false, configure = "{ account_cache = false }" })
+      finally(function() n:stop() end)
+      assert.are.equal(200, (n:request("POST", "/transfer", body("A", "B", 100))))
+      assert(db:collection("accounts"):delete_one({ _id = "B" }))
+      unknown(n, "A", "B", "B")
+      unknown(n, "B", "A", "B")
+      assert.are.equal(1, transactions(db))
+      assert.are.same({ A = 900 }, (helpers.balances(db:collection("accounts"))))
+    end)
+
+    it("does not remember an account it did not find: created later, it works at once", function()
+      local db, name = bank(2, 1000)
+      local n = start(name, { recovery = false })
+      finally(function() n:stop() end)
+      unknown(n, "A", "Z", "Z")
+      unknown(n, "Z", "B", "Z")
+      assert.are.equal(0, transactions(db))
+      assert(db:collection("accounts"):insert_one({ _id = "Z", balance = 50, pendingTransactions = core.array() }))
+      local status, res = n:request("POST", "/transfer", body("A", "Z", 10))
+      assert.are.equal(200, status, res)
+      status, res = n:request("POST", "/transfer", body("Z", "B", 60))
+      assert.are.equal(200, status, res)
+      assert.are.same({ A = 990, B = 1060, Z = 0 }, (helpers.balances(db:collection("accounts"))))
+    end)
+
+    it("forgets the least recently used account beyond `size`, and any after `ttl` seconds", function()
+      local db, name = bank(3, 1000)
+      local n = start(name, { recovery = false, configure = "{ account_cache = { size = 2, ttl = 60 } }" })
+      finally(function() n:stop() end)
+      assert.are.equal(200, (n:request("POST", "/transfer", body("A", "B", 1))))
+      -- A used again, C added: B, the least recently used, goes
+      assert.are.equal(200, (n:request("POST", "/transfer", body("A", "C", 1))))
+      assert(db:collection("accounts"):delete_one({ _id = "B" }))
+      unknown(n, "A", "B", "B")
+      assert.are.equal(2, transactions(db))
+      n:stop()
+
+      db, name = bank(2, 1000)
+      n = start(name, { recovery = false, configure = "{ account_cache = { size = 10, ttl = 0.5 } }" })
+      assert.are.equal(200, (n:request("POST", "/transfer", body("A", "B", 1))))
+      assert(db:collection("accounts"):delete_one({ _id = "B" }))
+      sleep(1)
+      unknown(n, "A", "B", "B")
+      assert.are.equal(1, transactions(db))
+    end)
+  end)
+
   describe("one pool per worker process", function()
     it("serves calls of many worker-thread VMs with as many clients as run at once", function()
       local db, name = bank(8, 1000)

@@ -19,10 +19,23 @@
 -- nothing is written.  Amounts are whole numbers (cents); the debit is
 -- guarded with min = 0, so no account goes below zero.
 --
+-- Unknown accounts: a read of the accounts before the transfer answers
+-- them 404 unknown_account.  Each worker remembers the accounts it found
+-- (config.account_cache, an LRU of `size` entries kept `ttl` seconds;
+-- false: read every time), so a transfer between accounts it knows skips
+-- that read, which costs more CPU than the transfer's share of a grouped
+-- batch.  Only accounts found are remembered: one created later works at
+-- once.  The trade: an account deleted while remembered is not refused
+-- before the transfer, which then ends cancelled (its op failed,
+-- `missing`), answered with the same 404; the database keeps that
+-- cancelled transaction where the read would have written nothing, and
+-- the worker forgets the account.
+--
 -- Configuration: environment (nginx.conf's env directives) MONGOTX_URI
 -- and MONGOTX_DATABASE, or configure{...} from init_by_lua / init_worker.
 
 local cjson = require "cjson.safe"
+local lrucache = require "resty.lrucache"
 local resty = require "mongotx.resty"
 local core = require "mongotx.core"
 
@@ -46,12 +59,33 @@ local config = {
   dict = "mongotx",                     -- lua_shared_dict for the recovery election
   recovery = { every = 5, limit = 1000 },
   max_amount = 2 ^ 53,                  -- exact in a double, and in BSON
+  account_cache = { size = 10000, ttl = 60 }, -- accounts known to exist, per worker (false: none)
 }
+
+-- The worker's accounts known to exist (a resty.lrucache), false when
+-- config.account_cache is off, nil until the first transfer makes it.
+local known
 
 -- configure{ key = value, ... }: replaces config's entries (a table value
 -- replaces the whole entry).
 function _M.configure(t)
   for k, v in pairs(t) do config[k] = v end
+  known = nil
+end
+
+-- The cache, made by the first transfer after configure (an account_cache
+-- that is neither false nor { size >= 1, ttl = seconds } raises there).
+local function account_cache()
+  if known == nil then
+    local c = config.account_cache
+    known = false
+    if c then
+      local err
+      known, err = lrucache.new(c.size)
+      if not known then error("account_cache.size: " .. tostring(err)) end
+    end
+  end
+  return known
 end
 
 -- One database handle and manager per worker process and mode (offload =
@@ -182,6 +216,38 @@ local ERRORS = {
   contention = { 503, "busy" },
 }
 
+-- The account of the transfer's op that found no document, or nil.
+local function missing_account(err, req)
+  if type(err) ~= "table" or err.code ~= "missing" then return nil end
+  if err.op == 1 then return req.from elseif err.op == 2 then return req.to end
+end
+
+-- Do both accounts of req exist?  true (those cached are taken as
+-- existing, the others read, and cached when found), false and the first
+-- that does not, or nil, err.
+local function accounts_exist(db, req)
+  local cache = account_cache()
+  local want = { req.from, req.to }
+  if cache then
+    want = {}
+    if not cache:get(req.from) then want[#want + 1] = req.from end
+    if not cache:get(req.to) then want[#want + 1] = req.to end
+    if #want == 0 then return true end
+  end
+  local found, err = db:find(config.accounts, { _id = { ["$in"] = want } },
+                             { projection = { _id = 1 } })
+  if not found then return nil, err end
+  local seen = {}
+  for _, d in ipairs(found) do
+    seen[d._id] = true
+    if cache then cache:set(d._id, true, config.account_cache.ttl) end
+  end
+  for _, id in ipairs(want) do
+    if not seen[id] then return false, id end
+  end
+  return true
+end
+
 local function transfer_error(err, req)
   if type(err) == "table" and err.code == "guard" and req then
     return fail(422, "insufficient_funds", string.format("account %s has less than %.0f",
@@ -206,20 +272,22 @@ function _M.transfer(opts)
   local db, tm, err = manager(offload)
   if not db then return transfer_error(err) end
   -- unknown accounts are a 404 before anything is written
-  local found
-  found, err = db:find(config.accounts, { _id = { ["$in"] = { req.from, req.to } } },
-                       { projection = { _id = 1 } })
-  if not found then return transfer_error(err) end
-  if #found < 2 then
-    local seen = {}
-    for _, d in ipairs(found) do seen[d._id] = true end
-    local missing = not seen[req.from] and req.from or req.to
+  local exist, missing = accounts_exist(db, req)
+  if exist == nil then return transfer_error(missing) end
+  if not exist then
     return fail(404, "unknown_account", "no account " .. missing, { account = missing })
   end
   local T
   T, err = tm:transfer(config.accounts, req.from, req.to, req.amount,
                        { min = 0, id = req.key })
-  if not T then return transfer_error(err, req) end
+  if not T then
+    -- an account deleted since it was cached (or read): the transfer
+    -- ended cancelled; answered as the read answers it, and forgotten
+    missing = missing_account(err, req)
+    if not missing then return transfer_error(err, req) end
+    if known then known:delete(missing) end
+    return fail(404, "unknown_account", "no account " .. missing, { account = missing })
+  end
   return reply(200, tx_json(T))
 end
 
