@@ -81,6 +81,7 @@ build = {
     ["mongotx.recovery"] = "lua/mongotx/recovery.lua",
     ["mongotx.stepwise"] = "lua/mongotx/stepwise.lua",
     ["mongotx.group"] = "lua/mongotx/group.lua",
+    ["mongotx.group.queue"] = "lua/mongotx/group/queue.lua",
     ["mongotx.pool"] = "lua/mongotx/pool.lua",
     ["mongotx.resty"] = "lua/mongotx/resty.lua",
     ["mongotx.resty.wire"] = "lua/mongotx/resty/wire.lua",

@@ -775,4 +775,61 @@ describe("#server mongotx.group with a coroutine scheduler", function()
     assert.are.same({ 1, 3, 3, 2 }, tickets)
     assert.are.same({ A = 9, B = 10, C = 10, D = 11, E = 9, F = 11 }, (helpers.balances(db:collection("accounts"))))
   end)
+
+  it("keeps those rules when spawn fails, raises, or drops a driver", function()
+    local db = bank({ A = 10, B = 10, C = 10, D = 10, E = 10, F = 10, G = 10, H = 10 })
+    local tm = assert(db:manager{ application = "spawns" })
+    local function transfer(g, from, to, after, out)
+      return function()
+        if after then g.S.signal():wait(after) end
+        local t0 = g.S.now()
+        local T, err = g:transfer("accounts", from, to, 1)
+        assert(T, tostring(err))
+        out[#out + 1] = { T.state, g.S.now() - t0 }
+      end
+    end
+    -- spawn fails (false, then a raise): the caller drives, and a call on
+    -- its accounts that comes meanwhile waits for its batch
+    for _, failing in ipairs { function() return false end, function() error("no timers left") end } do
+      local S = scheduler()
+      local g, rec = overlapping(S, tm, { delay = 0, inflight = 2 }, 0.01)
+      g.S, g.group.spawn = S, failing
+      local out = {}
+      S.spawn(transfer(g, "A", "B", nil, out))
+      S.spawn(transfer(g, "B", "A", 0.002, out))
+      S.loop()
+      assert.are.same({}, rec.bad)
+      assert.are.same({ "done", "done" }, { out[1][1], out[2][1] })
+    end
+    -- a host drops the second driver (accepted, never begun): once START
+    -- has passed it holds no place, and two batches run at once again
+    local S = scheduler()
+    local g, rec = overlapping(S, tm, { delay = 0, inflight = 2 }, 0.02)
+    local spawns = 0
+    g.S, g.group.spawn = S, function(fn)
+      spawns = spawns + 1
+      if spawns == 2 then return true end
+      return S.spawn(fn)
+    end
+    local out = {}
+    S.spawn(transfer(g, "A", "B", nil, out))
+    S.spawn(transfer(g, "C", "D", 0.005, out))
+    S.loop()
+    assert.are.same({ 2, 1 }, { spawns, rec.most })
+    local first = rec.most
+    rec.most = 0
+    S.spawn(function() S.signal():wait(group.START) end)
+    S.loop()
+    S.spawn(transfer(g, "E", "F", nil, out))
+    S.spawn(transfer(g, "G", "H", 0.005, out))
+    S.loop()
+    assert.are.same({}, rec.bad)
+    assert.are.same({ 1, 2 }, { first, rec.most })
+    for _, o in ipairs(out) do
+      assert.are.equal("done", o[1])
+      assert(o[2] < group.START, "a call waited " .. o[2] .. " s")
+    end
+    assert.are.same({ A = 9, B = 11, C = 9, D = 11, E = 9, F = 11, G = 9, H = 11 },
+                    (helpers.balances(db:collection("accounts"))))
+  end)
 end)

@@ -55,7 +55,7 @@ local config = {
   -- group: concurrent transfers of a worker run as one batch
   -- (docs/openresty.md, "Group commit"; the default, written out here;
   -- group = false runs each call alone)
-  manager = { application = "bank", metrics = "mongotx_metrics", group = { max = 100, delay = 0 } },
+  manager = { application = "bank", metrics = "mongotx_metrics", group = { max = 100, delay = 0, inflight = 1 } },
   dict = "mongotx",                     -- lua_shared_dict for the recovery election
   recovery = { every = 5, limit = 1000 },
   max_amount = 2 ^ 53,                  -- exact in a double, and in BSON

@@ -278,7 +278,7 @@ local groups = {}
 -- reach a worker thread, so policies that are functions come from a
 -- module named by `policies` (a module that returns a table of them, which
 -- each worker-thread VM requires; options given here win).  Plus `group`:
--- { max = 100, delay = 0 } (the default; true is the same), or false:
+-- { max = 100, delay = 0, inflight = 1 } (the default; true is the same), or false:
 -- tm:transfer, tm:run and tm:commit of concurrent handlers of this worker
 -- run as one batch (mongotx.group).
 
@@ -288,8 +288,8 @@ local groups = {}
 -- @syntax tm, err = db:manager(opts)
 -- @tparam[opt] table opts `db:manager`'s, as data; `policies` names a module of policy functions;
 --   `metrics` names a `lua_shared_dict` the events are counted in (`mongotx.metrics.shared`);
---   `group`: `{ max = 100, delay = 0 }` (the default; `true` is the same) or `false`, group commit of this
---   worker's concurrent `tm:transfer`, `tm:run` and `tm:commit` calls (docs/openresty.md)
+--   `group`: `{ max = 100, delay = 0, inflight = 1 }` (the default; `true` is the same) or `false`, group
+--   commit of this worker's concurrent `tm:transfer`, `tm:run` and `tm:commit` calls (docs/openresty.md)
 -- @treturn table the manager
 -- @errors as `db:manager`; `overloaded` (every thread busy for `wait` seconds) from its calls;
 --   a bad `group` or `metrics` raises
@@ -326,7 +326,7 @@ function Database:manager(opts)
   if g and self.offload then
     -- one group per manager (its spec) and worker: managers made for the
     -- same options, as by concurrent first requests, share it
-    local gkey = format("%s\0%s\0%.17g\0%.17g", self.thread_pool, spec, g.max, g.delay)
+    local gkey = format("%s\0%s\0%.17g\0%.17g\0%.17g", self.thread_pool, spec, g.max, g.delay, g.inflight)
     local made, group_obj = true, groups[gkey]
     if not group_obj then made, group_obj = pcall(new_group, tm, g) end
     if not made then error(group_obj, 2) end

@@ -99,8 +99,9 @@ local function grouped(self, method, alone, ...)
   return unpack_all(r.ok)
 end
 
--- The group option of db:manager: false (off), or { max =, delay = }
--- (each defaulting to GROUP_DEFAULT's); nil and true are GROUP_DEFAULT.
+-- The group option of db:manager: false (off), or { max =, delay =,
+-- inflight = } (each defaulting to GROUP_DEFAULT's, each a number:
+-- group.new checks the rest); nil and true are GROUP_DEFAULT.
 -- On by default: it halves the CPU a request costs once calls are
 -- concurrent and costs 0.2-0.3 ms alone (bench/README.md, "OpenResty:
 -- group commit").
@@ -110,8 +111,9 @@ local function group_option(g)
   if g == false then return false end
   if g == nil or g == true then g = {} end
   if type(g) ~= "table" then error("option group of manager must be a table, true or false", 3) end
-  for k in pairs(g) do
+  for k, v in pairs(g) do
     if GROUP_DEFAULT[k] == nil then error("unknown option group." .. tostring(k), 3) end
+    if type(v) ~= "number" then error("option group." .. k .. " must be a number, not a " .. type(v), 3) end
   end
   local o = {}
   for k, v in pairs(GROUP_DEFAULT) do
