@@ -12,7 +12,7 @@
 -- not a test.
 --
 --   luajit bench/openresty.lua [--seconds 4] [--accounts 100] [--threads 4]
---                              [--runs 3] [--delay 0] [--inflight 2] [--loopback 1|0]
+--                              [--runs 3] [--delay 0] [--inflight 1] [--loopback 1|0]
 --                              [--metrics 3] [--workers 1|2] [--conns n]
 --
 -- --workers and --conns run one of those only.  A second table gives the
@@ -35,7 +35,7 @@ local nginx = require "spec.support.nginx"
 local latency = require "bench.latency"
 local cpu = require "bench.servercpu"
 
-local opts = { seconds = 4, accounts = 100, threads = 4, runs = 3, delay = 0, inflight = 2, loopback = 0, metrics = 3,
+local opts = { seconds = 4, accounts = 100, threads = 4, runs = 3, delay = 0, inflight = 1, loopback = 0, metrics = 3,
                workers = 0, conns = 0 }
 do
   local i = 1
