@@ -102,9 +102,9 @@ end
 -- The group option of db:manager: false (off), or { max =, delay =,
 -- inflight = } (each defaulting to GROUP_DEFAULT's, each a number:
 -- group.new checks the rest); nil and true are GROUP_DEFAULT.
--- On by default: it halves the CPU a request costs once calls are
--- concurrent and costs 0.2-0.3 ms alone (bench/README.md, "OpenResty:
--- group commit").
+-- On by default: it cuts the CPU a request costs to a third once calls
+-- are concurrent and costs up to 0.5 ms alone (bench/README.md,
+-- "OpenResty: group commit").
 local GROUP_DEFAULT = { max = 100, delay = 0, inflight = 1 }
 
 local function group_option(g)
