@@ -40,14 +40,15 @@ function helpers.client()
   return assert(core.connect(helpers.uri()))
 end
 
-local counter = 0
-
 -- A database name no other spec (or earlier run against a real server)
--- uses: specs never share state.
+-- uses: specs never share state.  A fresh ObjectId's hex (time, a
+-- per-process random value, a counter).  The time, math.random and a
+-- counter were not enough: busted loads this module again for each spec
+-- file, which resets the counter and reseeds math.random from the time
+-- and a table's address (below), and a LuaJIT CI run found spec/02's
+-- document ({ _id = 1 }) in spec/03's collection.
 function helpers.db_name()
-  counter = counter + 1
-  return string.format("mtx_%d_%d_%d", os.time() % 100000,
-                       math.random(1, 99999), counter)
+  return "mtx_" .. core.ObjectId():value()
 end
 
 -- Why concurrency specs cannot run on this server, or nil when they can.
