@@ -14,7 +14,7 @@
 --                    and goes on with the calls that arrived meanwhile.
 --                    With inflight > 1, up to that many batches run at
 --                    once, over documents and ids none of the others
---                    holds (new's comment says how).
+--                    holds (mongotx.group.queue's new says how).
 --                    How to wait, wake and start a driver is injected:
 --                    ngx.semaphore and ngx.timer in mongotx.resty, or a
 --                    coroutine scheduler's (spec/43-group_spec.lua).
