@@ -61,6 +61,15 @@ local _M = {}
 _M.new, _M.AGAIN, _M.START = queue.new, queue.AGAIN, queue.START
 local AGAIN = _M.AGAIN
 
+-- A document's key: its collection and its _id's key (1, 1.0 and
+-- Int64(1) alike), or nil for an _id that has none.  Shared by the keys
+-- that keep batches apart and by admit, which keeps calls of one batch
+-- apart.
+local function doc_key(collection, id)
+  local k = id_key(id)
+  return k and collection .. "\0" .. k
+end
+
 -- What a call touches, as Group:call's keys: "d", collection and _id per
 -- document, "t" and the id when the caller names its transaction.  Nil
 -- (it may touch anything) for a commit, whose documents are stored, and
@@ -76,9 +85,9 @@ local function call_keys(method, a1, a2, a3, _, a5)
   end
   local keys = {}
   for i, op in ipairs(docs) do
-    local k = id_key(op.id)
-    if type(op.collection) ~= "string" or k == nil then return nil end
-    keys[i] = "d\0" .. op.collection .. "\0" .. k
+    local k = type(op.collection) == "string" and doc_key(op.collection, op.id)
+    if not k then return nil end
+    keys[i] = "d\0" .. k
   end
   if #keys == 0 then return nil end
   if id ~= nil then keys[#keys + 1] = "t\0" .. tid_key(id) end
@@ -123,7 +132,7 @@ local function admit(spec, ops, ids)
   if id and ids[id] then return false end
   local keys = {}
   for i, op in ipairs(spec.ops) do
-    local k = op.collection .. "\0" .. (id_key(op.id) or tostring(op.id))
+    local k = doc_key(op.collection, op.id) or op.collection .. "\0" .. tostring(op.id)
     keys[i] = k
     if op.where ~= nil and (ops[k] == "any" or (ops[k] and not is_floor(op.where))) then
       return false
