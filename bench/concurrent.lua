@@ -1,7 +1,9 @@
 -- bench/concurrent.lua: the multi-process mode.  ctx.procs processes
 -- (bench/worker.lua) share ctx.n tm:transfer calls among ctx.accounts
 -- accounts: 10 accounts is the hot case (every process fights over the
--- same documents), 10 000 the cold one.  Throughput is the completed
+-- same documents), 10 000 the cold one.  With ctx.min every transfer
+-- has that floor guard (the hot-account rows: 3 accounts against 1 000),
+-- and the sample counts the calls answered `busy`.  Throughput is the completed
 -- transfers over the span from the first process's start to the last
 -- one's end; CPU, round trips and writes are the processes' sums.
 
@@ -35,7 +37,7 @@ function _M.run(ctx)
     -- MONGOC_DISABLE_SHM: libmongoc's shared-memory statistics, which
     -- warn when several processes start at once; nothing here reads them
     local cmd = table.concat({ "MONGOC_DISABLE_SHM=1", helpers.lua(), "bench/worker.lua", server.quote(ctx.uri),
-      db.name, ctx.accounts, each, math.random(1, 1e9) + p, go }, " ")
+      db.name, ctx.accounts, each, math.random(1, 1e9) + p, go, ctx.min }, " ")
     pipes[p] = assert(io.popen(cmd, "r"))
   end
   for p = 1, ctx.procs do
@@ -43,7 +45,7 @@ function _M.run(ctx)
   end
   local server0 = servercpu.read()
   assert(io.open(go, "w")):close()
-  local sample = { n = each * ctx.procs, ok = 0, failed = 0, cpu_s = 0, commands = 0,
+  local sample = { n = each * ctx.procs, ok = 0, failed = 0, busy = 0, cpu_s = 0, commands = 0,
                    writes = 0, lat = {} }
   local first, last, moved = math.huge, -math.huge, {}
   for p = 1, ctx.procs do
@@ -54,6 +56,7 @@ function _M.run(ctx)
     sample.ok, sample.failed = sample.ok + r.counts[1], sample.failed + r.counts[2]
     sample.cpu_s = sample.cpu_s + r.counts[3]
     sample.commands, sample.writes = sample.commands + r.counts[4], sample.writes + r.counts[5]
+    sample.busy = sample.busy + r.counts[6]
     for _, v in ipairs(r.lat) do sample.lat[#sample.lat + 1] = v end
     for k = 1, #r.moved, 2 do
       moved[r.moved[k]] = (moved[r.moved[k]] or 0) + r.moved[k + 1]

@@ -13,9 +13,12 @@
 --
 --   luajit bench/openresty.lua [--seconds 4] [--accounts 100] [--threads 4]
 --                              [--runs 3] [--delay 0] [--inflight 1] [--loopback 1|0]
---                              [--metrics 3] [--workers 1|2] [--conns n]
+--                              [--metrics 3] [--workers 1|2] [--conns n] [--hot 3]
 --
--- --workers and --conns run one of those only.  A second table gives the
+-- --workers and --conns run one of those only.  Then hot accounts: the
+-- same load on --hot accounts (3; 0: none) and on 1 000, 2 workers, 16
+-- and 64 connections, both modes, runs interleaved: no 503 on the hot
+-- ones, at 0.8 x the requests/s of the 1 000 (issue 33).  A second table gives the
 -- CPU each request cost nginx, the server, wrk and toxiproxy: on 2 cores
 -- shared by all four, their sum bounds the requests/s of either mode.
 --
@@ -36,7 +39,7 @@ local latency = require "bench.latency"
 local cpu = require "bench.servercpu"
 
 local opts = { seconds = 4, accounts = 100, threads = 4, runs = 3, delay = 0, inflight = 1, loopback = 0, metrics = 3,
-               workers = 0, conns = 0 }
+               workers = 0, conns = 0, hot = 3 }
 do
   local i = 1
   while arg[i] do
@@ -44,7 +47,7 @@ do
     if not name or opts[name] == nil or not tonumber(arg[i + 1]) then
       io.stderr:write("usage: bench/openresty.lua [--seconds n] [--accounts n] [--threads n] " ..
                       "[--runs n] [--delay s] [--inflight n] [--loopback 1] [--metrics rounds] [--workers n] " ..
-                      "[--conns n]\n")
+                      "[--conns n] [--hot n]\n")
       os.exit(2)
     end
     opts[name] = tonumber(arg[i + 1])
@@ -64,13 +67,16 @@ local capture = server.capture
 local srv = assert(server.start { kind = "memory" })
 local client = assert(core.connect(srv.uri))
 
--- A fresh database of opts.accounts accounts a1..aN.
+-- The accounts of the runs: opts.accounts, but for the hot-account runs.
+local accounts = opts.accounts
+
+-- A fresh database of `accounts` accounts a1..aN.
 local made = 0
 local function fresh()
   made = made + 1
   local name = string.format("bench_openresty_%d_%d", os.time() % 100000, made)
   local docs = {}
-  for i = 1, opts.accounts do
+  for i = 1, accounts do
     docs[i] = { _id = "a" .. i, balance = BALANCE, pendingTransactions = core.array() }
   end
   assert(client:collection(name, "accounts"):insert_many(docs))
@@ -80,20 +86,20 @@ end
 -- Waits for the transactions to settle, then checks the database; returns
 -- ok, a short description.
 local function check(name)
-  local accounts = client:collection(name, "accounts")
+  local coll = client:collection(name, "accounts")
   local txs = client:collection(name, "transactions")
   local open, marked
   for _ = 1, 300 do
     open = assert(txs:count({ state = { ["$nin"] = { "done", "cancelled" } } }))
-    marked = assert(accounts:count({ ["pendingTransactions.0"] = { ["$exists"] = true } }))
+    marked = assert(coll:count({ ["pendingTransactions.0"] = { ["$exists"] = true } }))
     if open == 0 and marked == 0 then break end
     core.sleep(0.1)
   end
   local sum = 0
-  for _, d in ipairs(assert(accounts:find_all({}))) do sum = sum + d.balance end
-  local ok = open == 0 and marked == 0 and sum == BALANCE * opts.accounts
+  for _, d in ipairs(assert(coll:find_all({}))) do sum = sum + d.balance end
+  local ok = open == 0 and marked == 0 and sum == BALANCE * accounts
   return ok, string.format("%d open, %d marked, sum %s", open, marked,
-    sum == BALANCE * opts.accounts and "unchanged" or "CHANGED")
+    sum == BALANCE * accounts and "unchanged" or "CHANGED")
 end
 
 -- wrk's output, with its CPU seconds as wrk_cpu=<s> (/usr/bin/time).
@@ -101,7 +107,7 @@ local function wrk(n, conns, seconds)
   return capture(string.format(
     "BENCH_ACCOUNTS=%d BENCH_PATH=/transfer /usr/bin/time -f 'wrk_cpu=%%U+%%S' " ..
     "wrk -t %d -c %d -d %ds -s bench/openresty-wrk.lua %s 2>&1",
-    opts.accounts, math.min(conns, 2), conns, seconds, n:url("/")))
+    accounts, math.min(conns, 2), conns, seconds, n:url("/")))
 end
 
 -- CPU seconds so far of each process of the stack but wrk: nginx's
@@ -245,6 +251,41 @@ local targets = {}
 local function target(ok, what)
   targets[#targets + 1] = (ok and "- met: " or "- NOT met: ") .. what
 end
+
+-- Hot accounts (issue 33): every transfer is guarded (min = 0), so on 3
+-- accounts every debit meets credits in flight to its account.
+local hot_rows = {}
+local COLD = 1000
+if opts.hot > 0 then
+  for _, conns in ipairs { 16, 64 } do
+    for _, mode in ipairs { "ungrouped", "grouped" } do
+      local res = { [opts.hot] = {}, [COLD] = {} }
+      for i = 1, opts.runs do
+        for _, n in ipairs { opts.hot, COLD } do
+          accounts = n
+          local x = run(srv.uri, 2, mode, conns)
+          res[n][i] = x
+          io.stderr:write(string.format("hot: %d accounts, 2 workers, %d conns, %s, run %d: %.0f req/s, " ..
+            "%d non-2xx, %s\n", n, conns, mode, i, x.rps, x.non2xx, x.what))
+        end
+      end
+      accounts = opts.accounts
+      local hot, cold = median(res[opts.hot], "rps"), median(res[COLD], "rps")
+      local non2xx, ok = 0, true
+      for _, n in ipairs { opts.hot, COLD } do
+        for _, x in ipairs(res[n]) do
+          if n == opts.hot then non2xx = non2xx + x.non2xx end
+          ok = ok and x.ok
+        end
+      end
+      hot_rows[#hot_rows + 1] = string.format("| %d | %s | %.0f | %.0f | %.2f | %d | %s |", conns, mode,
+        hot, cold, hot / math.max(cold, 1), non2xx, ok and "ok" or "FAILED")
+      target(hot >= 0.8 * cold and non2xx == 0, string.format("%d hot accounts, 2 workers, %d " ..
+        "connections, %s: %.2fx the requests/s of %d accounts (0.8x wanted), %d non-2xx in %d runs",
+        opts.hot, conns, mode, hot / math.max(cold, 1), COLD, non2xx, opts.runs))
+    end
+  end
+end
 for _, c in ipairs(cells) do
   local u, g, where = c.ungrouped, c.grouped, string.format("%s, %d worker(s), %d connection(s)",
     c.level.label, c.workers, c.conns)
@@ -317,8 +358,18 @@ for _, c in ipairs(cells) do
       c.workers, c.conns, mode, x.nginx, x.server, x.wrk, x.proxy, total, CORES * 1e6 / math.max(total, 1)))
   end
 end
+if #hot_rows > 0 then
+  print()
+  print(string.format("Hot accounts: requests/s (medians of %d runs of %d s, loopback, 2 workers), " ..
+    "every transfer guarded, on %d accounts and on %d:", opts.runs, opts.seconds, opts.hot, COLD))
+  print()
+  print(string.format("| connections | mode | %d accounts req/s | %d accounts req/s | ratio " ..
+    "| non-2xx on %d (all runs) | database after every run |", opts.hot, COLD, opts.hot))
+  print("| --- | --- | --- | --- | --- | --- | --- |")
+  for _, row in ipairs(hot_rows) do print(row) end
+end
 print()
-print("Targets (issue 22):")
+print("Targets (issues 22 and 33):")
 for _, t in ipairs(targets) do print(t) end
 if opts.metrics > 0 then failed = failed + require("bench.openresty-metrics")(opts, {
   srv = srv, fresh = fresh, check = check, measure = measure, CPU = CPU }) end

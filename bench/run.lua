@@ -90,6 +90,12 @@ for _, accounts in ipairs { 10, 10000 } do
                         procs = procs, accounts = accounts, n = 800, runs = 3 }
   end
 end
+-- hot accounts (issue 33): 4 processes, every transfer guarded (min = 0),
+-- on 3 accounts against the same load on 1 000
+for _, accounts in ipairs { 3, 1000 } do
+  plan[#plan + 1] = { key = ("procs4_guarded_%d"):format(accounts), mode = concurrent,
+                      procs = 4, accounts = accounts, min = 0, n = 1600, runs = 3 }
+end
 -- recovery of each kind, batched and one at a time (batch 1), with
 -- their latency rows: what batching recovery is for
 for _, kind in ipairs { "initial", "pending", "applied", "canceling" } do
@@ -135,7 +141,7 @@ print(("bench: %s cores (%s), load %s, %s, server %s"):format(machine.cpus, mach
 -- Runs plan entry e (n transfers a run) against the server of uri.
 local function run_row(e, n, runs, row_uri)
   local ctx = { uri = row_uri, n = n, accounts = e.accounts or opts.accounts or 10000, batch = e.batch or 1,
-                procs = e.procs }
+                procs = e.procs, min = e.min }
   io.write(("bench: %-24s %6d transfers x %d runs ..."):format(e.key, n, runs))
   io.flush()
   local t0 = os.time()
@@ -173,7 +179,7 @@ end
 local WARM_SECONDS = 15
 local function warm_up(e, n)
   local ctx = { uri = uri, n = math.max(math.floor(n / 5), min_n(e)), accounts = e.accounts
-                or opts.accounts or 10000, batch = e.batch or 1, procs = e.procs }
+                or opts.accounts or 10000, batch = e.batch or 1, procs = e.procs, min = e.min }
   pcall(e.mode.run, ctx) -- a failure shows in the timed runs
 end
 
@@ -261,7 +267,8 @@ local function label(e)
   if e.batch and e.batch > 1 or e.key:match("^commit_many") or e.key:match("^recover_") then
     s = s .. " (batch " .. e.batch .. ")"
   end
-  if e.procs then s = ("%s %d on %d accounts"):format(s, e.procs, e.accounts)
+  if e.procs then
+    s = ("%s %d on %d accounts"):format(s, e.procs, e.accounts) .. (e.min and ", min = " .. e.min or "")
   elseif e.accounts then s = ("%s on %d accounts"):format(s, e.accounts) end
   if e.level then s = ("%s, +%s"):format(s, e.level.label) end
   return s
@@ -329,6 +336,14 @@ local function target_lines()
     cm_tps and raw and ("%s / (%s × 2/7 = %s) = %s"):format(fmt(cm_tps), fmt(raw.tps),
       fmt(raw.tps * BOUND), fmt(cm_tps / (raw.tps * BOUND), 2)) or missing)
   ratio("ledger", "transfer", 2) -- issue 12: one inserted entry against 2PC
+  -- hot accounts (issue 33): guarded transfers on 3 accounts at ≥ 0.8 x
+  -- their rate on 1 000, none answered busy
+  ratio("procs4_guarded_3", "procs4_guarded_1000", 0.8)
+  local hot = at("procs4_guarded_3")
+  out[#out + 1] = ("- guarded transfers on 3 hot accounts answer no `busy`: **%s** (%s)"):format(
+    not hot and "not measured" or hot.busy_max == 0 and "met" or "missed",
+    hot and ("%d runs: at most %s busy; failed, median: %s of %d"):format(hot.runs,
+      fmt(hot.busy_max), fmt(hot.failed), hot.n) or "not run")
   local best, parts = nil, {}
   for _, key in ipairs { "transfer", "transfer_deferred", "begin_commit" } do
     local r = by_key[key]

@@ -58,6 +58,7 @@ function _M.figures(s)
     cpu_us = s.cpu_s * 1e6 / s.n,
     server_us = s.server_s and s.server_s * 1e6 / s.n,
     failed = s.failed or 0,
+    busy = s.busy,
     call_commands = s.call_commands and s.call_commands / s.n,
     typical_call_commands = s.typical_call_commands,
   }
@@ -69,11 +70,12 @@ function _M.summarise(samples)
   for i, s in ipairs(samples) do per[i] = _M.figures(s) end
   local out = { runs = #samples, n = samples[1].n }
   for _, key in ipairs { "tps", "p50", "p99", "commands", "writes", "cpu_us", "server_us", "failed",
-                         "call_commands", "typical_call_commands" } do
+                         "busy", "call_commands", "typical_call_commands" } do
     local list = {}
     for i, f in ipairs(per) do list[i] = f[key] end -- nil when a mode has no such figure
     out[key] = _M.median(list)
     if key == "tps" then out.tps_min, out.tps_max = min_max(list) end
+    if key == "busy" and #list > 0 then out.busy_max = select(2, min_max(list)) end
   end
   return out
 end

@@ -1,13 +1,14 @@
 -- bench/worker.lua: one process of the concurrent mode (started by
 -- bench/concurrent.lua, not by hand).
 --
---   lua bench/worker.lua <uri> <db> <accounts> <n> <seed> <go-file>
+--   lua bench/worker.lua <uri> <db> <accounts> <n> <seed> <go-file> [<min>]
 --
 -- Connects, prints "ready", waits for <go-file> so that every process
--- starts at once, makes n tm:transfer calls between random accounts and
--- prints its measurements, one "key value..." line each:
+-- starts at once, makes n tm:transfer calls between random accounts (with
+-- the floor guard `min` when given) and prints its measurements, one
+-- "key value..." line each:
 --   span <start ms> <end ms>        (CLOCK_MONOTONIC, shared by processes)
---   counts <ok> <failed> <cpu s> <commands> <writes>
+--   counts <ok> <failed> <cpu s> <commands> <writes> <busy>
 --   lat <ms> <ms> ...               per transfer
 --   moved <account> <delta> ...     balance changes of completed transfers
 
@@ -19,8 +20,8 @@ local mongotx = require "mongotx"
 local helpers = require "spec.helpers"
 local bank = require "bench.bank"
 
-local uri, dbname, accounts, n, seed, go =
-  arg[1], arg[2], tonumber(arg[3]), tonumber(arg[4]), tonumber(arg[5]), arg[6]
+local uri, dbname, accounts, n, seed, go, min =
+  arg[1], arg[2], tonumber(arg[3]), tonumber(arg[4]), tonumber(arg[5]), arg[6], tonumber(arg[7])
 local now = mongotx.core.monotonic_ms
 
 math.randomseed(seed)
@@ -31,24 +32,27 @@ print("ready")
 io.stdout:flush()
 assert(helpers.wait_file(go, 60), "no go file")
 
-local lat, moved, ok = {}, {}, 0
+local lat, moved, ok, busy = {}, {}, 0, 0
+local guard = min and { min = min }
 db.client:reset_counters()
 local cpu0, t0 = os.clock(), now()
 for i = 1, n do
   local t = now()
-  local res = tm:transfer(bank.COLLECTION, from[i], to[i], 1)
+  local res, err = tm:transfer(bank.COLLECTION, from[i], to[i], 1, guard)
   lat[i] = string.format("%.3f", now() - t)
   if res then
     ok = ok + 1
     moved[from[i]] = (moved[from[i]] or 0) - 1
     moved[to[i]] = (moved[to[i]] or 0) + 1
+  elseif err.code == "busy" then
+    busy = busy + 1
   end
 end
 local t1, cpu = now(), os.clock() - cpu0
 local c = db.client:counters()
 
 print(string.format("span %.3f %.3f", t0, t1))
-print(string.format("counts %d %d %.6f %d %d", ok, n - ok, cpu, c.commands, c.writes))
+print(string.format("counts %d %d %.6f %d %d %d", ok, n - ok, cpu, c.commands, c.writes, busy))
 print("lat " .. table.concat(lat, " "))
 local m = {}
 for account, delta in pairs(moved) do m[#m + 1] = account .. " " .. delta end

@@ -378,6 +378,17 @@ l_check_update(lua_State *L)
 	return verdict(L, check_update(L, 1, 2, what));
 }
 
+/* core.escrowable(u) -> whether the update u (a table) may be escrowed:
+ * what an op stored with effect "escrow" must hold (validate.malformed). */
+static int
+l_escrowable(lua_State *L)
+{
+	luaL_checktype(L, 1, LUA_TTABLE);
+	lua_settop(L, 1);
+	lua_pushboolean(L, inc_escrow(L, 1));
+	return 1;
+}
+
 /* core.check_value(snapshot) -> nil | message: what is wrong with a
  * caller's value (snapshotted) to be stored in a document: a `$` key or a
  * dotted key (servers read both as operators or paths), an empty key
@@ -436,6 +447,7 @@ mtx_open_checks(lua_State *L)
 		{"check_ops", l_check_ops},
 		{"check_update", l_check_update},
 		{"check_value", l_check_value},
+		{"escrowable", l_escrowable},
 		{"operator_key", l_operator_key},
 		{"touched", l_touched},
 		{NULL, NULL},

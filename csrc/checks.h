@@ -41,6 +41,7 @@ MTX_HIDDEN int check_path(lua_State *L, int owned, const char *what, const char 
 MTX_HIDDEN int find_unstorable(lua_State *L, int u, const char *what);
 MTX_HIDDEN int check_update(lua_State *L, int u, int owned, const char *what);
 MTX_HIDDEN int inc_sign(lua_State *L, int u);
+MTX_HIDDEN int inc_escrow(lua_State *L, int u);
 MTX_HIDDEN int push_inverse_inc(lua_State *L, int u);
 
 /* ---- the op walk (checks_ops.c) ---- */

@@ -29,6 +29,7 @@ typedef struct {
 	int collection, id, key;
 	int value[N_FIELDS], bytes[N_FIELDS];
 	int kind, out, doc, effect, floor;
+	int escrow; /* the manager's escrow option: credits may be escrowed */
 	lua_Integer name_max;
 } op_slots;
 
@@ -250,8 +251,16 @@ check_update_op(lua_State *L, const op_slots *s)
 	 * positive ones) lowers what a guard reads (csrc/txn.h, "Guards");
 	 * a derived undo negates the update's numbers, none 0 there */
 	if (inc_sign(L, s->value[F_UPDATE]) == -1 &&
-	    (derived || inc_sign(L, s->value[F_UNDO]) == 1)) {
+	    (derived || inc_sign(L, s->value[F_UNDO]) == 1))
 		lua_pushliteral(L, "lowers");
+	/* a credit (some $inc positive) waits in the escrow subdocument
+	 * until its finish; its undo must be the derived inverse, whose
+	 * negative numbers then take it back from there */
+	else if (s->escrow && derived && inc_escrow(L, s->value[F_UPDATE]))
+		lua_pushliteral(L, "escrow");
+	else
+		lua_pushnil(L);
+	if (!lua_isnil(L, -1)) {
 		lua_pushvalue(L, -1);
 		lua_replace(L, s->effect);
 		lua_setfield(L, s->out, "effect");
@@ -485,13 +494,15 @@ append_stored(lua_State *L, const op_slots *s, bson_t *arr, lua_Integer i)
 	mtx_append_stored_op(L, parts, arr, (uint32_t)(i - 1));
 }
 
-/* core.check_ops(ops, txcoll, owned, built, where_check, name_max) -> out,
+/* core.check_ops(ops, txcoll, owned, built, where_check, name_max, escrow)
+ * -> out,
  * stored, size | nil, message, i | nil, err.  ops: the caller's list (a
  * table), read raw; txcoll: the transactions collection's name; owned: the
  * fields mongotx keeps on documents ({ "_id", marker, version }); built:
  * the ops are mongotx's own, made from checked scalars (nothing to
  * snapshot); where_check: see check_where; name_max: the most bytes a
- * collection name may have (nil: no limit).  out[i]: op i's normal form;
+ * collection name may have (nil: no limit); escrow: credits are escrowed
+ * (csrc/txn.h, "Guards").  out[i]: op i's normal form;
  * stored: the ops as the transaction stores them (what core.stored_ops
  * makes of out, built here from the snapshots' bytes) and its size.  A
  * bad op gives its message and index (none for a fault of the whole
@@ -504,10 +515,11 @@ l_check_ops(lua_State *L)
 	int f, outs, seen, held, base, r, too_big = 0;
 	bson_t *arr;
 
-	lua_settop(L, 6);
+	lua_settop(L, 7);
 	luaL_checktype(L, 1, LUA_TTABLE);
 	luaL_checktype(L, 3, LUA_TTABLE);
 	s.name_max = luaL_optinteger(L, 6, -1);
+	s.escrow = lua_toboolean(L, 7);
 	/* A C function may push LUA_MINSTACK (20) values unasked; the list,
 	 * the scratch and the slots below take 21, and check_op pushes up to
 	 * ~35 more (a quick snapshot 3 a level, 8 levels) before anything

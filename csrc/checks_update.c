@@ -412,6 +412,44 @@ none:
 	return 0;
 }
 
+/* May the update at u be escrowed (csrc/txn.h, "Guards")?  Only when it
+ * is made of $inc of Lua numbers, none 0, at least one positive, and no
+ * positive path has a `$` part: the escrow subdocument holds no array for
+ * an all-positional `$[]` to name. */
+int
+inc_escrow(lua_State *L, int u)
+{
+	int credit = 0, top = lua_gettop(L);
+	lua_Number x;
+
+	if (inc_sign(L, u) == -1) /* a debit: nothing to escrow */
+		return 0;
+	lua_pushnil(L);
+	while (lua_next(L, u)) {
+		if (lua_type(L, -2) != LUA_TSTRING || strcmp(lua_tostring(L, -2), "$inc") != 0 ||
+		    lua_type(L, -1) != LUA_TTABLE)
+			goto none;
+		lua_pushnil(L);
+		while (lua_next(L, -2)) {
+			if (lua_type(L, -1) != LUA_TNUMBER || (x = lua_tonumber(L, -1)) == 0 ||
+			    lua_type(L, -2) != LUA_TSTRING)
+				goto none;
+			if (x > 0) {
+				if (strchr(lua_tostring(L, -2), '$'))
+					goto none;
+				credit = 1;
+			}
+			lua_pop(L, 1);
+		}
+		lua_pop(L, 1);
+	}
+	lua_settop(L, top);
+	return credit;
+none:
+	lua_settop(L, top);
+	return 0;
+}
+
 /* Pushes the automatic undo of the checked update at u when it is made
  * only of $inc of Lua numbers (the same $inc negated), as a table and as
  * its BSON, and returns 1; else 0 (nothing pushed). */

@@ -201,12 +201,46 @@ item_tid(lua_State *L, int item, int i, bson_t *holder)
 	lua_pop(L, 1);
 }
 
+/* The sign of the number at it (int32, int64 or double): 1, -1 or 0.
+ * An escrowed op's $inc holds only those (checks_update.c, inc_escrow). */
+static int
+number_sign(const bson_iter_t *it)
+{
+	switch (bson_iter_type(it)) {
+	case BSON_TYPE_INT32:
+		return (bson_iter_int32(it) > 0) - (bson_iter_int32(it) < 0);
+	case BSON_TYPE_INT64:
+		return (bson_iter_int64(it) > 0) - (bson_iter_int64(it) < 0);
+	case BSON_TYPE_DOUBLE:
+		return (bson_iter_double(it) > 0) - (bson_iter_double(it) < 0);
+	default:
+		return 0;
+	}
+}
+
+/* The $inc element at it into sub, as `pending`.<its path> when its sign
+ * is `escrow` (1: the apply's credits; -1: the undo's, which take them
+ * back), else as it is. */
+static void
+append_inc(lua_State *L, bson_t *sub, const bson_iter_t *it, const fields *f, int escrow)
+{
+	if (escrow && number_sign(it) == escrow) {
+		lua_pushfstring(L, "%s.%s", f->pending, bson_iter_key(it));
+		bson_append_iter(sub, lua_tostring(L, -1), -1, it);
+		lua_pop(L, 1);
+	} else {
+		bson_append_iter(sub, NULL, 0, it);
+	}
+}
+
 /* Copies the operators of update (may be NULL) into out, adding the
  * marker change (`$push` or `$pull` of the transaction id, or none; and
- * the same of `held` when `held`) and `$inc` of the version field. */
+ * the same of `held` when `held`) and `$inc` of the version field.  With
+ * `escrow` (1 or -1, see append_inc) the $inc paths of that sign go to
+ * the escrow subdocument instead (an escrowed op's apply and undo). */
 void
-merge_update(bson_t *out, const bson_t *update, const fields *f,
-	     const char *marker_op, const bson_t *tid_holder, int held)
+merge_update(lua_State *L, bson_t *out, const bson_t *update, const fields *f,
+	     const char *marker_op, const bson_t *tid_holder, int held, int escrow)
 {
 	bson_iter_t it, inner, tid;
 	bson_t sub;
@@ -226,7 +260,7 @@ merge_update(bson_t *out, const bson_t *update, const fields *f,
 			bson_append_document_begin(out, op, -1, &sub);
 			if (bson_iter_recurse(&it, &inner))
 				while (bson_iter_next(&inner))
-					bson_append_iter(&sub, NULL, 0, &inner);
+					append_inc(L, &sub, &inner, f, is_inc ? escrow : 0);
 			if (is_inc) {
 				BSON_APPEND_INT32(&sub, f->version, 1);
 				saw_inc = 1;
@@ -252,6 +286,38 @@ merge_update(bson_t *out, const bson_t *update, const fields *f,
 			bson_append_iter(&sub, f->held, -1, &tid);
 		bson_append_document_end(out, &sub);
 	}
+}
+
+/* The finish of an escrowed op moves its credits from the escrow
+ * subdocument into their fields: into out (empty), {$inc: {path: n,
+ * "<pending>.path": -n}} for each positive n of update's $inc. */
+void
+append_settle(lua_State *L, bson_t *out, const bson_t *update, const fields *f)
+{
+	bson_iter_t it, inner;
+	bson_t sub;
+
+	bson_append_document_begin(out, "$inc", 4, &sub);
+	if (bson_iter_init_find(&it, update, "$inc") && bson_iter_recurse(&it, &inner)) {
+		while (bson_iter_next(&inner)) {
+			if (number_sign(&inner) != 1)
+				continue;
+			bson_append_iter(&sub, NULL, 0, &inner);
+			lua_pushfstring(L, "%s.%s", f->pending, bson_iter_key(&inner));
+			switch (bson_iter_type(&inner)) {
+			case BSON_TYPE_INT32:
+				BSON_APPEND_INT32(&sub, lua_tostring(L, -1), -bson_iter_int32(&inner));
+				break;
+			case BSON_TYPE_INT64:
+				BSON_APPEND_INT64(&sub, lua_tostring(L, -1), -bson_iter_int64(&inner));
+				break;
+			default:
+				BSON_APPEND_DOUBLE(&sub, lua_tostring(L, -1), -bson_iter_double(&inner));
+			}
+			lua_pop(L, 1);
+		}
+	}
+	bson_append_document_end(out, &sub);
 }
 
 mongoc_collection_t *
@@ -414,6 +480,7 @@ l_steps_gc(lua_State *L)
 	bson_free((char *)s->f.removing);
 	bson_free((char *)s->f.held);
 	bson_free((char *)s->f.placeholder);
+	bson_free((char *)s->f.pending);
 	if (s->wopts)
 		bson_destroy(s->wopts);
 	if (s->bopts)
@@ -426,15 +493,15 @@ l_steps_gc(lua_State *L)
 	return 0;
 }
 
-/* core.steps{ marker, version, removing, held, placeholder [,
+/* core.steps{ marker, version, removing, held, placeholder, pending [,
  * write_concern] } -> a Steps object: the protocol's steps with those
  * names and that write concern bound. */
 static int
 l_new_steps(lua_State *L)
 {
 	static const char *const names[] = {"marker", "version", "removing", "held",
-		"placeholder", "write_concern", NULL};
-	const char *field[5];
+		"placeholder", "pending", "write_concern", NULL};
+	const char *field[6];
 	size_t len;
 	mtx_steps *s;
 	bson_t *opts;
@@ -442,7 +509,7 @@ l_new_steps(lua_State *L)
 
 	luaL_checktype(L, 1, LUA_TTABLE);
 	mtx_check_options(L, 1, names);
-	for (i = 0; i < 5; i++) {
+	for (i = 0; i < 6; i++) {
 		lua_getfield(L, 1, names[i]);
 		field[i] = luaL_checklstring(L, -1, &len); /* kept alive by the table */
 		/* "Built here": these names go out unvalidated */
@@ -463,6 +530,7 @@ l_new_steps(lua_State *L)
 	s->f.removing = bson_strdup(field[2]);
 	s->f.held = bson_strdup(field[3]);
 	s->f.placeholder = bson_strdup(field[4]);
+	s->f.pending = bson_strdup(field[5]);
 	s->wopts = bson_copy(opts);
 	s->checked_wopts = bson_copy(opts);
 	BSON_APPEND_BOOL(s->checked_wopts, "validate", false);

@@ -16,13 +16,15 @@
  * so that no other transaction applies to a document on its way out (two
  * removes of one document must not both succeed); the array of the
  * open transactions whose effect on the document may have raised a value
- * (see "Guards" below); and the field of a fence's placeholder. */
+ * (see "Guards" below); the field of a fence's placeholder; and the
+ * subdocument an escrowed credit waits in until its finish ("Guards"). */
 typedef struct {
 	const char *marker;
 	const char *version;
 	const char *removing;
 	const char *held;
 	const char *placeholder;
+	const char *pending;
 } fields;
 
 /* Guards.  A guard (an op's where) must never pass on an effect that may
@@ -32,16 +34,24 @@ typedef struct {
  * - a debit (an update that only lowers numbers with $inc, undone by an
  *   $inc back; op.effect "lowers") leaves only its marker: undoing it can
  *   only raise the value;
- * - any other effect (a credit, a $set, an insert, ...) also records the
- *   transaction in the `held` array until it is finished or undone.
+ * - an escrowed credit (an update of $inc only with a positive number,
+ *   its undo derived; op.effect "escrow", escrow on) lowers its negative
+ *   paths in place and adds its positive ones to the same paths under
+ *   `pending` ({$inc: {"txPending.balance": 30}}); the finish moves them
+ *   into the fields in the update that pulls the marker, the undo takes
+ *   them back out of `pending`: no value a guard reads is ever raised by
+ *   an effect that may be undone, and nobody waits (O'Neil's escrow);
+ * - any other effect (a credit with escrow off, a $set, an insert, ...)
+ *   also records the transaction in the `held` array until it is
+ *   finished or undone.
  *
  * A floor guard (op.floor: only $gte/$gt of numbers) then applies only
  * where `held` is empty, since what is uncommitted there can only have
  * lowered values; any other guard only where no transaction holds the
- * document at all (its marker array is empty).  Effects take place at the
- * apply, as in the tutorial, so that a marker means "applied" to any
- * writer that follows the tutorial's recipe. */
-enum { E_RAISES, E_LOWERS };
+ * document at all (its marker array is empty).  Other effects take place
+ * at the apply, as in the tutorial, so that a marker means "applied" to
+ * any writer that follows the tutorial's recipe. */
+enum { E_RAISES, E_LOWERS, E_ESCROW };
 
 
 /* A manager's steps (core.steps{...}): the field names and the write
@@ -72,8 +82,11 @@ MTX_HIDDEN void append_unheld(lua_State *L, bson_t *filter, const char *array);
 MTX_HIDDEN void append_marker_eq(bson_t *filter, const fields *f, const bson_t *tid_holder);
 MTX_HIDDEN bson_t *check_tid(lua_State *L, int idx);
 MTX_HIDDEN void item_tid(lua_State *L, int item, int i, bson_t *holder);
-MTX_HIDDEN void merge_update(bson_t *out, const bson_t *update, const fields *f,
-	     const char *marker_op, const bson_t *tid_holder, int held);
+MTX_HIDDEN void merge_update(lua_State *L, bson_t *out, const bson_t *update,
+	     const fields *f, const char *marker_op, const bson_t *tid_holder, int held,
+	     int escrow);
+MTX_HIDDEN void append_settle(lua_State *L, bson_t *out, const bson_t *update,
+	     const fields *f);
 
 /* ---- writes: arguments, crash points, counters, results (txn.c) ---- */
 

@@ -35,7 +35,7 @@ op_kind(lua_State *L, int op)
 static int
 op_effect(lua_State *L, int op)
 {
-	static const char *const effects[] = {"raises", "lowers", NULL};
+	static const char *const effects[] = {"raises", "lowers", "escrow", NULL};
 
 	return op_option(L, op, "effect", "raises", effects);
 }
@@ -86,7 +86,7 @@ build_insert(lua_State *L, int op, const bson_t *tid, const fields *f)
  * stack), or from the op as the transaction stores it (op_parts_stored:
  * the BSON core.stored_ops made, read where it lies). */
 typedef struct {
-	int kind, floor, holds;
+	int kind, floor, holds, escrow;
 	int id_idx;		      /* stack index of the id, 0: id_it */
 	bson_iter_t id_it;
 	const bson_t *update, *where; /* NULL: none */
@@ -99,6 +99,7 @@ op_parts_flags(lua_State *L, int op, int kind, op_parts *p)
 	p->kind = kind;
 	p->floor = op_floor(L, op);
 	p->holds = op_holds(L, op, kind);
+	p->escrow = kind == K_UPDATE && op_effect(L, op) == E_ESCROW;
 	p->update = p->where = NULL;
 	p->id_idx = 0;
 }
@@ -169,9 +170,10 @@ op_parts_stored(lua_State *L, int op, int kind, const bson_value_t *ops, int i,
  * marker: {$ne: tid}} fenced by the version the owner read (stack index
  * `version`; nil means the document had none, false that the owner read
  * none) and, when `before` (deadline_condition) is given, by the server's
- * clock being before the deadline; update: op.update (update kind only) + $push marker +
- * $inc version (and the `held` array; see "Guards", like the condition a
- * guarded op adds). */
+ * clock being before the deadline; update: op.update (update kind only;
+ * an escrowed op's credits under `pending`) + $push marker + $inc version
+ * (and the `held` array; see "Guards", like the condition a guarded op
+ * adds). */
 static void
 build_apply(lua_State *L, const op_parts *p, const bson_t *tid, int version,
 	    const bson_t *before, const fields *f, bson_t *filter, bson_t *update)
@@ -189,7 +191,7 @@ build_apply(lua_State *L, const op_parts *p, const bson_t *tid, int version,
 		bson_append_null(filter, f->version, -1);
 	else if (!lua_isboolean(L, version))
 		mtx_append_value(L, version, filter, f->version);
-	merge_update(update, p->update, f, "$push", tid, p->holds);
+	merge_update(L, update, p->update, f, "$push", tid, p->holds, p->escrow);
 	if (p->kind == K_REMOVE)
 		append_removing(update, "$set", f, tid);
 }
@@ -370,8 +372,9 @@ op_step_args(lua_State *L, bson_t **tid, fields *f, bson_t **opts)
 enum { OP_UPDATE, OP_DELETE, OP_UPSERT };
 
 /* The finish of op: filter {_id, marker: tid}; update $pull marker (and
- * `held`) and $inc version (unused for a remove, which deletes the
- * document: OP_DELETE), else OP_UPDATE. */
+ * `held`), $inc version and, for an escrowed op, its credits moved from
+ * `pending` into their fields (append_settle), all in one write: OP_UPDATE
+ * (a remove deletes the document: OP_DELETE). */
 static int
 build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	     bson_t *filter, bson_t *update)
@@ -384,7 +387,17 @@ build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	append_marker_eq(filter, f, tid);
 	if (kind == K_REMOVE)
 		return OP_DELETE;
-	merge_update(update, NULL, f, "$pull", tid, op_holds(L, op, kind));
+	if (kind == K_UPDATE && op_effect(L, op) == E_ESCROW) {
+		int top = lua_gettop(L);
+		bson_t *settle = mtx_scratch(L);
+
+		lua_getfield(L, op, "update");
+		append_settle(L, settle, mtx_check_document(L, -1), f);
+		merge_update(L, update, settle, f, "$pull", tid, 0, 0);
+		lua_settop(L, top);
+		return OP_UPDATE;
+	}
+	merge_update(L, update, NULL, f, "$pull", tid, op_holds(L, op, kind), 0);
 	return OP_UPDATE;
 }
 
@@ -521,7 +534,8 @@ l_finish_many(lua_State *L)
 }
 
 /* The undo of op: filter {_id, marker: tid}; update op.undo (update
- * kind) + $pull marker (and `held`) + $inc version, and $unset of
+ * kind; an escrowed op's credits taken back from `pending`) + $pull
+ * marker (and `held`) + $inc version, and $unset of
  * `removing` for a remove: OP_UPDATE; an insert's undo deletes the
  * document: OP_DELETE. */
 static int
@@ -541,7 +555,8 @@ build_undo(lua_State *L, int op, const bson_t *tid, const fields *f,
 		lua_getfield(L, op, "undo");
 		undo = mtx_check_document(L, -1);
 	}
-	merge_update(update, undo, f, "$pull", tid, op_holds(L, op, kind));
+	merge_update(L, update, undo, f, "$pull", tid, op_holds(L, op, kind),
+		     kind == K_UPDATE && op_effect(L, op) == E_ESCROW ? -1 : 0);
 	if (kind == K_REMOVE)
 		append_removing(update, "$unset", f, tid);
 	lua_settop(L, top);
@@ -583,14 +598,14 @@ build_fence(lua_State *L, int op, const bson_t *tid, const fields *f,
 	lua_pop(L, 1);
 	append_marker_ne(filter, f, tid);
 	if (op_kind(L, op) != K_INSERT) {
-		merge_update(update, NULL, f, NULL, tid, 0);
+		merge_update(L, update, NULL, f, NULL, tid, 0, 0);
 		return OP_UPDATE;
 	}
 	bson_append_document_begin(update, "$setOnInsert", -1, &set);
 	bson_iter_init_find(&it, tid, "t");
 	bson_append_iter(&set, f->placeholder, -1, &it);
 	bson_append_document_end(update, &set);
-	merge_update(update, NULL, f, NULL, tid, 0);
+	merge_update(L, update, NULL, f, NULL, tid, 0, 0);
 	return OP_UPSERT;
 }
 

@@ -1,7 +1,9 @@
 -- The seed's tutorial (MongoDB "Perform Two Phase Commits"), walked one
 -- step at a time with tm:step, checking after every step what the
 -- accounts and the transactions collection hold, and repeating every step
--- to show repeating it changes nothing.
+-- to show repeating it changes nothing.  The manager applies credits in
+-- place, as the tutorial does (escrow = false); spec/29-escrow_spec.lua
+-- walks the same steps with the default escrow.
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
 
@@ -14,7 +16,7 @@ describe("#server tutorial", function()
 
   before_each(function()
     db = assert(mongotx.connect(helpers.uri(), { database = helpers.db_name() }))
-    tm = assert(db:manager{ application = "app-1" })
+    tm = assert(db:manager{ application = "app-1", escrow = false })
     accounts = db:collection("accounts")
     assert(accounts:insert_many{
       { _id = "A", balance = 1000, pendingTransactions = mongotx.array() },

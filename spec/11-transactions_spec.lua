@@ -439,8 +439,8 @@ describe("#server transactions", function()
       assert.are.equal(0, txs:count({}))
       local docs = helpers.dump(accounts)
       assert.are.same({ { _id = "A", balance = 999, pendingTransactions = {}, locks = {}, v = 2 },
-                        { _id = "B", balance = 1001, pendingTransactions = {}, locks = {}, txHeld = {},
-                          v = 2 } },
+                        { _id = "B", balance = 1001, pendingTransactions = {}, locks = {},
+                          txPending = { balance = 0 }, v = 2 } },
                       docs)
     end)
   end)

@@ -41,7 +41,10 @@ describe("#server rollback", function()
       assert(tm:step("apply", t, 1))
       assert(tm:step("apply", t, 2))
       assert.are.equal(900, assert(accounts:find_one({ _id = "A" })).balance)
-      assert.are.equal(1060, assert(accounts:find_one({ _id = "B" })).balance)
+      -- B's credit waits in txPending (docs/guards.md, Escrow)
+      local B = assert(accounts:find_one({ _id = "B" }))
+      assert.are.equal(1000, B.balance)
+      assert.are.same({ balance = 60 }, B.txPending)
       events = {}
       assert.is_true(tm:rollback(t, "user abort"))
       -- op 3 (never applied) first, then 2, then 1
@@ -50,6 +53,8 @@ describe("#server rollback", function()
       assert.are.equal("cancelled", T.state)
       assert.are.equal("user abort", T.reason)
       assert.are.same({ A = 1000, B = 1000, C = 1000 }, balances())
+      -- the undo took B's credit back out of txPending
+      assert.are.same({ balance = 0 }, assert(accounts:find_one({ _id = "B" })).txPending)
       -- the op never applied left no trace on its document
       assert.are.same({ _id = "C", balance = 1000, pendingTransactions = {} },
                       assert(accounts:find_one({ _id = "C" })))

@@ -175,10 +175,10 @@ describe("#server batched recovery", function()
     }))
     -- a guard that is false
     local guard = leave(tm, "initial", "a4", "b4", 5000)
-    -- a guard on a document another open transaction holds (its credit,
-    -- by a live owner whose lease has not expired): busy, retried, then
-    -- cancelled
-    local owner = assert(db:manager{ application = "owner", lease = 60 })
+    -- a guard on a document another open transaction holds (its credit
+    -- applied in place, escrow off, by a live owner whose lease has not
+    -- expired): busy, retried, then cancelled
+    local owner = assert(db:manager{ application = "owner", lease = 60, escrow = false })
     local holder = assert(owner:begin({
       { collection = "accounts", id = "held", update = { ["$inc"] = { balance = 50 } } },
     }))

@@ -107,7 +107,8 @@ describe("#server options", function()
 
     it("core.steps itself refuses a field name that is empty or not UTF-8", function()
       local core = require "mongotx.core"
-      local names = { marker = "m", version = "v", removing = "r", held = "h", placeholder = "p" }
+      local names = { marker = "m", version = "v", removing = "r", held = "h", placeholder = "p",
+                      pending = "e" }
       assert.is_not_nil(core.steps(names))
       for field in pairs(names) do
         for _, bad in ipairs { "", "\xff", "a\xe2\x82" } do
@@ -128,7 +129,7 @@ describe("#server options", function()
       assert.are.equal("done", t.state)
       assert.are.same({ { _id = "a", balance = 6, ["versión"] = 2, ["en_cours_é"] = {} },
                         { _id = "b", balance = 4, ["versión"] = 2, ["en_cours_é"] = {},
-                          txHeld = {} } }, helpers.dump(accounts))
+                          txPending = { balance = 0 } } }, helpers.dump(accounts))
       assert.are.equal("done", assert(tm:get(t._id)).state)
     end)
 

@@ -76,19 +76,29 @@ describe("#server guard isolation", function()
       return out
     end
 
-    it("a debit leaves its marker only, anything else is held too", function()
-      assert.are.same({ "lowers", "raises" }, effects { debit("A", 10), credit("B", 10) })
-      assert.are.same({ "raises", "raises", "raises" }, effects {
+    it("a debit leaves its marker only, a credit is escrowed, anything else is held", function()
+      assert.are.same({ "lowers", "escrow" }, effects { debit("A", 10), credit("B", 10) })
+      assert.are.same({ "raises", "escrow", "raises", "raises", "raises" }, effects {
         -- a debit whose undo is not an $inc back could lower the value when undone
         { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -1 } },
           undo = { ["$set"] = { balance = 0 } } },
+        -- a reservation: lowered in place, raised in escrow
         { collection = "accounts", id = "B", update = { ["$inc"] = { balance = 1, n = -1 } } },
         { collection = "accounts", id = "C", update = { ["$set"] = { balance = 5 } },
           undo = { ["$set"] = { balance = 0 } } },
+        -- a credit with an explicit undo, and one through $[] (no array
+        -- in txPending for it to name), are applied in place and held
+        { collection = "accounts", id = "D", update = { ["$inc"] = { balance = 1 } },
+          undo = { ["$inc"] = { balance = -1 } } },
+        { collection = "accounts", id = "E", update = { ["$inc"] = { ["lots.$[].n"] = 1 } } },
       })
+      local tm3 = assert(db:manager { application = "app-3", escrow = false })
+      local t = assert(tm3:begin { debit("A", 10), credit("B", 10) })
+      local stored = assert(db:collection("transactions"):find_one({ _id = t._id }))
+      assert.is_nil(stored.ops[2].effect) -- raises, as in the tutorial
     end)
 
-    it("effects show at the apply; a raising one holds its document until the finish", function()
+    it("a credit waits in txPending until its finish; a raising op holds its document", function()
       local t = assert(tm1:begin({ debit("A", 10), credit("B", 10),
         { collection = "accounts", id = "C", update = { ["$set"] = { flag = true } },
           undo = { ["$unset"] = { flag = true } } } }, { id = "t" }))
@@ -97,21 +107,42 @@ describe("#server guard isolation", function()
       end
       assert.are.equal(90, doc("A").balance) -- as in the tutorial
       assert.is_nil(doc("A").txHeld)         -- a debit: a floor guard may stack on it
-      assert.are.equal(10, doc("B").balance)
+      assert.are.equal(0, doc("B").balance)  -- not spendable before t commits
+      assert.are.same({ balance = 10 }, doc("B").txPending)
       assert.are.same({ "t" }, doc("B").pendingTransactions)
-      assert.are.same({ "t" }, doc("B").txHeld)
+      assert.is_nil(doc("B").txHeld)         -- escrowed: nobody waits for it
       assert.are.same({ "t" }, doc("C").txHeld)
       assert.is_true(doc("C").flag)
-      -- a floor guard on B waits for t (busy), a floor guard on A does not
+      -- a floor guard on B reads 0 at once (guard, not busy); one on A
+      -- stacks on t's debit
       local res, err = tm2:transfer("accounts", "B", "C", 5, { min = 0, id = "t2" })
       assert.is_nil(res)
-      assert.are.equal("busy", err.code)
+      assert.are.equal("guard", err.code)
       assert(tm2:transfer("accounts", "A", "C", 5, { min = 0, id = "t3" }))
       assert.are.equal(85, doc("A").balance)
       assert.are.equal("done", assert(tm1:commit(t)).state)
-      assert.are.same({}, doc("B").txHeld)
+      assert.are.same({ balance = 0 }, doc("B").txPending)
       assert.are.same({}, doc("C").txHeld)
       assert.are.same({ A = 85, B = 10, C = 5 }, balances())
+      -- now spendable
+      assert(tm2:transfer("accounts", "B", "C", 5, { min = 0, id = "t4" }))
+      assert.are.same({ A = 85, B = 5, C = 10 }, balances())
+    end)
+
+    it("with escrow off a credit shows at the apply and a floor guard on it waits", function()
+      local tm3 = assert(db:manager { application = "app-3", escrow = false })
+      local t = assert(tm3:begin({ debit("A", 10), credit("B", 10) }, { id = "t" }))
+      for _, s in ipairs { { "claim" }, { "apply", 1 }, { "apply", 2 } } do
+        assert(tm3:step(s[1], t, s[2]))
+      end
+      assert.are.equal(10, doc("B").balance)
+      assert.are.same({ "t" }, doc("B").txHeld)
+      local res, err = tm2:transfer("accounts", "B", "C", 5, { min = 0, id = "t2" })
+      assert.is_nil(res)
+      assert.are.equal("busy", err.code)
+      assert.are.equal("done", assert(tm3:commit(t)).state)
+      assert.are.same({}, doc("B").txHeld)
+      assert.are.same({ A = 90, B = 10, C = 0 }, balances())
     end)
   end)
 

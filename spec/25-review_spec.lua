@@ -81,8 +81,10 @@ describe("#server review", function()
   -- resumes, finds T applied and finishes it.  When credits were applied
   -- at the finish (96febb8, reverted in 47224e4), that finish applied the
   -- credit a second time.
+  -- Both run with escrow = false: a recipe writer that drives mongotx
+  -- transactions needs credits in place (docs/ownership.md, Other writers).
   it("a stalled owner does not credit twice after a recipe recovery", function()
-    local tm = assert(db:manager{ application = "owner", lease = 1 })
+    local tm = assert(db:manager{ application = "owner", lease = 1, escrow = false })
     local t = assert(tm:begin(transfer_ops(100)))
     assert(tm:step("claim", t))
     assert(tm:step("apply", t, 1)) -- the owner stalls before B's apply
@@ -98,7 +100,7 @@ describe("#server review", function()
   -- a credit's apply only reserved its document (96febb8, reverted in
   -- 47224e4), the credit was never applied: A lost 100, B got nothing.
   it("a reserved credit is not lost to a recipe recovery", function()
-    local tm = assert(db:manager{ application = "owner", lease = 1 })
+    local tm = assert(db:manager{ application = "owner", lease = 1, escrow = false })
     local t = assert(tm:begin(transfer_ops(100)))
     assert(tm:step("claim", t))
     assert(tm:step("apply", t, 1))

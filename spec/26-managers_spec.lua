@@ -130,9 +130,10 @@ describe("#server managers configured differently", function()
   end)
 
   -- A floor guard waits for (or finishes) the other collection's holder
-  -- of the same id, instead of taking it for its own marker.
+  -- of the same id, instead of taking it for its own marker (m1 applies
+  -- credits in place, so that its credit holds A: escrow = false).
   it("collections tx1 and tx2, one id: a guard of one meets a credit of the other", function()
-    local m1 = assert(db:manager { collection = "tx1", application = "m1" })
+    local m1 = assert(db:manager { collection = "tx1", application = "m1", escrow = false })
     local m2 = assert(db:manager { collection = "tx2", application = "m2", retries = 1,
                                    backoff = function() return 0 end })
     assert(accounts:update_one({ _id = "A" }, { ["$set"] = { balance = 0 } }))

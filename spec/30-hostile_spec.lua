@@ -1131,8 +1131,9 @@ end)
 
 -- mongotx's bookkeeping on the documents it touched: nothing else may
 -- differ once a transaction that could not apply is cancelled (txHeld is
--- left empty on a document an undone credit raised).
-local BOOKKEEPING = { "txVersion", "txHeld" }
+-- left empty on a document an undone credit raised, txPending at 0 where
+-- an undone escrowed credit waited).
+local BOOKKEEPING = { "txVersion", "txHeld", "txPending" }
 
 -- What the corpus refuses must not cost what is allowed: every allowed id
 -- type works, in whatever spelling the server takes as the same id;

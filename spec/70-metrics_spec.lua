@@ -125,10 +125,12 @@ describe("#server mongotx.metrics", function()
 
   it("counts busy waits as retries, then the cancel they end in", function()
     tm = manager { application = "a", retries = 2, sleep = function() end }
-    -- an open transaction holds B with a credit: a floor guard on B waits
+    -- an open transaction holds B with a credit applied in place (an
+    -- explicit undo: not escrowed): a floor guard on B waits
     local t = assert(tm:begin({
       { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -50 } } },
-      { collection = "accounts", id = "B", update = { ["$inc"] = { balance = 50 } } },
+      { collection = "accounts", id = "B", update = { ["$inc"] = { balance = 50 } },
+        undo = { ["$inc"] = { balance = -50 } } },
     }))
     assert(tm:step("claim", t))
     assert(tm:step("apply", t, 2))

@@ -36,6 +36,9 @@ M.MARKER, M.VERSION = "pendingTransactions", "txVersion"
 -- the ids of open transactions whose effect on a document may raise a
 -- value (README, Guards): bookkeeping like the marker, empty at the end
 M.HELD = "txHeld"
+-- the escrowed credits of open transactions (docs/guards.md, Escrow):
+-- every path there must end at 0, each credit moved in or taken back
+M.PENDING = "txPending"
 -- The other configuration the sections with mixed managers use (issue
 -- 27): another transactions collection (whose transactions are keyed
 -- "tx2:<id>" here, their ids may repeat those of `transactions`), and
@@ -106,12 +109,26 @@ local function replay(model, op, tid)
   end
 end
 
+-- The first path of an escrow subdocument whose amount is not 0, as
+-- "path = amount", or nil.
+local function escrowed(pending, prefix)
+  if type(pending) == "number" then
+    if pending ~= 0 then return ("%s = %s"):format(prefix, tostring(pending)) end
+    return nil
+  end
+  if type(pending) ~= "table" then return nil end
+  for k, v in pairs(pending) do
+    local stuck = escrowed(v, prefix == "" and tostring(k) or prefix .. "." .. tostring(k))
+    if stuck then return stuck end
+  end
+end
+
 -- The document as the model sees it: without marker, version and holders,
 -- and absent when it is an insert's placeholder (README, known limit 3).
 local function visible(doc)
   if doc.txPlaceholder ~= nil then return nil end
   local d = copy(doc)
-  d[M.MARKER], d[M.VERSION], d[M.HELD] = nil, nil, nil
+  d[M.MARKER], d[M.VERSION], d[M.HELD], d[M.PENDING] = nil, nil, nil, nil
   d[M.OTHER.marker], d[M.OTHER.version] = nil, nil
   return d
 end
@@ -208,6 +225,10 @@ function M.database(db, fixture, opts)
         local ids = {}
         for i, id in ipairs(type(held) == "table" and held or {}) do ids[i] = canon(id) end
         violation("%s/%s is still held by %s", name, tostring(doc._id), table.concat(ids, ", "))
+      end
+      local stuck = escrowed(doc[M.PENDING], "")
+      if stuck then
+        violation("%s/%s still has %s in %s", name, tostring(doc._id), stuck, M.PENDING)
       end
       local d = visible(doc)
       if d then actual[canon(doc._id)] = d end

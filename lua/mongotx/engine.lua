@@ -28,7 +28,8 @@ local phases = require "mongotx.engine.phases"
 local commands = require "mongotx.engine.commands"
 
 local ipairs, pairs, tostring, setmetatable = ipairs, pairs, tostring, setmetatable
-local REMOVING, HELD, PLACEHOLDER = stored.REMOVING, stored.HELD, stored.PLACEHOLDER
+local REMOVING, HELD, PLACEHOLDER, PENDING =
+  stored.REMOVING, stored.HELD, stored.PLACEHOLDER, stored.PENDING
 
 local _M = {}
 
@@ -39,12 +40,13 @@ Engine.__index = Engine
 -- ctx, the engine's context: { db = the database handle, tx = the
 -- transactions collection and `collection` its name, policy = the policy
 -- table, application, marker, version_field, write_concern, fencing
--- ("auto", "deadline" or "version") }.  The engine adds `instance` (this engine's owner id),
+-- ("auto", "deadline" or "version"), escrow (credits of the transactions
+-- it begins wait in `txPending` until their finish) }.  The engine adds `instance` (this engine's owner id),
 -- `fields` (the names of the fields mongotx keeps on documents), `steps`
 -- (the C core's steps bound to those names and the write concern), `vctx`
 -- (what validate needs: the transactions collection, the fields ops
--- may not touch and the longest collection name an op may name in this
--- database: core.MAX_NAMESPACE) and `wopts` (the write options of its other writes); all
+-- may not touch, the longest collection name an op may name in this
+-- database: core.MAX_NAMESPACE, and escrow) and `wopts` (the write options of its other writes); all
 -- of these are read-only for its users.
 function _M.new(ctx)
   local self = setmetatable({
@@ -57,14 +59,16 @@ function _M.new(ctx)
     version_field = ctx.version_field,
     fencing = ctx.fencing,
     fields = { marker = ctx.marker, version = ctx.version_field, removing = REMOVING,
-               held = HELD, placeholder = PLACEHOLDER },
+               held = HELD, placeholder = PLACEHOLDER, pending = PENDING },
     vctx = { collection = ctx.collection,
-             owned = { "_id", ctx.marker, ctx.version_field, REMOVING, HELD, PLACEHOLDER },
-             name_max = math.max(0, core.MAX_NAMESPACE - #ctx.db.name - 1) },
+             owned = { "_id", ctx.marker, ctx.version_field, REMOVING, HELD, PLACEHOLDER,
+                       PENDING },
+             name_max = math.max(0, core.MAX_NAMESPACE - #ctx.db.name - 1),
+             escrow = ctx.escrow },
     wopts = { write_concern = ctx.write_concern },
     steps = core.steps { marker = ctx.marker, version = ctx.version_field,
                          removing = REMOVING, held = HELD, placeholder = PLACEHOLDER,
-                         write_concern = ctx.write_concern },
+                         pending = PENDING, write_concern = ctx.write_concern },
     forms = {},         -- the forms of transactions begun with other fields (form)
     colls = {},         -- collection handles by name (coll)
     held = {},          -- key(id) -> epoch this engine holds (hold, holds)
@@ -101,7 +105,7 @@ function Engine:form(T)
     if why then error("mongotx: transaction " .. tostring(T._id) .. ": " .. why, 2) end
     f = { marker = marker, version = version,
           steps = core.steps { marker = marker, version = version, removing = REMOVING,
-                               held = HELD, placeholder = PLACEHOLDER,
+                               held = HELD, placeholder = PLACEHOLDER, pending = PENDING,
                                write_concern = self.wopts.write_concern } }
     self.forms[k] = f
   end

@@ -66,11 +66,12 @@ function Database:collection(name)
 end
 
 -- db:manager{ collection, application, marker, version_field,
--- write_concern, <policies of mongotx.policy> }
+-- write_concern, fencing, escrow, <policies of mongotx.policy> }
 
 --- A transaction manager; creates the index `{ state = 1, lastModified = 1 }` on its collection.
 -- @syntax tm, err = db:manager([opts])
--- @tparam[opt] table opts `collection`, `application`, `marker`, `version_field`, `write_concern`, `fencing` and
+-- @tparam[opt] table opts `collection`, `application`, `marker`, `version_field`, `write_concern`, `fencing`,
+--   `escrow` (default true: credits wait in `txPending` until their finish, docs/guards.md#escrow) and
 --   the policies (docs/ownership.md#policies)
 -- @treturn mongotx.manager the manager
 -- @errors `invalid` (an option's bad value; nothing created), database errors

@@ -46,7 +46,7 @@ local CALLER, HELPER_CALLER, ITEM_CALLER = 2, 3, 4
 
 local manager_options = {
   collection = true, application = true, marker = true, version_field = true,
-  write_concern = true, fencing = true,
+  write_concern = true, fencing = true, escrow = true,
 }
 
 for k in pairs(default_policy) do manager_options[k] = true end
@@ -87,6 +87,7 @@ function _M.new(db, opts)
       version_field = opts.version_field or "txVersion",
       write_concern = opts.write_concern or { w = "majority", j = true },
       fencing = opts.fencing or "auto",
+      escrow = opts.escrow ~= false,
     },
     finishing = {}, -- committed transactions waiting for finish() (policy.finish)
     stepped = { versions = {}, undone = {} }, -- what tm:step remembers (stepwise)

@@ -30,7 +30,8 @@ _M.MAX_SECONDS = MAX_SECONDS
 -- marker and the version field (csrc/txn.c), with the defaults of those
 -- two (manager.lua): a marker or version field may be none of them.
 local DEFAULT_MARKER, DEFAULT_VERSION = "pendingTransactions", "txVersion"
-local RESERVED = { _id = true, txRemoving = true, txHeld = true, txPlaceholder = true }
+local RESERVED = { _id = true, txRemoving = true, txHeld = true, txPlaceholder = true,
+                   txPending = true }
 
 local INT32_MAX = 2147483647
 
@@ -136,7 +137,8 @@ local checks = {
   collection = collection_name,
   application = typed("string", "a non-empty UTF-8 string", text_ok),
   marker = typed("string", "a top-level field name (UTF-8, not empty, no $ first, no dots, " ..
-    "not _id, txRemoving, txHeld or txPlaceholder)", field_ok),
+    "not _id, txRemoving, txHeld, txPlaceholder or txPending)", field_ok),
+  escrow = typed("boolean"),
   fencing = typed("string", '"auto", "deadline" or "version"',
     one_of { auto = true, deadline = true, version = true }),
   -- policies (mongotx.policy)

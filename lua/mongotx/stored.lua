@@ -51,7 +51,11 @@ local HELD = "txHeld"
 -- insert a stalled former owner prepared cannot land (fence); prune()
 -- removes it with the transaction.
 local PLACEHOLDER = "txPlaceholder"
-_M.REMOVING, _M.HELD, _M.PLACEHOLDER = REMOVING, HELD, PLACEHOLDER
+-- the escrowed credits of the open transactions on a document, by path
+-- ({ balance = 30 }): moved into their fields at the finish, taken back
+-- at the undo (docs/guards.md, "Escrow").
+local PENDING = "txPending"
+_M.REMOVING, _M.HELD, _M.PLACEHOLDER, _M.PENDING = REMOVING, HELD, PLACEHOLDER, PENDING
 
 -- The mark a new transaction of collection `coll` with this _id records
 -- (nil: none, its _id is its mark): MARK_PREFIX, the collection's name, a

@@ -344,7 +344,8 @@ local MAX_OPS_BYTES = 16 * 1024 * 1024 - 64 * 1024
 
 -- ops: the caller's op list; ctx: { collection = transactions collection
 -- name, owned = { "_id", marker, version }, name_max = the most bytes of
--- an op's collection name (nil: no limit) }.  Returns the normalised
+-- an op's collection name (nil: no limit), escrow = credits are escrowed
+-- (docs/guards.md) }.  Returns the normalised
 -- list and the ops as the transaction stores them (stored.ops), or nil,
 -- err.  The list and its ops are read raw.  `built`: the ops are
 -- mongotx's own, made from checked scalars (nothing to snapshot).
@@ -352,7 +353,7 @@ local check_ops = core.check_ops
 function _M.ops(ops, ctx, built)
   if type(ops) ~= "table" then error("ops must be a table", 3) end
   local out, stored_ops, size = check_ops(ops, ctx.collection, ctx.owned, built, check_op_where,
-    ctx.name_max)
+    ctx.name_max, ctx.escrow)
   if not out then
     if type(stored_ops) == "string" then return invalid(stored_ops, size) end
     return nil, stored_ops -- the where's check made it
@@ -438,7 +439,14 @@ local function malformed_op(op, ctx)
   if op.kind == "insert" and core.type(op.doc) ~= "object" then
     return "insert without a doc"
   end
-  if op.effect ~= nil and op.effect ~= "lowers" then
+  if op.effect == "escrow" then
+    -- what the finish moves out of txPending is read from the update, and
+    -- the undo's negative numbers take it back: both $inc of numbers only
+    if op.kind ~= "update" or not core.escrowable(parts.update) or next(parts.undo) ~= "$inc"
+        or next(parts.undo, "$inc") ~= nil then
+      return "an escrowed op whose update or undo is not an $inc of numbers"
+    end
+  elseif op.effect ~= nil and op.effect ~= "lowers" then
     return "unknown effect " .. tostring(op.effect)
   end
   local _, err = check_where(parts.where, ctx.owned)

@@ -144,10 +144,11 @@ function _M.show(tm, o, fail)
     rows[i] = { tostring(i), cell(op.kind), cell(op.collection), id_text(op.id),
                 shorten(cell(change), 40), shorten(cell(op.undo), 30), shorten(cell(op.where), 30),
                 d.exists == nil and "?" or (d.exists and "yes" or "no"),
-                cell(d.marker), cell(d.version), cell(d.held), cell(d.removing) }
+                cell(d.marker), cell(d.version), cell(d.held), cell(d.removing),
+                cell(d.pending) }
   end
   output.table(stdout, { "OP", "KIND", "COLLECTION", "DOCUMENT", "CHANGE", "UNDO", "WHERE",
-                         "EXISTS", "MARKER", "VERSION", "HELD", "REMOVING" }, rows)
+                         "EXISTS", "MARKER", "VERSION", "HELD", "REMOVING", "PENDING" }, rows)
   return OK
 end
 

@@ -274,7 +274,8 @@ end
 
 -- The transaction with this id and, for each of its ops, what that op's
 -- document carries now: { collection, id, exists, marker (the ids in the
--- marker field), version, held (txHeld), removing (txRemoving) }.  Returns
+-- marker field), version, held (txHeld), removing (txRemoving), pending
+-- (txPending: the escrowed credits of open transactions) }.  Returns
 -- T, docs; nil when there is no such transaction; nil, err.  The documents
 -- of a malformed transaction (validate.malformed: its op ids may not be
 -- fit for a filter) are not read: docs is empty and the third value says
@@ -284,7 +285,7 @@ end
 -- @syntax T, docs, problem = tm:inspect(id)
 -- @param id the transaction's id
 -- @treturn ?table the transaction, or nil
--- @treturn table per op `{ collection, id, exists, marker, version, held, removing }`
+-- @treturn table per op `{ collection, id, exists, marker, version, held, removing, pending }`
 -- @treturn ?string for a malformed transaction, what is wrong (docs is then empty)
 -- @errors nil, err: database errors
 -- @usage local T, docs = tm:inspect("o-1")
@@ -295,14 +296,16 @@ function Manager:inspect(id)
   local why = validate.malformed(T, eng.vctx)
   if why then return T, docs, why end
   local f, form = eng.fields, eng:form(T)
-  local projection = { [form.marker] = 1, [form.version] = 1, [f.held] = 1, [f.removing] = 1 }
+  local projection = { [form.marker] = 1, [form.version] = 1, [f.held] = 1, [f.removing] = 1,
+                       [f.pending] = 1 }
   for i, op in ipairs(T.ops) do
     local doc
     doc, err = eng:coll(op.collection):find_one({ _id = op.id }, { projection = projection })
     if err then return nil, errors.wrap(err, "inspect", T._id) end
     docs[i] = { collection = op.collection, id = op.id, exists = doc ~= nil,
                 marker = doc and doc[form.marker], version = doc and doc[form.version],
-                held = doc and doc[f.held], removing = doc and doc[f.removing] }
+                held = doc and doc[f.held], removing = doc and doc[f.removing],
+                pending = doc and doc[f.pending] }
   end
   return T, docs
 end
