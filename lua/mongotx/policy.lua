@@ -81,13 +81,31 @@ _M.retention = 24 * 3600
 -- in reverse order ($inc is inverted automatically when the op was
 -- begun; anything else needs an explicit `undo`). Inserts become removes.
 -- Returns ops, or nil and a message.
+-- Is undo an $inc of exactly the update's paths, each number negated
+-- (as begin derives it)?  Then a compensation leaves its undo to be
+-- derived again, so that its credits are escrowed (docs/guards.md).
+local function inverse_inc(update, undo)
+  local u, v = update["$inc"], undo["$inc"]
+  if type(u) ~= "table" or type(v) ~= "table" or next(update, next(update)) ~= nil
+      or next(undo, next(undo)) ~= nil then
+    return false
+  end
+  for k, x in pairs(u) do
+    if type(x) ~= "number" or v[k] ~= -x then return false end
+  end
+  for k in pairs(v) do
+    if u[k] == nil then return false end
+  end
+  return true
+end
+
 function _M.compensation(tx)
   local ops = {}
   for i = #tx.ops, 1, -1 do
     local op = tx.ops[i]
     if op.kind == "update" then
-      ops[#ops + 1] = { collection = op.collection, id = op.id,
-                        update = op.undo, undo = op.update }
+      ops[#ops + 1] = { collection = op.collection, id = op.id, update = op.undo,
+                        undo = not inverse_inc(op.update, op.undo) and op.update or nil }
     elseif op.kind == "insert" then
       ops[#ops + 1] = { collection = op.collection, id = op.id, kind = "remove" }
     elseif op.kind == "remove" then

@@ -80,38 +80,46 @@ function Engine:apply_one(T, i, v)
         if finished == nil then return nil, open end
         if finished == 0 and open then return false, "busy" end
       end
-      if finished == 0 then
-        if op.where then
-          local filter = { _id = op.id }
-          for k, x in pairs(op.where) do filter[k] = x end
-          local n
-          n, err = coll:count(filter)
-          if not n then return nil, errors.wrap(err, "apply", T._id) end
-          if n == 0 then return false, "guard" end
-        end
+      if finished == 0 and op.where then
+        local filter = { _id = op.id }
+        for k, x in pairs(op.where) do filter[k] = x end
+        local n
+        n, err = coll:count(filter)
+        if not n then return nil, errors.wrap(err, "apply", T._id) end
+        if n == 0 then return false, "guard" end
+      end
+      -- the document moved (the finished holders moved it too): the next
+      -- try needs a fence that still holds, unless only the finishes
+      -- moved it and no version fences the apply (refence dropped it)
+      if finished == 0 or v.version ~= false then
         local ok
         ok, err = self:refence(T, i, v, doc)
         if not ok then return nil, err end
       end
-      -- else the finished holders moved the document: try again
     end
   end
   return false, "contention"
 end
 
 -- The document of op i moved under T's apply: if T is still this
--- manager's, fence the next try by the version just read and by a renewed
--- deadline (it may have passed: an owner past its deadline must not apply,
--- whoever else might be driving T).  Returns true, or nil, err (`fenced`
--- when another owner took T over).
+-- manager's, fence the next try by a renewed deadline (it may have passed:
+-- an owner past its deadline must not apply, whoever else might be
+-- driving T) or, without deadlines, by the version just read.  With a
+-- deadline the version is dropped: on a hot document every other
+-- writer's apply moves it, so each try would lose that race again, and
+-- the deadline alone keeps a former owner out (nobody claims T before it
+-- passed).  Returns true, or nil, err (`fenced` when another owner took T
+-- over).
 function Engine:refence(T, i, v, doc)
   local now, err = self:get(T._id)
   if err then return nil, err end
   local fenced = errors.new("fenced", "another owner took the transaction over",
     { step = "apply", id = T._id, op = i })
   if not now or not self:holds(now) then return nil, fenced end
-  v.version = doc[self:form(T).version]
-  if v.deadline then
+  if not v.deadline then
+    v.version = doc[self:form(T).version]
+  else
+    v.version = false
     local renewed
     renewed, err = self:renew(now)
     if renewed == nil then return nil, err end
