@@ -2,7 +2,9 @@
 -- the mongotx engine: accounts A and B, a transfer of 100 walked one
 -- protocol step at a time with tm:step, printing the transaction and both
 -- accounts after every step; then the same transfer in one call
--- (tm:transfer), then an overdraft that the engine cancels.
+-- (tm:transfer), then an overdraft that the engine cancels.  B's credit
+-- waits in B's txPending until its finish (escrow: docs/guards.md), so
+-- that no guard can spend it before the transaction commits.
 --
 --   make demo                      starts a test server and runs 00 and this
 --   MONGOTX_TEST_URI=mongodb://host:27017 lua5.4 examples/01-tutorial.lua
@@ -34,8 +36,9 @@ local function report(id)
     show(T._id), T.state, show(T.lastModified)))
   for _, name in ipairs { "A", "B" } do
     local a = account(name)
-    print(("  account %s: balance %d, pendingTransactions %s"):format(
-      name, a.balance, show(a.pendingTransactions)))
+    print(("  account %s: balance %d, pendingTransactions %s%s"):format(
+      name, a.balance, show(a.pendingTransactions),
+      a.txPending and ", txPending " .. show(a.txPending) or ""))
   end
   return T
 end
@@ -63,10 +66,12 @@ print("  ops stored with their undo: " .. show(T.ops[1]))
 local steps = {
   { "claim", nil, "claim: initial -> pending, this manager is the owner", "pending", 1000, 1000 },
   { "apply", 1, "apply op 1: A's balance -100, the transaction's id pushed on A", "pending", 900, 1000 },
-  { "apply", 2, "apply op 2: B's balance +100, the transaction's id pushed on B", "pending", 900, 1100 },
-  { "commit", nil, "commit: pending -> applied (the commit point)", "applied", 900, 1100 },
-  { "finish", 1, "finish op 1: pull the id from A's pendingTransactions", "applied", 900, 1100 },
-  { "finish", 2, "finish op 2: pull the id from B's pendingTransactions", "applied", 900, 1100 },
+  { "apply", 2, "apply op 2: B's credit of 100 into B's txPending, the transaction's id pushed on B",
+    "pending", 900, 1000 },
+  { "commit", nil, "commit: pending -> applied (the commit point)", "applied", 900, 1000 },
+  { "finish", 1, "finish op 1: pull the id from A's pendingTransactions", "applied", 900, 1000 },
+  { "finish", 2, "finish op 2: pull the id from B's pendingTransactions, the credit moved into " ..
+    "B's balance", "applied", 900, 1100 },
   { "done", nil, "done: applied -> done", "done", 900, 1100 },
 }
 for _, s in ipairs(steps) do

@@ -21,7 +21,8 @@ local resty = require "mongotx.resty"
 -- API for callers (the Lua layer calls them); they need no entry.
 local CORE_INTERNAL = {
   check_collection = true, check_id = true, check_ops = true, check_update = true,
-  check_value = true, operator_key = true, touched = true, crash_point = true, fault = true,
+  check_value = true, escrowable = true, operator_key = true, touched = true, crash_point = true,
+  fault = true,
   snapshot = true, stored_ops = true, steps = true, error = true, monotonic_ms = true,
   catch_signals = true, signal_caught = true, -- the command's (mongotx.cli) signal flag
 }
