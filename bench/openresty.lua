@@ -254,7 +254,7 @@ end
 
 -- Hot accounts (issue 33): every transfer is guarded (min = 0), so on 3
 -- accounts every debit meets credits in flight to its account.
-local hot_rows = {}
+local hot_rows, hot_plot = {}, {}
 local COLD = 1000
 if opts.hot > 0 then
   for _, conns in ipairs { 16, 64 } do
@@ -280,6 +280,7 @@ if opts.hot > 0 then
       end
       hot_rows[#hot_rows + 1] = string.format("| %d | %s | %.0f | %.0f | %.2f | %d | %s |", conns, mode,
         hot, cold, hot / math.max(cold, 1), non2xx, ok and "ok" or "FAILED")
+      hot_plot[#hot_plot + 1] = string.format('"%d conns, %s" %.0f %.0f', conns, mode, hot, cold)
       target(hot >= 0.8 * cold and non2xx == 0, string.format("%d hot accounts, 2 workers, %d " ..
         "connections, %s: %.2fx the requests/s of %d accounts (0.8x wanted), %d non-2xx in %d runs",
         opts.hot, conns, mode, hot / math.max(cold, 1), COLD, non2xx, opts.runs))
@@ -326,6 +327,18 @@ do
   f:close()
   local rc = os.execute(("gnuplot -e %s bench/openresty-group.gp"):format(server.quote(
     ("data='%s'; out='bench/openresty-group.png'; n=%d"):format(data, #series))))
+  if rc ~= 0 and rc ~= true then io.stderr:write("bench-openresty: gnuplot failed\n") end
+  os.remove(data)
+end
+
+-- The hot-account plot: requests/s of each cell on the hot accounts and on COLD.
+if #hot_plot > 0 then
+  local data = os.tmpname()
+  local f = assert(io.open(data, "w"))
+  f:write(table.concat(hot_plot, "\n"), "\n")
+  f:close()
+  local rc = os.execute(("gnuplot -e %s bench/openresty-hot.gp"):format(server.quote(
+    ("data='%s'; out='bench/openresty-hot.png'; hot=%d; cold=%d"):format(data, opts.hot, COLD))))
   if rc ~= 0 and rc ~= true then io.stderr:write("bench-openresty: gnuplot failed\n") end
   os.remove(data)
 end
