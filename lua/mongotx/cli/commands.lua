@@ -296,13 +296,14 @@ local function recover_once(tm, o, fail)
   return OK
 end
 
--- A sweep, then with --metrics-file the backlog gauges written there (a
--- failure to is named on stderr; the next sweep tries again).
+-- A sweep, then with --metrics-file the backlog gauges and the worker's
+-- counters since it started (o.metrics) written there (a failure to is
+-- named on stderr; the next sweep tries again).
 local function sweep_and_write(tm, o, fail)
   local code = recover_once(tm, o, fail)
   if not o.metrics_file then return code end
   local text, err = gauges.render(tm, o.database_name, o.collection)
-  if text then text, err = gauges.write(o.metrics_file, text) end
+  if text then text, err = gauges.write(o.metrics_file, text .. o.metrics:render()) end
   if not text then return fail(FAILED, "--metrics-file: " .. tostring(err)) end
   return code
 end
