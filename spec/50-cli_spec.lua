@@ -249,8 +249,10 @@ describe("#server the mongotx command", function()
       assert.are.equal(big_text, text)
       assert.are.equal(N, read)
       assert.are.equal(big_read, read)
-      -- 25 replies of 100 against 3 of 1000
-      assert.are.equal(big_cmds + 22, cmds)
+      -- 25 replies of 100 against 3 of 1000 (FerretDB: one more, an empty
+      -- getMore that finds the end)
+      assert.truthy(cmds >= big_cmds + 22 and cmds <= big_cmds + 23,
+                    ("%d commands against %d"):format(cmds, big_cmds))
       -- the table is the same table, a page at a time
       -- (the ages, read from the server's clock, move between the runs)
       local function aged(t) return (t:gsub("%d+%.%d s", "<age>")) end
