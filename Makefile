@@ -24,7 +24,7 @@ SPEC_ENV    = MONGOTX_CPATH="$(CURDIR)/$(BUILD)/?.so"
 SERVER     ?= memory
 WITH_SERVER = spec/support/with-server
 
-.PHONY: all setup test test-docs docs test-ferretdb test-luajit test-openresty memcheck asan fuzz fuzz-ci demo bench bench-openresty bench-memory bench-valgrind bench-scale torture torture-ci lint clean
+.PHONY: all setup server test test-docs docs test-ferretdb test-luajit test-openresty memcheck asan fuzz fuzz-ci demo bench bench-openresty bench-memory bench-valgrind bench-scale torture torture-ci lint clean
 
 all: $(SO)
 
@@ -119,6 +119,17 @@ demo: setup
 	@$(MAKE) --no-print-directory all
 	$(SPEC_ENV) $(WITH_SERVER) $(SERVER) -- sh -c \
 	  '$(LUA) examples/00-accounts.lua && $(LUA) examples/01-tutorial.lua'
+
+# A test server for one's own code (the README's quick start): prints the
+# lines to paste into another shell and keeps the server until Ctrl-C,
+# which stops it (with-server stops its server when the command ends).
+server: setup
+	@$(MAKE) --no-print-directory all
+	@$(WITH_SERVER) $(SERVER) -- sh -c 'echo; \
+	  echo "export MONGOTX_TEST_URI=\"$$MONGOTX_TEST_URI\""; \
+	  echo "export LUA_PATH=\"$(CURDIR)/lua/?.lua;$(CURDIR)/lua/?/init.lua;;\" LUA_CPATH=\"$(CURDIR)/$(BUILD)/?.so;;\""; \
+	  echo; echo "make server: $(SERVER) test server up; Ctrl-C stops it"; \
+	  exec sleep infinity' || true
 
 # Benchmarks (bench/README.md): figures, not tests; each starts its own
 # server.  bench took 4-8 minutes before the recovery and ledger rows,

@@ -218,6 +218,25 @@ describe("#server bounded reads", function()
     assert.are.equal(whole_cmds + 3, cmds)
   end)
 
+  it("L:history reads a page of entries, no more", function()
+    if no_ledger then pending(no_ledger) return end
+    local L = assert(db:ledger {})
+    local n = 45
+    for i = 1, n do assert(L:post({ { account = "A", value = i } })) end
+    local reads, after = {}, nil
+    repeat
+      local cmds, read, page = cost(function()
+        local p, a = assert(L:history("A", { after = after, limit = 10 }))
+        after = a
+        return p
+      end)
+      reads[#reads + 1] = { #page, read, cmds }
+    until after == nil
+    -- each page: 8 entries one by one, then one range of the 2 it lacks
+    -- (the last: 5 found, the sixth lookup finds none)
+    assert.are.same({ { 10, 10, 9 }, { 10, 10, 9 }, { 10, 10, 9 }, { 10, 10, 9 }, { 5, 5, 6 } }, reads)
+  end)
+
   it("L:commit caches an account's tail a chunk a call", function()
     if no_ledger then pending(no_ledger) return end
     local L = assert(db:ledger {})

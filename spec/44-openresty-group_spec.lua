@@ -18,6 +18,7 @@ local nginx = require "spec.support.nginx"
 local cjson = require "cjson"
 local core = helpers.core
 local mongotx = require "mongotx"
+local catalog = require "mongotx.catalog"
 
 local function sleep(s) core.sleep(s) end
 
@@ -70,6 +71,7 @@ describe("#openresty group commit in nginx", function()
     -- /commit's manager: the options table bank's /transfer uses
     o.init_worker = 'require("spec.support.group_commit").manager = conf.manager'
     o.locations = 'location = /commit { content_by_lua_block { require("spec.support.group_commit").commit() } }'
+      .. (o.locations or "")
     o.configure = ("{ manager = { application = %q, policies = 'spec.support.group_events', " ..
       "group = %s, stale_after = 1, lease = 1 }, recovery = %s }")
       :format(app, group, o.recovery == false and "false" or "{ every = 0.5 }")
@@ -458,6 +460,45 @@ describe("#openresty group commit in nginx", function()
     assert(n:error_log():find("lua_max_running_timers are not enough", 1, true),
            "nginx did not skip the driver's timer")
     assert.are.same({ A = 99, B = 1 }, (helpers.balances(db:collection("accounts"))))
+  end)
+
+  -- (issue 35) deferred finish under group commit answered `applied` and
+  -- left the markers until recovery came (about 35 s): each worker
+  -- thread's queue waited for finish_batch commits that never came
+  it("refuses finish = deferred with group commit, before it creates anything", function()
+    local db, name = bank({ A = 100 })
+    local n = start(name, "group-deferred", "nil", { recovery = false, locations = [[
+      location = /deferred { content_by_lua_block {
+        local resty = require "mongotx.resty"
+        local db = assert(resty.connect(os.getenv("MONGOTX_URI"), { database = os.getenv("MONGOTX_DATABASE") }))
+        for _, case in ipairs {
+          { "grouped", { application = "d1", collection = "tx1", finish = "deferred" } },
+          { "grouped-policies", { application = "d2", collection = "tx2",
+                                  policies = "spec.support.deferred_finish" } },
+          { "ungrouped", { application = "d3", collection = "tx3", finish = "deferred", group = false } },
+        } do
+          local tm, err = db:manager(case[2])
+          ngx.say(case[1], " ", tm and "ok" or err.code .. " " .. err.message)
+        end
+      } }
+    ]] })
+    finally(function() n:stop() end)
+    local status, res = n:request("GET", "/deferred")
+    assert.are.equal(200, status, res)
+    local said = {}
+    for line in res:gmatch("[^\n]+") do
+      local case, rest = line:match("^(%S+) (.*)$")
+      said[case] = rest
+    end
+    for _, case in ipairs { "grouped", "grouped-policies" } do
+      assert.truthy(said[case]:find('^invalid option finish = "deferred" of manager does not go ' ..
+        'with group commit: .*set group = false$'), said[case])
+    end
+    assert.are.equal("ok", said.ungrouped)
+    -- the refused managers made no index, so no collection
+    assert.is_false(catalog.has_collection(db.client, name, "tx1"))
+    assert.is_false(catalog.has_collection(db.client, name, "tx2"))
+    assert.is_true(catalog.has_collection(db.client, name, "tx3"))
   end)
 
   it("runs the batch of callers that went away while it formed, and serves the next ones", function()

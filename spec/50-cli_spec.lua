@@ -166,6 +166,102 @@ describe("#server the mongotx command", function()
     assert.truthy(err:find("no such transaction nothing", 1, true), err)
   end)
 
+  -- (issue 35) list refused a limit above 100 000 (a list held in
+  -- memory); it streams from a cursor now, a reply at a time
+  describe("list streams", function()
+    local N = 2500
+
+    before_each(function()
+      if no_build then return end
+      local docs = {}
+      for i = 1, N do
+        -- lastModified decreasing with i: the order list prints is not the insert's
+        docs[i] = { _id = "t" .. i, state = "done", application = "app-1", ops = mongotx.array(),
+                    lastModified = mongotx.core.Date(1000000000 - i * 1000) }
+      end
+      assert(txs:insert_many(docs))
+    end)
+
+    it("any number of transactions, in order, as the database holds them", function()
+      if not check_build() then return end
+      local want = {}
+      local cursor = txs:find({}, { sort = { lastModified = 1 } })
+      for T in cursor.next, cursor do want[#want + 1] = T._id end
+      cursor:close()
+      assert.are.equal(N, #want)
+      local code, out, err = cli("--json", "list", "--limit", "200000")
+      assert.are.equal(0, code, err)
+      local got = {}
+      for i, T in ipairs(json_lines(out)) do got[i] = T._id end
+      assert.are.same(want, got)
+      code, out, err = cli("list", "--limit", "200000")
+      assert.are.equal(0, code, err)
+      local lines = {}
+      for line in out:gmatch("[^\n]+") do lines[#lines + 1] = line end
+      assert.are.equal(N + 1, #lines) -- one header
+      assert.truthy(lines[1]:find("^ID%s+STATE"), lines[1])
+      for i = 1, N do assert.truthy(lines[i + 1]:find("^" .. want[i] .. "%s+done"), lines[i + 1]) end
+      -- a limit still limits
+      code, out = cli("--json", "list", "--limit", "7")
+      assert.are.equal(0, code)
+      assert.are.equal(7, #json_lines(out))
+    end)
+
+    it("through tm:scan, which refuses what tm:find refuses and writes nothing", function()
+      if not check_build() then return end
+      local before = helpers.db_dump(db.client, dbname)
+      for _, case in ipairs {
+        { { ["$where"] = "true" } }, { { state = { ["$expr"] = 1 } } }, { {}, { limit = 0 } },
+        { {}, { batch_size = -1 } },
+      } do
+        local c, err = tm:scan(case[1], case[2])
+        assert.is_nil(c)
+        assert.are.equal("invalid", err.code)
+      end
+      assert.has_error(function() tm:scan({}, { limt = 1 }) end, "unknown option limt for scan")
+      helpers.assert_dump_unchanged(before, db.client, dbname)
+    end)
+
+    it("reads and prints a page at a time", function()
+      if not check_build() then return end
+      local commands = require "mongotx.cli.commands"
+      local output = require "mongotx.cli.output"
+      -- list in this process, its output in a file, LIST_PAGE transactions a reply
+      local function list(page, json)
+        local path = os.tmpname()
+        local f = assert(io.open(path, "w"))
+        local was_file, was_page = output.stdout.file, commands.LIST_PAGE
+        output.stdout.file, commands.LIST_PAGE = f, page
+        db.client:reset_counters()
+        local ok, code = pcall(commands.list, tm, { limit = 200000, json = json },
+                               function(c, m) error(tostring(m)) return c end)
+        local cmds, read = db.client:counters().commands, db.client:returned()
+        output.stdout.file, commands.LIST_PAGE = was_file, was_page
+        f:close()
+        local text = helpers.read_file(path)
+        os.remove(path)
+        assert(ok, code)
+        assert.are.equal(0, code)
+        return cmds, read, text
+      end
+      local big_cmds, big_read, big_text = list(1000, true)
+      local cmds, read, text = list(100, true)
+      assert.are.equal(big_text, text)
+      assert.are.equal(N, read)
+      assert.are.equal(big_read, read)
+      -- 25 replies of 100 against 3 of 1000 (FerretDB: one more, an empty
+      -- getMore that finds the end)
+      assert.truthy(cmds >= big_cmds + 22 and cmds <= big_cmds + 23,
+                    ("%d commands against %d"):format(cmds, big_cmds))
+      -- the table is the same table, a page at a time
+      -- (the ages, read from the server's clock, move between the runs)
+      local function aged(t) return (t:gsub("%d+%.%d s", "<age>")) end
+      local _, _, paged = list(100, false)
+      local _, _, whole = list(N, false)
+      assert.are.equal(aged(whole), aged(paged))
+    end)
+  end)
+
   it("recover finishes what a killed worker and stepwise calls left, prints a report", function()
     if not check_build() then return end
     local wdb, w = helpers.stalled_owner()

@@ -145,6 +145,57 @@ describe("#server mongotx.ledger", function()
     assert.are.same({ -25, 4 }, { L:balance("A") })
   end)
 
+  it_ledger("a transfer refused by its guard leaves its id free for a later call", function()
+    assert(L:post({ { account = "A", value = 10 } }))
+    local none, err = L:transfer("A", "B", 30, { min = 0, id = "pay-1" })
+    assert.is_nil(none)
+    assert.are.equal("guard", err.code)
+    assert.are.equal(0, entries:count({ _id = "pay-1" }))
+    assert(L:post({ { account = "A", value = 20 } }))
+    local e = assert(L:transfer("A", "B", 30, { min = 0, id = "pay-1" }))
+    assert.are.equal("pay-1", e._id)
+    assert.are.same({ 0, 3 }, { L:balance("A") })
+  end)
+
+  -- history pages through an account's changes in seqId order; each page
+  -- is compared with the entries the collection holds for the account.
+  it_ledger("history returns an account's changes in seqId order, a page at a time", function()
+    assert(L:post({ { account = "A", value = 1000 } }))
+    for i = 1, 12 do assert(L:transfer("A", i % 2 == 0 and "B" or "C", i)) end
+    assert(L:commit()) -- a head at 13: history still starts at the first entry
+    for i = 1, 12 do assert(L:transfer("B", "A", i)) end
+    -- what the database holds: A's changes, sorted here
+    local want = {}
+    for _, e in ipairs(assert(entries:find_all({ ["changes.account"] = "A" }))) do
+      for _, c in ipairs(e.changes) do
+        if c.account == "A" then want[#want + 1] = { c.seqId, c.value, e._id } end
+      end
+    end
+    table.sort(want, function(a, b) return a[1] < b[1] end)
+    assert.are.equal(25, #want)
+    local got, after, pages = {}, nil, {}
+    repeat
+      local page
+      page, after = assert(L:history("A", { after = after, limit = 10 }))
+      pages[#pages + 1] = #page
+      for _, item in ipairs(page) do got[#got + 1] = { item.seqId, item.value, item.entry._id } end
+    until after == nil
+    assert.are.same({ 10, 10, 5 }, pages)
+    assert.are.same(want, got)
+    -- after a seqId, and the default limit (100)
+    local page, next_after = assert(L:history("A", { after = 20 }))
+    assert.are.same({ 21, 22, 23, 24, 25 }, { page[1].seqId, page[2].seqId, page[3].seqId,
+                                             page[4].seqId, page[5].seqId })
+    assert.are.equal(5, #page)
+    assert.is_nil(next_after)
+    -- a page that ends on the last entry says so on the next call
+    local full, more = assert(L:history("A", { after = 15, limit = 10 }))
+    assert.are.equal(10, #full)
+    assert.are.equal(25, more)
+    assert.are.same({}, (assert(L:history("A", { after = more }))))
+    assert.are.same({}, (assert(L:history("nobody"))))
+  end)
+
   it_ledger("the committer caches balances in seqId order and reconcile equals the cache", function()
     assert(L:post({ { account = "A", value = 100 }, { account = "B", value = 10 } }))
     for _ = 1, 3 do assert(L:transfer("A", "B", 7)) end
@@ -433,6 +484,10 @@ describe("#server mongotx.ledger", function()
       { "operator commit account", function() return L:commit { account = { ["$gt"] = 0 } } end },
       { "operator reverse id", function() return L:reverse({ ["$gt"] = 0 }) end },
       { "bad limit", function() return L:commit { limit = 0 } end },
+      { "history limit above a page", function() return L:history("A", { limit = 1001 }) end },
+      { "history after a negative seqId", function() return L:history("A", { after = -1 }) end },
+      { "history after a fractional seqId", function() return L:history("A", { after = 1.5 }) end },
+      { "operator history account", function() return L:history({ ["$gt"] = "" }) end },
       -- (review) one or the other: a limit beside an account would be ignored
       { "commit with account and limit", function() return L:commit { account = "A", limit = 5 } end },
       { "bad write concern", function() return db:ledger { write_concern = { w = -1 } } end },
@@ -472,6 +527,9 @@ describe("#server mongotx.ledger", function()
       assert.has_error(function() L:reverse("x", { id = "y" }) end, "unknown option id for reverse")
       assert.has_error(function() db:ledger { colection = "x" } end, "unknown option colection for ledger")
       assert.has_error(function() L:commit { acount = "A" } end)
+      assert.has_error(function() L:history("A", { after = "3" }) end,
+        "option after of history must be a number, not string")
+      assert.has_error(function() L:history() end, "history needs an account, not a nil")
       -- each raise names the caller's line
       for _, call in ipairs {
         function() L:transfer("A", "B", "1") end,

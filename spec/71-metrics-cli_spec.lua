@@ -1,5 +1,6 @@
 -- The backlog gauges of the `mongotx` command (README, "Metrics"):
--- `status --prometheus` and `recover --metrics-file PATH`, read back with
+-- `status --prometheus` and `recover --metrics-file PATH` (with the
+-- worker's own counters, mongotx.metrics), read back with
 -- Python's prometheus_client parser (spec/support/prometheus.lua) and
 -- compared with what the database holds.  The file is replaced
 -- atomically: a reader never sees half of one.  A path that cannot be
@@ -115,7 +116,8 @@ describe("#server mongotx status --prometheus and recover --metrics-file", funct
         local s = f:read("a")
         f:close()
         reads = reads + 1
-        if not s:find("mongotx_stale_after_seconds{[^\n]*} 1\n$") then torn = s end
+        if not (s:find("\nmongotx_stale_after_seconds{[^\n]*} 1\n")
+                and s:find("\nmongotx_round_trips_total %d+\n$")) then torn = s end
         last = s
       end
     end
@@ -131,6 +133,16 @@ describe("#server mongotx status --prometheus and recover --metrics-file", funct
                                    labels { state = "initial" }), said)
     assert.are.equal(1, prom.value(families, "mongotx_parked_transactions", labels()))
     assert.are.equal(2, assert(txs:count { state = "done" }))
+    -- and the worker's own counters, cumulative since it started: every
+    -- transaction it moved to done, in as many passes as the file says it ran
+    local app = { application = "app" }
+    assert.are.equal(2, prom.value(families, "mongotx_recovered_total",
+                                   { application = "app", outcome = "done" }))
+    assert.are.equal(2, prom.value(families, "mongotx_transactions_done_total", app))
+    local passes = prom.value(families, "mongotx_recovery_passes_total", app)
+    assert.truthy(passes > 2, tostring(passes)) -- --loop 0: a sweep after another
+    assert.are.equal(passes, prom.value(families, "mongotx_recovery_pass_seconds_count", app))
+    assert.truthy(prom.value(families, "mongotx_round_trips_total", {}) > passes)
     -- no temporary file left beside it
     assert.are.equal("mongotx.prom", server.capture("ls " .. q(dir)):gsub("%s+$", ""))
   end)

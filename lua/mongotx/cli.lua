@@ -25,6 +25,7 @@ local policy_file = require "mongotx.cli.policy"
 local commands = require "mongotx.cli.commands"
 local output = require "mongotx.cli.output"
 local backlog_file = require "mongotx.metrics.backlog"
+local metrics = require "mongotx.metrics"
 
 local format = string.format
 local unpack = table.unpack or unpack -- luacheck: ignore 143 (LuaJIT)
@@ -98,7 +99,7 @@ local function parser()
     :argname("<name>")
   recover:option("--batch", "Transactions per recovery pass.", "200"):argname("<n>"):convert(count)
   recover:option("--metrics-file", "After every sweep, write the backlog gauges of " ..
-    "status --prometheus to <path> (atomically).")
+    "status --prometheus and this worker's counters (mongotx.metrics) to <path> (atomically).")
     :argname("<path>")
 
   local rollback = p:command("rollback", "Cancel a transaction that has not committed.")
@@ -198,7 +199,8 @@ end
 --- The `mongotx` command: `bin/mongotx` calls this (docs/operating.md).
 -- Commands: status, list, show, recover, rollback, compensate, unpark, prune;
 -- `mongotx --help` and `mongotx <command> --help` list their options. `status --prometheus` prints the backlog
--- as Prometheus gauges; `recover --metrics-file PATH` writes them after every sweep (docs/metrics.md).
+-- as Prometheus gauges; `recover --metrics-file PATH` writes them and its own counters after every sweep
+-- (docs/metrics.md).
 -- SIGINT and SIGTERM stop `recover` and `prune` after the pass in hand (exit 130, 143).
 -- @syntax code = cli.main(argv); from a shell:
 --   mongotx [--uri URI] [--database DB] [--collection C] [--policy FILE.lua] [--json] COMMAND ...
@@ -252,6 +254,12 @@ function _M.main(argv)
   local db, code = connect(o)
   if not db then return code end
   o.database_name = db.name -- the gauges' label
+  if o.metrics_file then
+    -- the worker's own counters, for the life of the process, beside the
+    -- backlog in the same file (a --policy file's on_event still runs)
+    o.metrics = metrics.new { client = db.client }
+    overrides = o.metrics:wrap(overrides)
+  end
   local tm, err = db:manager(overrides)
   if not tm then
     db:close()

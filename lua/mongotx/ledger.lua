@@ -218,6 +218,45 @@ function Ledger:balance(account)
   return view.balance, view.seq
 end
 
+-- history(account [, { after, limit }]): a page of the account's changes
+-- after seqId `after` (0: from the first), in seqId order, read by the
+-- walk balance uses (mongotx.ledger.accounts), so a page costs at most
+-- `limit` entries of memory and the reads of one tail walk.
+
+-- The most changes one page of history holds (option limit), and the
+-- default.
+local HISTORY_MAX, HISTORY_LIMIT = 1000, 100
+
+--- A page of an account's changes, in seqId order.
+-- @syntax page, after = L:history(account [, { after = 0, limit = 100 }])
+-- @param account the account
+-- @tparam[opt] table opts `after` (the seqId the page starts after; 0 by default), `limit` (1 to 1000, 100 by default)
+-- @treturn table `{ { seqId, value, entry }, ... }`: each change of the account and its whole entry
+-- @treturn ?integer the `after` of the next page, or nil when this page reached the last entry
+-- @errors `invalid` (a limit above 1000), database errors
+-- @usage local page, after = assert(L:history("A", { limit = 50 }))
+function Ledger:history(account, opts)
+  present(account, "an account", "history")
+  local sent, key = check_account(account, "history")
+  if sent == nil then return nil, key end
+  local err
+  opts, err = options.check(opts, { after = true, limit = true }, "history", CALLER)
+  if not opts then return nil, err end
+  local limit = opts.limit or HISTORY_LIMIT
+  if limit > HISTORY_MAX then
+    return invalid(format("option limit of history must be a whole number from 1 to %d " ..
+      "(a page is held in memory), not %d", HISTORY_MAX, limit), "history")
+  end
+  local tail
+  tail, err = acct.entries_after(self, sent, key, opts.after or 0, limit)
+  if not tail then return nil, errors.wrap(err, "history") end
+  local page = {}
+  for i, t in ipairs(tail) do
+    page[i] = { seqId = t.change.seqId, value = t.change.value, entry = t.entry }
+  end
+  return page, #page == limit and page[#page].seqId or nil
+end
+
 -- Writing entries (made and inserted by mongotx.ledger.writer) -------------
 
 -- The entry with this id, or nil; nil, err.

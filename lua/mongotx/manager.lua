@@ -433,6 +433,55 @@ function Manager:find(filter, opts)
   return list
 end
 
+-- scan(filter [, opts]): tm:find's read as a cursor, for readers of any
+-- number of transactions (mongotx list): it holds one reply of the server
+-- (batch_size documents), so it takes no default limit.
+local Scan = {}
+Scan.__index = Scan
+
+--- Transactions matching a filter, one at a time: a cursor that holds one reply of the server.
+-- @syntax cursor, err = tm:scan(filter [, opts])
+-- @tparam table filter as `tm:find`'s
+-- @tparam[opt] table opts as `tm:find`'s (`sort`, `limit`, `projection`, `skip`, `batch_size`,
+-- `read_preference`), with no limit by default
+-- @treturn table a cursor: `cursor:next()`, `cursor:close()`
+-- @errors `invalid` (a bad filter or option value); errors of the read come from `cursor:next()`
+-- @usage local c = assert(tm:scan({ state = "done" }, { batch_size = 1000 }))
+-- for T in c.next, c do print(T._id) end
+function Manager:scan(filter, opts)
+  if filter ~= nil and type(filter) ~= "table" then
+    error("bad argument #1 to 'scan' (table expected, got " .. type(filter) .. ")", CALLER)
+  end
+  local err
+  filter, err = validate.filter(filter or {})
+  if not filter then return nil, err end
+  opts, err = options.check(opts, options.FIND, "scan", CALLER)
+  if not opts then return nil, err end
+  return setmetatable({ cursor = self.tx:find(filter, opts) }, Scan)
+end
+
+--- The next transaction, or nil at the end.
+-- @syntax T, err = cursor:next()
+-- @treturn ?table the transaction document
+-- @errors database errors (then the cursor is done)
+-- @usage local T = cursor:next()
+function Scan:next()
+  local T, err = self.cursor:next()
+  if T then
+    live(T)
+    return T
+  end
+  if err then return nil, errors.wrap(err, "scan") end
+  return nil
+end
+
+--- Lets go of the cursor (and its reply) at once.
+-- @syntax cursor:close()
+-- @usage cursor:close()
+function Scan:close()
+  self.cursor:close()
+end
+
 -- stats and backlog: mongotx.manager.counts.
 Manager.stats, Manager.backlog = counts.stats, counts.backlog
 

@@ -55,6 +55,9 @@ local FAMILIES = {
     "Steps tried again after a backoff: reason is a transient error's code, or busy " ..
     "(a guard waited for an open transaction) and the other op failures a policy retries." },
   { "mongotx_recovery_passes_total", "counter", "Recovery passes (tm:recover) run." },
+  { "mongotx_recovery_pass_seconds", "histogram",
+    "Seconds one recovery pass (tm:recover) took, from its read of the stale ones to its report.",
+    SECONDS },
   { "mongotx_recovered_total", "counter",
     "Transactions recovery passes examined, by outcome: done, cancelled, parked, skipped " ..
     "(not stale enough, or taken by another), failed." },
@@ -134,7 +137,10 @@ Metrics.__index = Metrics
 function _M.new(opts)
   opts = opts or {}
   return setmetatable({ store = opts.store or _M.table_store(), client = opts.client,
-                        keys = {}, started = {}, older = {}, timed = 0 }, Metrics)
+                        keys = {}, started = {}, older = {}, timed = 0,
+                        -- the passes under way, by their report (weak: a
+                        -- pass that raised is forgotten)
+                        passes = setmetatable({}, { __mode = "k" }) }, Metrics)
 end
 
 -- The key of a family's series (`labels` a list of name, value pairs);
@@ -266,8 +272,17 @@ function ON.retry(m, app, info)
   m:count("mongotx_retries_total", app, "reason", tostring(info.reason))
 end
 
+function ON.recovering(m, _, report)
+  m.passes[report] = now_ms()
+end
+
 function ON.recover(m, app, report)
   m:count("mongotx_recovery_passes_total", app)
+  local t0 = m.passes[report]
+  if t0 then
+    m.passes[report] = nil
+    m:observe("mongotx_recovery_pass_seconds", app, nil, nil, (now_ms() - t0) / 1000)
+  end
   for _, outcome in ipairs(OUTCOMES) do
     local n = report[outcome]
     if type(n) == "number" and n > 0 then

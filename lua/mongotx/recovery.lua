@@ -461,6 +461,9 @@ function _M.recover(eng, limit, size)
   local me = eng:me()
   local report = { examined = 0, done = 0, cancelled = 0, skipped = 0, parked = 0,
                    failed = 0, malformed = 0, errors = {} }
+  -- the same table as the pass's `recover` event: a listener times the
+  -- pass from one to the other (mongotx.metrics)
+  eng:event("recovering", report)
   -- Oldest first; whether each one is stale enough is the policy's call
   -- (a holder may have declared a shorter lease than this manager's).
   local cursor = stale_cursor(eng, limit, size, now)

@@ -97,6 +97,15 @@ local function get_manager(spec)
       if opts[k] == nil then opts[k] = v end
     end
   end
+  -- (checked here, where a policies module's finish is known too, and
+  -- before db:manager creates its index)
+  if s.grouped and opts and opts.finish == "deferred" then
+    return nil, core.error({ code = "invalid", step = "manager", message = "option finish = " ..
+      "\"deferred\" of manager does not go with group commit: a batch finishes its " ..
+      "transactions together already, and a worker thread's deferred queue would leave them " ..
+      "applied, their markers on the documents, until finish_batch more commits there or " ..
+      "recovery (stale_after): drop finish, or set group = false" })
+  end
   -- metrics = "<lua_shared_dict>": the events counted there (mongotx.metrics.shared)
   if opts and opts.metrics ~= nil then opts = require("mongotx.metrics.shared").wrap(opts) end
   tm, err = db:manager(opts)
@@ -291,8 +300,8 @@ local groups = {}
 --   `group`: `{ max = 100, delay = 0, inflight = 1 }` (the default; `true` is the same) or `false`, group
 --   commit of this worker's concurrent `tm:transfer`, `tm:run` and `tm:commit` calls (docs/openresty.md)
 -- @treturn table the manager
--- @errors as `db:manager`; `overloaded` (every thread busy for `wait` seconds) from its calls;
---   a bad `group` or `metrics` raises
+-- @errors as `db:manager`; `invalid` for `finish = "deferred"` with group commit on;
+--   `overloaded` (every thread busy for `wait` seconds) from its calls; a bad `group` or `metrics` raises
 -- @usage local tm = assert(db:manager{ application = "bank", group = { max = 100, delay = 0 } })
 function Database:manager(opts)
   if opts ~= nil and type(opts) ~= "table" then
@@ -318,7 +327,9 @@ function Database:manager(opts)
   if opts and opts.metrics ~= nil and type(opts.metrics) ~= "string" then
     error("option metrics of manager must name a lua_shared_dict (a string)", 2)
   end
-  local ok, spec = pcall(encode, { db = self.spec, manager = opts })
+  -- grouped: the worker thread refuses finish = "deferred" (get_manager)
+  local ok, spec = pcall(encode, { db = self.spec, manager = opts,
+                                   grouped = g and self.offload or nil })
   if not ok then error("options of manager must be BSON data: " .. tostring(spec), 2) end
   local info, err = call(self, 2, "manager", spec, nil)
   if not info then return nil, err end

@@ -57,6 +57,7 @@ for k, f in pairs(core) do reexported[k] = mongotx[k] == f or nil end
 expect("mongotx", "", mongotx, reexported)
 expect("mongotx", "Database:", methods(db))
 expect("mongotx.manager", "Manager:", methods(tm))
+expect("mongotx.manager", "Scan:", methods(assert(tm:scan({}))))
 expect("mongotx.core", "", core, CORE_INTERNAL)
 local reg = debug.getregistry()
 expect("mongotx.core", "Client:", reg["mongotx.Client"].__index)

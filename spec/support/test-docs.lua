@@ -8,6 +8,11 @@
 --                             the page, as one chunk (its locals are seen)
 --   <!-- fragment: why -->    not runnable on its own (why says what it
 --                             lacks): only its syntax is checked
+--   <!-- standalone -->       a script as a reader saves and runs it: no
+--                             prelude, plain `lua` with LUA_PATH and
+--                             LUA_CPATH as README's install section sets
+--                             them and MONGOTX_TEST_URI set (as for the
+--                             examples); it names its own database
 -- A block without a marker must run and must not raise.  Every relative
 -- link of README.md, docs/, TESTING.md, ARCHITECTURE.md, bench/README.md
 -- and bench/results.md must reach its file and, with a #fragment, a
@@ -31,6 +36,14 @@ local EXAMPLE_FRAGMENTS = {
   ["examples/openresty/bank.lua"] = "handlers for nginx (make test-openresty runs them)",
 }
 
+local function shell_quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+
+-- What README's install section exports for a checkout (the build this
+-- run uses: MONGOTX_CPATH, as for the examples).
+local here = os.getenv("PWD")
+local STANDALONE_PATH = shell_quote(here .. "/lua/?.lua;" .. here .. "/lua/?/init.lua;;")
+local STANDALONE_CPATH = shell_quote((os.getenv("MONGOTX_CPATH") or here .. "/build/lua54/?.so") .. ";;")
+
 local function lines_of(cmd)
   local p = assert(io.popen(cmd))
   local t = {}
@@ -38,8 +51,6 @@ local function lines_of(cmd)
   p:close()
   return t
 end
-
-local function shell_quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
 
 -- The Lua blocks of one Markdown file: { file, line, text, marker, why }.
 local function blocks_of(file)
@@ -58,7 +69,8 @@ local function blocks_of(file)
       cur = { file = file, line = n, text = {} }
       local why = last:match("^<!%-%- fragment: (.-) %-%->$")
       if why then cur.marker, cur.why = "fragment", why
-      elseif last:match("^<!%-%- continues %-%->$") then cur.marker = "continues" end
+      elseif last:match("^<!%-%- continues %-%->$") then cur.marker = "continues"
+      elseif last:match("^<!%-%- standalone %-%->$") then cur.marker = "standalone" end
     elseif l:match("^```") then
       inside = "other"
     end
@@ -124,6 +136,10 @@ for _, file in ipairs(files) do
     if chain[1].marker == "fragment" then
       local ok, out = syntax(path)
       report(ok, name .. " (fragment: " .. chain[1].why .. "; syntax only)", out)
+    elseif chain[1].marker == "standalone" then
+      local ok, out = run(("env LUA_PATH=%s LUA_CPATH=%s %s %s"):format(STANDALONE_PATH,
+        STANDALONE_CPATH, LUA, shell_quote(path)))
+      report(ok, name .. " (standalone)", ok and "" or out .. "\n(the script as run: " .. path .. ")")
     else
       local ok, out = run(("%s spec/support/docs-prelude.lua %s mtxdocs_%d"):format(LUA, shell_quote(path), nblock))
       report(ok, name, ok and "" or out .. "\n(the chunk as run: " .. path .. ")")

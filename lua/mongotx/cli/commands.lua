@@ -80,6 +80,10 @@ local function shorten(s, n)
   return s
 end
 
+local LIST_HEADERS = { "ID", "STATE", "APPLICATION", "AGE", "ATTEMPTS", "PARKED", "OPS", "REASON" }
+-- Transactions `list` reads and prints at a time (a spec makes it small).
+_M.LIST_PAGE = 1000
+
 function _M.list(tm, o, fail)
   local now, err = tm:server_now()
   if not now then return fail(FAILED, err) end
@@ -91,22 +95,31 @@ function _M.list(tm, o, fail)
   if o.older_than then
     filter.lastModified = { ["$lt"] = core.Date(floor(now - o.older_than * 1000)) }
   end
-  local list
-  list, err = tm:find(filter, { sort = { lastModified = 1 }, limit = o.limit })
-  if not list then return fail(FAILED, err) end
-  if o.json then
-    for _, T in ipairs(list) do say(json(T)) end
-    return OK
+  -- streamed: a reply of LIST_PAGE transactions at a time, printed as it
+  -- comes (the table's columns as wide as its first page needs)
+  local cursor
+  cursor, err = tm:scan(filter, { sort = { lastModified = 1 }, limit = o.limit,
+                                  batch_size = _M.LIST_PAGE })
+  if not cursor then return fail(FAILED, err) end
+  local rows, widths = {}, nil
+  while true do
+    local T
+    T, err = cursor:next()
+    if T and o.json then
+      say(json(T))
+    elseif T then
+      rows[#rows + 1] = { id_text(T._id), cell(T.state), cell(T.application),
+        seconds_text(age(T.lastModified, now)), cell(T.attempts), T.parked and "yes" or "",
+        tostring(type(T.ops) == "table" and #T.ops or "-"), shorten(cell(T.reason), 50) }
+    end
+    if not o.json and (not T or #rows == _M.LIST_PAGE) and (#rows > 0 or not widths) then
+      widths = output.table(stdout, LIST_HEADERS, rows, widths)
+      rows = {}
+    end
+    if not T then break end
   end
-  local rows = {}
-  for i, T in ipairs(list) do
-    rows[i] = { id_text(T._id), cell(T.state), cell(T.application),
-                seconds_text(age(T.lastModified, now)), cell(T.attempts),
-                T.parked and "yes" or "", tostring(type(T.ops) == "table" and #T.ops or "-"),
-                shorten(cell(T.reason), 50) }
-  end
-  output.table(stdout, { "ID", "STATE", "APPLICATION", "AGE", "ATTEMPTS", "PARKED", "OPS",
-                         "REASON" }, rows)
+  cursor:close()
+  if err then return fail(FAILED, err) end
   return OK
 end
 
@@ -297,13 +310,14 @@ local function recover_once(tm, o, fail)
   return OK
 end
 
--- A sweep, then with --metrics-file the backlog gauges written there (a
--- failure to is named on stderr; the next sweep tries again).
+-- A sweep, then with --metrics-file the backlog gauges and the worker's
+-- counters since it started (o.metrics) written there (a failure to is
+-- named on stderr; the next sweep tries again).
 local function sweep_and_write(tm, o, fail)
   local code = recover_once(tm, o, fail)
   if not o.metrics_file then return code end
   local text, err = gauges.render(tm, o.database_name, o.collection)
-  if text then text, err = gauges.write(o.metrics_file, text) end
+  if text then text, err = gauges.write(o.metrics_file, text .. o.metrics:render()) end
   if not text then return fail(FAILED, "--metrics-file: " .. tostring(err)) end
   return code
 end

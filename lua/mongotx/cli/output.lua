@@ -264,16 +264,22 @@ function _M.cell(v)
 end
 
 -- Prints rows (lists of strings) under headers, each column as wide as
--- its widest cell, control characters made visible.
-function _M.table(out, headers, rows)
+-- its widest cell, control characters made visible; returns the widths.
+-- Given the widths an earlier call returned, prints more rows of that
+-- table: no header, the same widths (a wider cell pushes the rest of its
+-- row), so a long table is printed a page at a time.
+function _M.table(out, headers, rows, widths)
   for _, row in ipairs(rows) do
     for i, c in ipairs(row) do row[i] = _M.visible(c) end
   end
-  local widths = {}
-  for i, h in ipairs(headers) do widths[i] = #h end
-  for _, row in ipairs(rows) do
-    for i, c in ipairs(row) do
-      if #c > widths[i] then widths[i] = #c end
+  local more = widths ~= nil
+  if not more then
+    widths = {}
+    for i, h in ipairs(headers) do widths[i] = #h end
+    for _, row in ipairs(rows) do
+      for i, c in ipairs(row) do
+        if #c > widths[i] then widths[i] = #c end
+      end
     end
   end
   local function line(cells)
@@ -283,8 +289,9 @@ function _M.table(out, headers, rows)
     end
     out:write(concat(parts, "  "), "\n")
   end
-  line(headers)
+  if not more then line(headers) end
   for _, row in ipairs(rows) do line(row) end
+  return widths
 end
 
 -- Prints name: value lines, names aligned, control characters made

@@ -10,7 +10,7 @@ local validate = require "mongotx.validate"
 
 local check_id, id_key = validate.check_id, validate.id_key
 local ipairs, type, next, sort = ipairs, type, next, table.sort
-local format = string.format
+local format, min = string.format, math.min
 
 local _M = {}
 
@@ -94,7 +94,9 @@ local function take(view, t)
 end
 
 -- Moves `view` over its account's entries after view.seq, in seqId order,
--- until their end or until view.tail is full; true or nil, err.
+-- until their end or until view.tail is full; true or nil, err.  A view
+-- that keeps changes reads no range past the last one it keeps, so what
+-- one call reads is bounded by what it keeps (L:history's page).
 local function read_tail(self, view)
   for _ = 1, WALK do
     if full(view) then return true end
@@ -103,8 +105,8 @@ local function read_tail(self, view)
     if not t then return true end
     take(view, t)
   end
-  local chunk = _M.TAIL_CHUNK
   while not full(view) do
+    local chunk = view.keep and min(_M.TAIL_CHUNK, view.keep - #view.tail) or _M.TAIL_CHUNK
     -- (a broken ledger may hold two entries at a seqId: up to twice the
     -- chunk is read)
     local rest, err = self.entries:find_all({ changes = { ["$elemMatch"] = {
@@ -170,6 +172,16 @@ function _M.read(self, views, keep, each)
   end
   _M.remember(self, views)
   return true
+end
+
+-- The entries of one account after seqId `after`, at most `keep` of
+-- them, in seqId order: { { entry, change, at }, ... } read by the same
+-- walk as read's (L:history); nil, err.
+function _M.entries_after(self, account, key, after, keep)
+  local view = { account = account, key = key, seq = after, balance = 0, tail = {}, keep = keep }
+  local ok, err = read_tail(self, view)
+  if not ok then return nil, err end
+  return view.tail
 end
 
 -- Notes the (seq, balance) of these views as the last known of their
