@@ -54,7 +54,7 @@ function Manager:rollback(t, reason)
   end
   reason = reason or "rolled back"
   if T.state == "initial" then
-    T, err = self.engine:move(T, "cancelled", "initial", T.epoch, reason)
+    T, err = self.engine:move(T, "cancelled", "initial", T.epoch, reason, "rollback")
     if not T then return nil, err end
   elseif T.state == "pending" then
     if not self.engine:holds(T) then
@@ -80,7 +80,7 @@ function Manager:rollback(t, reason)
       end
       T = claimed
     end
-    T, err = self.engine:cancel(T, reason)
+    T, err = self.engine:cancel(T, reason, "rollback")
     if not T then return nil, err end
   end
   if T.state == "applied" or T.state == "done" then
