@@ -155,6 +155,8 @@ local checks = {
   limit = typed("number", "a whole number from 1 to " .. INT32_MAX, whole(1, INT32_MAX)),
   older_than = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
   dry_run = typed("boolean"),
+  -- compensate
+  floors = typed("boolean"),
   -- tm:find (the rest of the core's find options only need their type)
   skip = typed("number", "a whole number from 0 to " .. INT32_MAX, whole(0, INT32_MAX)),
   batch_size = typed("number", "a whole number from 0 to " .. INT32_MAX, whole(0, INT32_MAX)),
