@@ -103,6 +103,31 @@ describe("#server compensate", function()
     assert.are.same({ A = 100, B = 0, C = 20 }, balances())
   end)
 
+  it("a call that finds its attempt begun meanwhile with other ops drives that one", function()
+    local T = paid_and_spent()
+    assert(accounts:update_one({ _id = "B" }, { ["$inc"] = { balance = 20 } }))
+    local cid = manager.compensation_id("pay")
+    local other = assert(db:manager { application = "other" })
+    local ops = assert(other.policy.compensation(assert(tm:get("pay")), { floors = false }))
+    -- between this call's read of the attempt and its begin, another
+    -- caller (floors = false) begins the same attempt
+    local get = tm.engine.get
+    tm.engine.get = function(self, id)
+      local found, err = get(self, id)
+      if id == cid and not found and not err then
+        assert(other:begin(ops, { id = cid }, { compensates = "pay" }))
+      end
+      return found, err
+    end
+    local C, err = tm:compensate(T)
+    tm.engine.get = nil
+    assert(C, tostring(err))
+    assert.are.same({ cid, "done" }, { C._id, C.state })
+    assert.is_nil(assert(tm:get(cid)).ops[1].where) -- the other caller's ops
+    assert.are.equal(1, txs:count({ compensates = "pay" }))
+    assert.are.same({ A = 100, B = 0, C = 20 }, balances())
+  end)
+
   it("processes racing retries of refused compensations: at most one is done", function()
     local concurrency = helpers.no_concurrency()
     if concurrency then return pending(concurrency) end

@@ -148,7 +148,7 @@ function Manager:compensate(t, opts)
   if not ops then
     return nil, errors.new("invalid", why, { step = "compensate", id = T._id })
   end
-  local n = 1
+  local n, raced = 1, false
   while true do
     local cid = _M.compensation_id(T._id, n)
     local C
@@ -161,12 +161,13 @@ function Manager:compensate(t, opts)
         return self:commit(C)
       end
       -- another call began this attempt first, with other ops (floors):
-      -- read it again and go on from there
-      if err.code ~= "idempotency" then return nil, err end
+      -- read it again (once) and go on from there
+      if err.code ~= "idempotency" or raced then return nil, err end
+      raced = true
     elseif C.state ~= "cancelled" then
       return self:commit(C) -- this attempt is the one in flight, or done
     else
-      n = n + 1
+      n, raced = n + 1, false
     end
   end
 end
