@@ -61,24 +61,28 @@ transition_point(const char *to)
 }
 
 /* The rest of a transition's filter ({state: from [, epoch]}, after the
- * caller's _id) and its update {$set: {state: to [, key: value]},
+ * caller's _id) and its update {$set: {state: to [, keys[i]: value + i]...},
  * $currentDate: {lastModified: true}}, and for a final state (done,
  * cancelled) $unset: {parked: ""}: parked says recovery gave up on an
  * unfinished transaction, which a finished one no longer is (its reason
- * stays).  epoch and value are stack indices (0 or nil: none). */
+ * stays).  epoch and value are stack indices (0 or nil: none); keys
+ * (NULL: none) names the values at value, value + 1, ... (a nil one is
+ * not set). */
 static void
 build_transition(lua_State *L, const char *from, const char *to, int epoch,
-		 const char *key, int value, bson_t *filter, bson_t *update)
+		 const char *const *keys, int value, bson_t *filter, bson_t *update)
 {
 	bson_t set, cd, unset;
+	int i;
 
 	BSON_APPEND_UTF8(filter, "state", from);
 	if (epoch && !lua_isnil(L, epoch))
 		mtx_append_value(L, epoch, filter, "epoch");
 	bson_append_document_begin(update, "$set", 4, &set);
 	BSON_APPEND_UTF8(&set, "state", to);
-	if (value && !lua_isnil(L, value))
-		mtx_append_value(L, value, &set, key);
+	for (i = 0; value && keys && keys[i]; i++)
+		if (!lua_isnil(L, value + i))
+			mtx_append_value(L, value + i, &set, keys[i]);
 	bson_append_document_end(update, &set);
 	bson_append_document_begin(update, "$currentDate", -1, &cd);
 	BSON_APPEND_BOOL(&cd, "lastModified", true);
@@ -92,13 +96,13 @@ build_transition(lua_State *L, const char *from, const char *to, int epoch,
 
 /* Moves the transaction (id at stack index 3, transactions collection
  * at 2) from `from` (at the epoch at stack index `epoch`, 0: any) to
- * `to`, also setting key to the value at stack index `value` (0 or nil:
- * nothing): findAndModify returning the new document, so the caller needs
+ * `to`, also setting keys to the values from stack index `value` on (as
+ * build_transition): findAndModify returning the new document, so the caller needs
  * no read to learn where it stands.  Pushes it, or false when the
  * transaction was not in `from` (at that epoch), or nil, err. */
 static int
 move(lua_State *L, const mtx_steps *s, const char *from, const char *to, int epoch,
-     const char *key, int value)
+     const char *const *keys, int value)
 {
 	mongoc_collection_t *coll = arg_collection(L, 2);
 	bson_t *tid = check_tid(L, 3), *filter, *update;
@@ -107,7 +111,7 @@ move(lua_State *L, const mtx_steps *s, const char *from, const char *to, int epo
 	scratch_pair(L, &filter, &update);
 	bson_iter_init_find(&it, tid, "t");
 	bson_append_iter(filter, "_id", 3, &it);
-	build_transition(L, from, to, epoch, key, value, filter, update);
+	build_transition(L, from, to, epoch, keys, value, filter, update);
 	return find_and_modify(L, transition_point(to), coll, filter, update, s->wopts);
 }
 
@@ -242,21 +246,24 @@ l_done_many(lua_State *L)
 	return move_many(L, check_steps(L), "applied", "done", 0);
 }
 
-/* steps:cancel(txcoll, tid, epoch [, reason]): pending -> canceling, by
- * the owner at that epoch. */
+/* What a cancel records: why in words (reason) and as a code (cause). */
+static const char *const cancel_fields[] = {"reason", "cause", NULL};
+
+/* steps:cancel(txcoll, tid, epoch [, reason [, cause]]): pending ->
+ * canceling, by the owner at that epoch. */
 static int
 l_cancel(lua_State *L)
 {
 	mtx_steps *s = check_steps(L);
 
-	lua_settop(L, 5);
+	lua_settop(L, 6);
 	luaL_checkany(L, 4);
-	return move(L, s, "pending", "canceling", 4, "reason", 5);
+	return move(L, s, "pending", "canceling", 4, cancel_fields, 5);
 }
 
-/* steps:cancelled(txcoll, tid [, from [, epoch [, reason]]]): canceling
- * (or, with from = "initial", a transaction never started, at that
- * epoch) -> cancelled. */
+/* steps:cancelled(txcoll, tid [, from [, epoch [, reason [, cause]]]]):
+ * canceling (or, with from = "initial", a transaction never started, at
+ * that epoch) -> cancelled. */
 static int
 l_cancelled(lua_State *L)
 {
@@ -264,9 +271,9 @@ l_cancelled(lua_State *L)
 	mtx_steps *s = check_steps(L);
 	int from;
 
-	lua_settop(L, 6);
+	lua_settop(L, 7);
 	from = luaL_checkoption(L, 4, "canceling", froms);
-	return move(L, s, froms[from], "cancelled", 5, "reason", 6);
+	return move(L, s, froms[from], "cancelled", 5, cancel_fields, 6);
 }
 
 /* steps:cancelled_many(txcoll, tids) -> { moved = <count> }: canceling ->
@@ -284,12 +291,13 @@ l_cancelled_many(lua_State *L)
 static int
 l_renew(lua_State *L)
 {
+	static const char *const renew_fields[] = {"deadline", NULL};
 	mtx_steps *s = check_steps(L);
 
 	lua_settop(L, 5);
 	luaL_checkany(L, 4);
 	luaL_checkany(L, 5);
-	return move(L, s, "pending", "pending", 4, "deadline", 5);
+	return move(L, s, "pending", "pending", 4, renew_fields, 5);
 }
 
 /* The upsert that creates the transaction `doc` (stack index): filter

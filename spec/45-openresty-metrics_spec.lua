@@ -112,11 +112,11 @@ describe("#openresty mongotx.metrics.shared in nginx", function()
     assert.are.equal(17, count {})
     assert.are.equal(count { state = "done" },
       prom.value(families, "mongotx_transactions_done_total", bank))
-    -- cancelled by reason, as the reasons stored on the transactions say
+    -- cancelled by reason, as the causes stored on the transactions say
     -- (parallel transfers of A and B may also wait and give up: busy)
     local by_reason = {}
     for _, T in ipairs(assert(db:collection("transactions"):find_all { state = "cancelled" })) do
-      local reason = metrics.cancel_reason(T.reason)
+      local reason = metrics.cancel_reason(T.reason, T.cause)
       by_reason[reason] = (by_reason[reason] or 0) + 1
     end
     -- (the four overdrafts at least: guard, or busy when they met an open credit)

@@ -11,6 +11,7 @@
 local helpers = require "spec.helpers"
 local server = require "spec.support.server"
 local mongotx = require "mongotx"
+local manager = require "mongotx.manager"
 
 local q = server.quote
 local support = require "spec.support.cli"
@@ -454,6 +455,32 @@ describe("#server the mongotx command", function()
     assert.are.equal("done", state(c.compensation))
     assert.are.equal("d", assert(tm:get(c.compensation)).compensates)
     assert.are.same({ A = 1000, B = 1000 }, (helpers.balances(accounts)))
+  end)
+
+  it("compensate keeps the floors like tm:compensate, tries again, and --no-floors drops them", function()
+    if not check_build() then return end
+    assert(tm:transfer("accounts", "A", "B", 100, { id = "f", min = 0 }))
+    assert(tm:transfer("accounts", "B", "A", 1050))
+    assert.are.same({ A = 1950, B = 50 }, (helpers.balances(accounts)))
+    local code, out, err = cli("compensate", "f")
+    assert.are.equal(1, code)
+    assert.are.equal("", out)
+    assert.truthy(err:find("(guard)", 1, true), err)
+    assert.are.equal("guard", assert(tm:get(manager.compensation_id("f"))).cause)
+    assert.are.same({ A = 1950, B = 50 }, (helpers.balances(accounts)))
+    assert(tm:transfer("accounts", "A", "B", 50))
+    code, out, err = cli("--json", "compensate", "f")
+    assert.are.equal(0, code, err)
+    local c = json_lines(out)[1]
+    assert.are.same({ "done", manager.compensation_id("f", 2) }, { c.state, c.compensation })
+    assert.are.same({ A = 2000, B = 0 }, (helpers.balances(accounts)))
+
+    assert(tm:transfer("accounts", "A", "B", 100, { id = "g", min = 0 }))
+    assert(tm:transfer("accounts", "B", "A", 100))
+    code, out, err = cli("compensate", "--no-floors", "g")
+    assert.are.equal(0, code, err)
+    assert.truthy(out:find("g: compensated by", 1, true), out)
+    assert.are.same({ A = 2100, B = -100 }, (helpers.balances(accounts)))
   end)
 
   it("prune deletes finished transactions older than --older-than and nothing else", function()

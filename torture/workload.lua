@@ -6,10 +6,10 @@
 -- for another transaction's guarded debit).  Every debit of them is
 -- guarded with `balance >= floor + amount`, so the floor observer
 -- (torture/observer.lua) may never see one below 0.  The first HOT of
--- them take 40% of the picks (contention).  spare1..spareS have no floor:
--- compensations debit without a guard (an undo is not a payment), so they
--- only compensate transfers from a floored account to a spare one and
--- debit the spare account, which the observer does not watch.
+-- them take 40% of the picks (contention).  spare1..spareS have no floor
+-- field: compensations only compensate transfers from a floored account
+-- to a spare one and debit the spare account (keeping the transfer's
+-- `min` there), which the observer does not watch.
 --
 -- Paths, each with guarded debits: tm:transfer, begin+commit and tm:run
 -- of multi-collection transactions (a ledger insert, a token removal, an

@@ -266,6 +266,19 @@ function _M.finish(eng, list)
   return #list
 end
 
+-- Did this batch's create insert `existing`, the document under T's id?
+-- Untouched since (pending, epoch 1), by this manager, with the
+-- lastModified this batch stamped: an earlier call's transaction under
+-- the same id has moved on (every move sets lastModified) or carries its
+-- own batch's stamp.  The bulk reply cannot say: mongo-java-server counts
+-- a failed insert as inserted, FerretDB stops at it.
+local function inserted_here(eng, T, existing)
+  local at, stamp = existing.lastModified, T.lastModified
+  return existing.state == "pending" and existing.epoch == 1
+    and existing.instance == eng.instance and at ~= nil and stamp ~= nil
+    and core.type(at) == "date" and at:value() == stamp:value()
+end
+
 -- The one-at-a-time way for an entry the batch could not settle.
 local function settle(eng, e, deadline, versions)
   local T = e.T
@@ -285,6 +298,11 @@ local function settle(eng, e, deadline, versions)
     if existing ~= T and canon(existing.ops) ~= canon(T.ops) then
       return fail(e, errors.new("idempotency", "this id was used for other ops",
         { step = "begin", id = T._id }))
+    end
+    if existing ~= T and inserted_here(eng, T, existing) then
+      -- the bulk insert did not say it inserted this one: its create
+      -- event is due all the same (metrics count it), once
+      eng:event_id("create", T._id)
     end
     T = existing
     if T.state == "pending" and T.instance == eng.instance and T.epoch == 1 then

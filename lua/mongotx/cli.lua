@@ -107,8 +107,10 @@ local function parser()
   rollback:option("--reason", "Reason stored on it.", "rolled back by mongotx rollback")
     :argname("<text>")
 
-  p:command("compensate", "Undo a committed transaction with a compensating one.")
-    :argument("id", "Transaction id.")
+  local compensate = p:command("compensate",
+    "Undo a committed transaction with a compensating one (refused below a floor: run it again later).")
+  compensate:argument("id", "Transaction id.")
+  compensate:flag("--no-floors", "Debit even below the floors the transaction's debits had.")
   p:command("unpark", "Let recovery take a parked transaction up again.")
     :argument("id", "Transaction id.")
 

@@ -6,7 +6,8 @@
 --   guard        an op's `where` condition is false (mongotx.ledger: a change
 --                would take an account below `min`)
 --   conflict     an insert's _id is taken by another document
---   cancelled    the transaction ended cancelled (reason in .reason)
+--   cancelled    the transaction ended cancelled (why as a code in .cause, the
+--                one stored on it: docs/errors.md; in words in .reason)
 --   owned        another application holds the transaction and its lease
 --   idempotency  an id was reused with different ops
 --   state        the transaction is not in a state that allows the call

@@ -229,8 +229,8 @@ end
 -- @syntax T, err = tm:commit(t)
 -- @tparam table t the transaction (from `begin`, or any table with its `_id`)
 -- @treturn table the final document, state `done`
--- @errors `cancelled` (an op could not apply: `missing`, `guard`, `conflict`, ...; `err.reason`), `owned`,
---   `state`, database errors
+-- @errors `cancelled` (an op could not apply: `missing`, `guard`, `conflict`, ...; `err.cause` the code,
+--   `err.reason` the words), `owned`, `state`, database errors
 -- @usage local done, err = tm:commit(t)
 function Manager:commit(t)
   local T, err = self:_load(t, "commit")

@@ -81,19 +81,10 @@ local FAMILY = {}
 for _, f in ipairs(FAMILIES) do FAMILY[f[1]] = f end
 _M.FAMILIES = FAMILIES
 
--- Why a transaction was cancelled, from the reason stored on it: the
--- engine's op failures by their text, recovery's and expiry's, anything
--- else a caller's or operator's rollback.
-local OP_FAILURE = {}
-for code, text in pairs(engine.failure_text) do OP_FAILURE[text] = code end
-
-local function cancel_reason(reason)
-  if type(reason) ~= "string" then return "unknown" end
-  if reason == "expired" then return "expired" end
-  if reason == "rolled back by recovery" then return "recovery" end
-  local text = reason:match("^op %d+ %(.*%): (.-)$")
-  return text and OP_FAILURE[text] or "rollback"
-end
+-- Why a transaction was cancelled: the cause stored on it
+-- (cancel_reason(reason, cause); engine.cause_of reads an older one's
+-- reason).
+local cancel_reason = engine.cause_of
 _M.cancel_reason = cancel_reason
 
 -- The default store: a table in this Lua state.
@@ -263,7 +254,8 @@ end
 function ON.cancelled(m, app, info)
   local res = info.result
   if res == false then return end
-  local reason = cancel_reason(type(res) == "table" and res.reason or info.reason)
+  local from = type(res) == "table" and res or info
+  local reason = cancel_reason(from.reason, from.cause)
   m:count("mongotx_transactions_cancelled_total", app, "reason", reason)
   m:stop(info.id, app, "cancelled")
 end

@@ -159,6 +159,8 @@ local checks = {
   dry_run = typed("boolean"),
   -- L:history (mongotx.ledger): a seqId, whole within 2^53 like amounts
   after = typed("number", "a whole number from 0 to 2^53", whole(0, 2 ^ 53)),
+  -- compensate
+  floors = typed("boolean"),
   -- tm:find (the rest of the core's find options only need their type)
   skip = typed("number", "a whole number from 0 to " .. INT32_MAX, whole(0, INT32_MAX)),
   batch_size = typed("number", "a whole number from 0 to " .. INT32_MAX, whole(0, INT32_MAX)),

@@ -77,10 +77,44 @@ _M.max_attempts = 5
 -- Seconds finished transactions are kept before prune() deletes them.
 _M.retention = 24 * 3600
 
--- The ops of the transaction that undoes a committed one: each op's undo
--- in reverse order ($inc is inverted automatically when the op was
--- begun; anything else needs an explicit `undo`). Inserts become removes.
--- Returns ops, or nil and a message.
+-- The floor each field kept in tx's debits: an op that takes `d` off a
+-- field ($inc of -d) under a `where` of `field >= x` keeps it at x - d or
+-- above (a transfer's `min`).  The highest per field name; only numbers
+-- (a guard on anything else is no floor this can carry).
+local function floors_of(tx)
+  local floors = {}
+  for _, op in ipairs(tx.ops) do
+    local inc = op.kind == "update" and type(op.update) == "table" and op.update["$inc"]
+    if type(inc) == "table" and type(op.where) == "table" then
+      for field, d in pairs(inc) do
+        local cond = op.where[field]
+        local x = type(cond) == "table" and cond["$gte"]
+        if type(d) == "number" and d < 0 and type(x) == "number" then
+          local floor = x + d
+          if floors[field] == nil or floor > floors[field] then floors[field] = floor end
+        end
+      end
+    end
+  end
+  return floors
+end
+
+-- A guard that keeps `floors` on each field `update` takes from; nil when
+-- it debits none of them.
+local function floor_guard(update, floors)
+  local inc = type(update) == "table" and update["$inc"]
+  if type(inc) ~= "table" then return nil end
+  local where
+  for field, d in pairs(inc) do
+    local floor = floors[field]
+    if type(d) == "number" and d < 0 and floor ~= nil then
+      where = where or {}
+      where[field] = { ["$gte"] = floor - d }
+    end
+  end
+  return where
+end
+
 -- Is undo an $inc of exactly the update's paths, each number negated
 -- (as begin derives it)?  Then a compensation leaves its undo to be
 -- derived again, so that its credits are escrowed (docs/guards.md).
@@ -99,13 +133,22 @@ local function inverse_inc(update, undo)
   return true
 end
 
-function _M.compensation(tx)
+-- The ops of the transaction that undoes a committed one: each op's undo
+-- in reverse order ($inc is inverted automatically when the op was
+-- begun; anything else needs an explicit `undo`). Inserts become removes.
+-- A refund must not overdraw: each of its debits keeps the floor the
+-- original's debits of that field had (a transfer's `min`: B, paid 30 by
+-- A with min = 0, gives the 30 back only while B >= 30), unless
+-- opts.floors is false.  Returns ops, or nil and a message.
+function _M.compensation(tx, opts)
+  local floors = (opts == nil or opts.floors ~= false) and floors_of(tx) or {}
   local ops = {}
   for i = #tx.ops, 1, -1 do
     local op = tx.ops[i]
     if op.kind == "update" then
       ops[#ops + 1] = { collection = op.collection, id = op.id, update = op.undo,
-                        undo = not inverse_inc(op.update, op.undo) and op.update or nil }
+                        undo = not inverse_inc(op.update, op.undo) and op.update or nil,
+                        where = floor_guard(op.undo, floors) }
     elseif op.kind == "insert" then
       ops[#ops + 1] = { collection = op.collection, id = op.id, kind = "remove" }
     elseif op.kind == "remove" then

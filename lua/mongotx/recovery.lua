@@ -61,7 +61,8 @@ local function triage(eng, T, now, me)
   -- claim would wait for its own deadline (policy.may_recover)
   if eng:holds(T) then return "own" end
   if T.state == "initial" and eng.policy.stale_initial(T) == "expire" then
-    local moved, err = eng:step("cancelled", T._id, eng.tx, T._id, "initial", T.epoch, "expired")
+    local moved, err = eng:step("cancelled", T._id, eng.tx, T._id, "initial", T.epoch,
+      "expired", "expired")
     if moved == nil then return nil, err end
     return moved and "cancelled" or "skipped"
   end
@@ -106,7 +107,7 @@ local function recover_one(eng, T, now, me)
   T = claimed
   -- a stale initial one was never started: stale_initial decided it
   if was == "pending" and eng.policy.stale_pending(T) == "back" then
-    T, err = eng:cancel(T, "rolled back by recovery")
+    T, err = eng:cancel(T, "rolled back by recovery", "recovery")
     if not T then return nil, err end
     versions = nil
   end
@@ -223,7 +224,7 @@ local function back(eng, entries)
       elseif res.moved == #ids then
         e.outcome = "cancelled"
         eng:hold(e.T._id, nil)
-        eng:event("cancelled", { id = e.T._id, reason = e.T.reason })
+        eng:event("cancelled", { id = e.T._id, reason = e.T.reason, cause = e.T.cause })
       else
         e.slow = "cancelled" -- somebody else moved some: look at each
       end
@@ -257,7 +258,7 @@ local function claim(eng, entries, now)
         if not ok then
           raised_in(e, way)
         elseif way == "back" then
-          local T, err = eng:cancel(e.T, "rolled back by recovery")
+          local T, err = eng:cancel(e.T, "rolled back by recovery", "recovery")
           if T then e.T = T else fail(e, err) end
         end
       end

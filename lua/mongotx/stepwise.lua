@@ -132,7 +132,9 @@ local function step_move(eng, cache, name, T, refuse)
   end
   if name == "done" or name == "cancelled" then cache.versions[k] = nil end
   local moved, err
-  if STEP_STATES[name] == "pending" then -- commit, cancel: by the owner at its epoch
+  if name == "cancel" then -- by the owner at its epoch, a caller's rollback
+    moved, err = eng:step(name, T._id, eng.tx, T._id, T.epoch, nil, "rollback")
+  elseif STEP_STATES[name] == "pending" then -- commit: by the owner at its epoch
     moved, err = eng:step(name, T._id, eng.tx, T._id, T.epoch)
   else
     moved, err = eng:step(name, T._id, eng.tx, T._id)

@@ -355,7 +355,7 @@ function _M.rollback(tm, o, fail)
 end
 
 function _M.compensate(tm, o, fail)
-  local C, err = tm:compensate({ _id = o.id })
+  local C, err = tm:compensate({ _id = o.id }, { floors = not o.no_floors })
   if not C then return fail(FAILED, err) end
   if o.json then
     say(json(record("id", o.id, "compensation", C._id, "state", C.state)))

@@ -45,6 +45,23 @@ local function op_failure(T, i, reason)
     failure_text[reason] or reason), { step = "apply", id = T._id, op = i })
 end
 
+-- Why a cancelled transaction was cancelled, as a code: the `cause` its
+-- cancel stored (docs/errors.md).  A transaction cancelled before causes
+-- were stored has only its reason's text, read as the metrics read it
+-- then: an op failure's text, recovery's and expiry's words, any other
+-- text a caller's rollback.
+local OP_FAILURE = {}
+for code, text in pairs(failure_text) do OP_FAILURE[text] = code end
+
+local function cause_of(reason, cause)
+  if type(cause) == "string" then return cause end
+  if type(reason) ~= "string" then return "unknown" end
+  if reason == "expired" then return "expired" end
+  if reason == "rolled back by recovery" then return "recovery" end
+  local text = reason:match("^op %d+ %(.*%): (.-)$")
+  return text and OP_FAILURE[text] or "rollback"
+end
+
 
 -- Phases ------------------------------------------------------------------
 
@@ -229,7 +246,8 @@ function Engine:apply_all(T, versions)
           return nil, op_failure(T, i, why)
         else
           local failure = op_failure(T, i, why)
-          local moved, err = self:cancel(T, failure.message)
+          failure.cause = why
+          local moved, err = self:cancel(T, failure.message, why)
           if not moved then return nil, err end
           return moved, nil, failure
         end
@@ -253,9 +271,10 @@ function Engine:move(T, name, ...)
   return nil, err or errors.new("state", "no such transaction", { step = name, id = T._id })
 end
 
--- pending (held) -> canceling, recording why.
-function Engine:cancel(T, reason)
-  return self:move(T, "cancel", T.epoch, reason)
+-- pending (held) -> canceling, recording why: in words (reason) and as
+-- a code (cause, cause_of's).
+function Engine:cancel(T, reason, cause)
+  return self:move(T, "cancel", T.epoch, reason, cause)
 end
 
 -- applied -> done: pull every marker (delete removed documents), then done.
@@ -301,7 +320,8 @@ end
 
 local function cancelled_error(T)
   return errors.new("cancelled", "the transaction was cancelled: " ..
-    tostring(T.reason or "no reason recorded"), { id = T._id, reason = T.reason })
+    tostring(T.reason or "no reason recorded"),
+    { id = T._id, reason = T.reason, cause = cause_of(T.reason, T.cause) })
 end
 
 -- Drives T to done or cancelled from whatever state it is in.  `versions`
@@ -353,6 +373,6 @@ function Engine:drive(T, versions)
   return nil, errors.new("state", "the transaction did not settle", { id = T._id })
 end
 
-_M.op_failure, _M.failure_text = op_failure, failure_text
+_M.op_failure, _M.failure_text, _M.cause_of = op_failure, failure_text, cause_of
 
 return _M

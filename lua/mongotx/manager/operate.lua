@@ -54,7 +54,7 @@ function Manager:rollback(t, reason)
   end
   reason = reason or "rolled back"
   if T.state == "initial" then
-    T, err = self.engine:move(T, "cancelled", "initial", T.epoch, reason)
+    T, err = self.engine:move(T, "cancelled", "initial", T.epoch, reason, "rollback")
     if not T then return nil, err end
   elseif T.state == "pending" then
     if not self.engine:holds(T) then
@@ -80,7 +80,7 @@ function Manager:rollback(t, reason)
       end
       T = claimed
     end
-    T, err = self.engine:cancel(T, reason)
+    T, err = self.engine:cancel(T, reason, "rollback")
     if not T then return nil, err end
   end
   if T.state == "applied" or T.state == "done" then
@@ -95,25 +95,46 @@ function Manager:rollback(t, reason)
   return nil, err
 end
 
--- The id of the transaction compensating the one with this id: derived
--- from it, so it is created at most once however often (and from
--- wherever) compensate is called.  A string, not a document: it becomes a
--- marker, and FerretDB cannot $pull a document value.
-function _M.compensation_id(id)
-  return "compensates:" .. key(id)
+-- The id of attempt n (default 1) to compensate the transaction with
+-- this id: derived from it, so each attempt is created at most once
+-- however often (and from wherever) compensate is called.  The first is
+-- "compensates:<key>", a later one "compensates:<n>:<key>" (a key starts
+-- with its type's letter, never a digit, so no two ids meet).  A string,
+-- not a document: it becomes a marker, and FerretDB cannot $pull a
+-- document value.
+function _M.compensation_id(id, n)
+  if n == nil or n == 1 then return "compensates:" .. key(id) end
+  return "compensates:" .. n .. ":" .. key(id)
 end
 
--- A new transaction with the inverse ops of a committed one, linked by
--- `compensates`.
+local compensate_options = { floors = true }
 
---- Undoes a committed transaction with a new one, at most once.
--- @syntax T, err = tm:compensate(t)
+-- A new transaction with the inverse ops of a committed one, linked by
+-- `compensates`.  Attempt n + 1 is begun only once attempt n is
+-- cancelled (refused by a floor, say), and cancelled is final: of a
+-- transaction's compensations, at most one is ever anything but
+-- cancelled, so at most one is done, whoever calls and however many at
+-- once (two that begin the same attempt meet on its _id).  Attempts are
+-- read one by one from the first: each refused one adds a read to the
+-- next call.  prune deletes the original before its compensations (it
+-- is older), so a chain is never read with a gap.
+
+--- Undoes a committed transaction with a new one; of its compensations at most one ends `done`.
+-- @syntax T, err = tm:compensate(t [, { floors = false }])
 -- @tparam table t a `done` (or `applied`) transaction
--- @treturn table the compensating transaction (`_id` `"compensates:<id>"`, `compensates` = the original id)
--- @errors `state`, `cancelled`, a policy's message, database errors
+-- @tparam[opt] table opts `floors` (default true): each debit of the compensation keeps the floor the original's
+--   debits of that field had (a transfer's `min`); false: none
+-- @treturn table the compensating transaction (`_id` `"compensates:<id>"`, a later attempt's
+--   `"compensates:<n>:<id>"`; `compensates` = the original id)
+-- @errors `guard` (a floor refused it: it ended cancelled, and a later call tries again), `state`, `cancelled`,
+--   `invalid` (a policy's message, or a bad option), database errors
 -- @usage local c = assert(tm:compensate(done))
-function Manager:compensate(t)
-  local T, err = self:_load(t, "compensate")
+function Manager:compensate(t, opts)
+  local err
+  opts, err = validate.options(opts, compensate_options, "compensate", CALLER)
+  if not opts then return nil, err end
+  local T
+  T, err = self:_load(t, "compensate")
   if not T then return nil, err end
   if T.state == "applied" then
     T, err = self.engine:drive(T, nil)
@@ -123,15 +144,32 @@ function Manager:compensate(t)
     return nil, errors.new("state", "only a committed transaction can be compensated",
       { step = "compensate", id = T._id })
   end
-  local ops, why = self.policy.compensation(T)
+  local ops, why = self.policy.compensation(T, { floors = opts.floors ~= false })
   if not ops then
     return nil, errors.new("invalid", why, { step = "compensate", id = T._id })
   end
-  local C
-  C, err = self:begin(ops, { id = _M.compensation_id(T._id) }, { compensates = T._id })
-  if not C then return nil, err end
-  self.engine:event("compensate", { id = T._id, by = C._id })
-  return self:commit(C)
+  local n, raced = 1, false
+  while true do
+    local cid = _M.compensation_id(T._id, n)
+    local C
+    C, err = self.engine:get(cid)
+    if err then return nil, err end
+    if not C then
+      C, err = self:begin(ops, { id = cid }, { compensates = T._id })
+      if C then
+        self.engine:event("compensate", { id = T._id, by = C._id })
+        return self:commit(C)
+      end
+      -- another call began this attempt first, with other ops (floors):
+      -- read it again (once) and go on from there
+      if err.code ~= "idempotency" or raced then return nil, err end
+      raced = true
+    elseif C.state ~= "cancelled" then
+      return self:commit(C) -- this attempt is the one in flight, or done
+    else
+      n, raced = n + 1, false
+    end
+  end
 end
 
 -- Finds stale transactions and drives each to done or cancelled under the
