@@ -139,6 +139,7 @@ local checks = {
     "not _id, txRemoving, txHeld or txPlaceholder)", field_ok),
   fencing = typed("string", '"auto", "deadline" or "version"',
     one_of { auto = true, deadline = true, version = true }),
+  single_writer = typed("boolean"),
   -- policies (mongotx.policy)
   stale_after = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
   retries = typed("number", "a whole number from 0 to 1000", whole(0, 1000)),
