@@ -224,8 +224,12 @@ function Manager:begin(ops, opts, extra)
   local id = spec.id
   if id == nil then id = core.ObjectId() end
   local eng = self.engine
+  -- its owner and lease (no instance: the owner drives it, when it
+  -- wants, by commit or rollback), so others take it only after that
+  -- lease (policy.may_recover)
   local doc = { _id = id, state = "initial", ops = spec.stored, epoch = 0,
                 attempts = 0, meta = spec.meta, markerField = eng.marker,
+                application = eng.application, lease = self.policy.lease,
                 versionField = eng.version_field, mark = stored.new_mark(eng.vctx.collection, id) }
   for k, v in pairs(extra or {}) do doc[k] = v end
   local res
