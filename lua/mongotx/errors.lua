@@ -8,6 +8,8 @@
 --   conflict     an insert's _id is taken by another document
 --   cancelled    the transaction ended cancelled (reason in .reason)
 --   owned        another application holds the transaction and its lease
+--   in_progress  another call holds the transaction and did not finish it
+--                within policy.holder_wait seconds (Engine:await)
 --   idempotency  an id was reused with different ops
 --   state        the transaction is not in a state that allows the call
 --   malformed    recovery found a transaction document it cannot read (left as it is)

@@ -254,7 +254,8 @@ end
 -- @syntax T, err = tm:commit(t)
 -- @tparam table t the transaction (from `begin`, or any table with its `_id`)
 -- @treturn table the final document, state `done`
--- @errors `cancelled` (an op could not apply: `missing`, `guard`, `conflict`, ...; `err.reason`), `owned`,
+-- @errors `cancelled` (an op could not apply: `missing`, `guard`, `conflict`, ...; `err.reason`), `in_progress`
+--   (another call holds it beyond `holder_wait`),
 --   `state`, database errors
 -- @usage local done, err = tm:commit(t)
 function Manager:commit(t)
@@ -290,7 +291,8 @@ end
 -- @tparam[opt] table opts `field` (default `"balance"`), `min` (the debit's floor: guard `field >= min + amount`),
 --   `id`, `meta`
 -- @treturn table the transaction (`source`, `destination`, `value` on it)
--- @errors `guard` (below `min`: nothing stays applied), `missing`, `invalid`, `idempotency`, `busy`, database errors
+-- @errors `guard` (below `min`: nothing stays applied), `missing`, `invalid`, `idempotency`, `busy`, `in_progress`
+--   (a call with the same id holds it beyond `holder_wait`), database errors
 -- @usage local T, err = tm:transfer("accounts", "A", "B", 100, { min = 0, id = "order-17" })
 function Manager:transfer(collection, from, to, amount, opts)
   local spec, err = checks.transfer_call(self, collection, from, to, amount, opts, CALLER)

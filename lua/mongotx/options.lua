@@ -175,6 +175,7 @@ checks.version_field, checks.flag = checks.marker, checks.marker
 checks.roots, checks.items = checks.collection, checks.collection
 checks.accounts = checks.collection -- db:ledger's heads (mongotx.ledger)
 checks.lease, checks.retention = checks.stale_after, checks.stale_after
+checks.holder_wait = checks.stale_after
 checks.at, checks.idle, checks.poll = checks.older_than, checks.older_than, checks.older_than
 -- Any other policy (the functions) only needs the type of its default.
 for k, v in pairs(default_policy) do
