@@ -55,7 +55,7 @@ value_strings_utf8(const bson_value_t *v)
 		return mtx_utf8_valid(v->value.v_symbol.symbol, v->value.v_symbol.len);
 	case BSON_TYPE_DBPOINTER:
 		return mtx_utf8_valid(v->value.v_dbpointer.collection,
-				  v->value.v_dbpointer.collection_len);
+				      v->value.v_dbpointer.collection_len);
 	case BSON_TYPE_CODEWSCOPE:
 		return mtx_utf8_valid(v->value.v_codewscope.code, v->value.v_codewscope.code_len) &&
 		       bson_init_static(&scope, v->value.v_codewscope.scope_data,
