@@ -118,7 +118,8 @@ MTX_HIDDEN void mtx_append_number(lua_State *L, int idx, bson_t *b, const char *
 /* Is the key at idx an integer (LuaJIT: an integral number within 2^53)?
  * Sets *out when it is. */
 MTX_HIDDEN int mtx_is_integer_key(lua_State *L, int idx, lua_Integer *out);
-/* Is s (len bytes) valid UTF-8?  ASCII without asking libbson. */
+/* Is s (len bytes) valid UTF-8, a NUL taken as in a string value?  ASCII
+ * without asking libbson. */
 MTX_HIDDEN int mtx_utf8_valid(const char *s, size_t len);
 /* The __mongotx kind ("document"/"array") of the table at idx, with its
  * metatable pushed (or nil pushed when it has none of ours). */

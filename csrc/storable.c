@@ -26,20 +26,6 @@ push_type_name(lua_State *L, int idx)
 	return lua_tostring(L, -1);
 }
 
-/* Is the string UTF-8?  A NUL inside is allowed, as libmongoc's
- * validation allows it in values (BSON_VALIDATE_UTF8_ALLOW_NULL); plain
- * ASCII without asking libbson. */
-static int
-utf8_value(const char *s, size_t n)
-{
-	size_t i;
-
-	for (i = 0; i < n; i++)
-		if ((unsigned char)s[i] & 0x80)
-			return bson_utf8_validate(s, n, true);
-	return 1;
-}
-
 /* Is the Decimal128 NaN or infinite?  (Its combination field, the five
  * bits after the sign, is 11110 for an infinity and 11111 for a NaN.) */
 static int
@@ -64,14 +50,14 @@ value_strings_utf8(const bson_value_t *v)
 		       bson_utf8_validate(v->value.v_regex.options,
 					  strlen(v->value.v_regex.options), false);
 	case BSON_TYPE_CODE:
-		return utf8_value(v->value.v_code.code, v->value.v_code.code_len);
+		return mtx_utf8_valid(v->value.v_code.code, v->value.v_code.code_len);
 	case BSON_TYPE_SYMBOL:
-		return utf8_value(v->value.v_symbol.symbol, v->value.v_symbol.len);
+		return mtx_utf8_valid(v->value.v_symbol.symbol, v->value.v_symbol.len);
 	case BSON_TYPE_DBPOINTER:
-		return utf8_value(v->value.v_dbpointer.collection,
-				  v->value.v_dbpointer.collection_len);
+		return mtx_utf8_valid(v->value.v_dbpointer.collection,
+				      v->value.v_dbpointer.collection_len);
 	case BSON_TYPE_CODEWSCOPE:
-		return utf8_value(v->value.v_codewscope.code, v->value.v_codewscope.code_len) &&
+		return mtx_utf8_valid(v->value.v_codewscope.code, v->value.v_codewscope.code_len) &&
 		       bson_init_static(&scope, v->value.v_codewscope.scope_data,
 					v->value.v_codewscope.scope_len) &&
 		       bson_strings_utf8(&scope);
@@ -104,7 +90,7 @@ bson_strings_utf8(const bson_t *b)
 		} else if (BSON_ITER_HOLDS_UTF8(&it)) {
 			const char *s = bson_iter_utf8(&it, &len);
 
-			if (!utf8_value(s, len))
+			if (!mtx_utf8_valid(s, len))
 				return 0;
 		} else if (!value_strings_utf8(bson_iter_value(&it))) {
 			return 0;
@@ -133,7 +119,7 @@ bad_scalar(lua_State *L, int idx)
 		return 1;
 	case LUA_TSTRING:
 		s = lua_tolstring(L, idx, &n);
-		if (utf8_value(s, n))
+		if (mtx_utf8_valid(s, n))
 			return 0;
 		lua_pushliteral(L, "a string that is not UTF-8");
 		return 1;

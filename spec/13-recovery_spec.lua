@@ -197,6 +197,48 @@ describe("#server recovery", function()
       assert.are.equal("app-1", T.application)
       assert.are.equal(900, assert(accounts:find_one({ _id = "A" })).balance)
     end)
+
+    -- Issue 34 item 1: a begun transaction (never claimed) is its
+    -- creator's until the creator's lease passed, not the recoverer's
+    -- stale_after; its own application may take it once stale.
+    it("a begun transaction until its creator's lease, however stale", function()
+      local owner = assert(db:manager{ application = "live", lease = 3600 })
+      local t1 = assert(owner:begin({
+        { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -100 } } },
+        { collection = "accounts", id = "B", update = { ["$inc"] = { balance = 100 } } } }))
+      local t2 = assert(owner:begin({
+        { collection = "accounts", id = "C", update = { ["$inc"] = { balance = -10 } } } }))
+      local T = assert(txs:find_one({ _id = t1._id }))
+      assert.are.equal("live", T.application)
+      assert.are.equal(3600, T.lease)
+      helpers.age(txs, t1._id, 60)
+      helpers.age(txs, t2._id, 60)
+      -- another application, with the default stale_after of 30 s
+      local r = assert(assert(db:manager{ application = "other" }):recover())
+      assert.are.same(report{ examined = 2, skipped = 2 }, r)
+      assert.are.equal("initial", state(t1))
+      assert.are.equal("initial", state(t2))
+      assert.are.same({ A = 1000, B = 1000, C = 1000, D = 1000 }, balances())
+      -- its owner still rolls it back, 60 s on
+      assert.is_true(owner:rollback(t1))
+      assert.are.equal("cancelled", state(t1))
+      assert.are.same({ A = 1000, B = 1000, C = 1000, D = 1000 }, balances())
+      -- another manager of its application takes it once stale
+      r = assert(assert(db:manager{ application = "live" }):recover())
+      assert.are.same(report{ examined = 1, done = 1 }, r)
+      assert.are.same({ A = 1000, B = 1000, C = 990, D = 1000 }, balances())
+    end)
+
+    it("a begun transaction is another application's once its creator's lease passed", function()
+      local owner = assert(db:manager{ application = "live", lease = 3600 })
+      local t = assert(owner:begin({
+        { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -100 } } } }))
+      helpers.age(txs, t._id, 3601)
+      local r = assert(assert(db:manager{ application = "other" }):recover())
+      assert.are.same(report{ examined = 1, done = 1 }, r)
+      assert.are.equal("other", assert(tm:get(t._id)).application)
+      assert.are.same({ A = 900, B = 1000, C = 1000, D = 1000 }, balances())
+    end)
   end)
 
   describe("fencing the former owner", function()

@@ -164,6 +164,32 @@ describe("#server options", function()
       helpers.assert_dump_unchanged(before, db.client, db.name)
     end)
 
+    -- A NUL may stand inside a string value (BSON and libmongoc take it,
+    -- docs/guards.md), so inside a string id too: one answer whether the
+    -- rest of the id is ASCII or not (the check's ASCII shortcut and
+    -- libbson's path used to differ).
+    it("takes a NUL inside a string id, ASCII or not, and stores it as sent", function()
+      local tm = assert(db:manager {})
+      local accounts = db.client:collection(db.name, "accounts")
+      local tx = db.client:collection(db.name, "transactions")
+      for _, row in ipairs {
+        { what = "ASCII", id = "ab\0cd", account = "a\0" },
+        { what = "not ASCII", id = "\195\169\0", account = "\195\169\0b" },
+      } do
+        assert.are.equal("s" .. #row.id .. ":" .. row.id, mongotx.core.id_key(row.id), row.what)
+        assert(accounts:insert_many({ { _id = row.account, balance = 10 }, { _id = "to", balance = 0 } }, {}))
+        local t, err = tm:transfer("accounts", row.account, "to", 4, { id = row.id })
+        assert.is_nil(err, row.what)
+        assert.are.equal("done", t.state, row.what)
+        local stored = assert(tx:find_all({ _id = row.id }, {}))
+        assert.are.equal(1, #stored, row.what)
+        assert.are.equal(row.id, stored[1]._id, row.what)
+        assert.are.equal("done", stored[1].state, row.what)
+        assert.are.equal(6, assert(accounts:find_one({ _id = row.account }, {})).balance, row.what)
+        assert(accounts:delete_many({}, {}))
+      end
+    end)
+
     it("refuses unknown modes and names", function()
       invalid(manager { finish = "later" }, 'option finish of manager must be "inline" or "deferred"')
       invalid(manager { fencing = "none" },

@@ -71,16 +71,7 @@ describe("#server the mongotx command", function()
 
   local function state(id) return assert(tm:get(id)).state end
 
-  -- Ages transaction `id` by `secs`: its lastModified and its owner's
-  -- deadline moved back, as if written that long ago.  A check of age
-  -- is then decided by what the database holds, with a margin no load on
-  -- the machine eats up, instead of by how long the spec slept.
-  local function age(id, secs)
-    local T = assert(txs:find_one({ _id = id }))
-    local set = { lastModified = mongotx.core.Date(T.lastModified:value() - secs * 1000) }
-    if T.deadline then set.deadline = mongotx.core.Date(T.deadline:value() - secs * 1000) end
-    assert.are.equal(1, assert(txs:update_one({ _id = id }, { ["$set"] = set })).matched)
-  end
+  local function age(id, secs) helpers.age(txs, id, secs) end
 
   -- The JSON lines of a --json command that must succeed.
   local function json_ok(...)
@@ -295,6 +286,28 @@ describe("#server the mongotx command", function()
     assert.are.equal("done", state("s1"))
     assert.are.equal("done", state("s2"))
     assert.are.same({ A = 970, B = 1030 }, (helpers.balances(accounts)))
+  end)
+
+  -- Issue 34 item 1: the command is another application; a transaction
+  -- a live owner began waits for that owner's lease, not the command's
+  -- stale_after, and its owner can still roll it back.
+  it("recover leaves a begun transaction to its creator until the creator's lease passed", function()
+    if not check_build() then return end
+    local owner = assert(db:manager{ application = "live", lease = 3600 })
+    local t = assert(owner:begin({
+      { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -100 } } },
+      { collection = "accounts", id = "B", update = { ["$inc"] = { balance = 100 } } } },
+      { id = "kept" }))
+    age("kept", 60)
+    local code, out, err = cli("recover")
+    assert.are.equal(0, code, err)
+    assert.truthy(out:find("skipped:%s+1\n"), out)
+    assert.truthy(out:find("done:%s+0\n"), out)
+    assert.are.equal("initial", state("kept"))
+    assert.are.same({ A = 1000, B = 1000 }, (helpers.balances(accounts)))
+    assert.is_true(owner:rollback(t))
+    assert.are.equal("cancelled", state("kept"))
+    assert.are.same({ A = 1000, B = 1000 }, (helpers.balances(accounts)))
   end)
 
   it("recover --loop is a worker: it sweeps again and again until stopped", function()

@@ -235,6 +235,18 @@ function helpers.read_file(path)
   return s
 end
 
+-- Ages transaction `id` of the collection `txs` by `secs`: its
+-- lastModified and its owner's deadline moved back, as if written that
+-- long ago.  A check of age is then decided by what the database holds,
+-- with a margin no load on the machine eats up, instead of by how long
+-- the spec slept.
+function helpers.age(txs, id, secs)
+  local T = assert(txs:find_one({ _id = id }))
+  local set = { lastModified = core.Date(T.lastModified:value() - secs * 1000) }
+  if T.deadline then set.deadline = core.Date(T.deadline:value() - secs * 1000) end
+  luassert.are.equal(1, assert(txs:update_one({ _id = id }, { ["$set"] = set })).matched)
+end
+
 -- A fresh database with accounts A and B (1000 each) and a worker
 -- (spec/support/worker.lua stall, lease 1 s) moving 100 from A to B that
 -- is stopped (SIGSTOP) after its first apply and left so past its lease.

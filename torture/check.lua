@@ -149,7 +149,9 @@ function M.database(db, fixture, opts)
 
   local txs = {}
   for _, coll in ipairs { "transactions", M.OTHER.collection } do
-    local tm = assert(db:manager { application = "checker", collection = coll })
+    -- it reads, once every writer stopped: the one process there is
+    local tm = assert(db:manager { application = "checker", collection = coll,
+                                   single_writer = true })
     -- batches of 1000: mongo-java-server does not cut a reply at 48 MB;
     -- pages of tm:find's largest limit, by skip (ids of several types
     -- have no range to page by)

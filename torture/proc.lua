@@ -26,6 +26,12 @@ local function read(path)
   return s
 end
 
+-- Set while a section runs its children on FerretDB v1, where a manager
+-- starts only when told it is the one writer (docs/servers.md): each
+-- child there is, one at a time (the crash matrix, its recovery, the
+-- one worker of the server faults).
+M.single_writer = false
+
 -- Starts `lua torture/worker.lua args...` with env added; returns a child
 -- table { pid, out, rcfile }.
 function M.spawn(args, env, script)
@@ -33,6 +39,7 @@ function M.spawn(args, env, script)
   local rcfile = out .. ".rc"
   os.remove(rcfile)
   local words = {}
+  if M.single_writer then words[1] = "MONGOTX_SINGLE_WRITER=1" end
   for k, v in pairs(env or {}) do words[#words + 1] = k .. "=" .. q(v) end
   words[#words + 1] = helpers.lua()
   words[#words + 1] = q(script or "torture/worker.lua")

@@ -36,6 +36,7 @@ if cpath then package.cpath = cpath .. ";" .. package.cpath end
 
 local server = require "spec.support.server"
 local core = require "mongotx.core"
+local proc = require "torture.proc"
 
 local full, only, seconds, workers, scenarios = true, nil, nil, nil, nil
 do
@@ -79,7 +80,9 @@ local function with_server(kind, fn)
     if not s then return { cases = 0, violations = 0, crashes = 0, failed = "no server: " .. err } end
     ctx.uri, ctx.started = s.uri, s
   end
+  proc.single_writer = kind == "ferretdb"
   local ok, res = pcall(fn, ctx)
+  proc.single_writer = false
   if s then s:stop() end
   if not ok then return { cases = 0, violations = 0, crashes = 0, failed = tostring(res) } end
   return res

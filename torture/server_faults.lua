@@ -63,6 +63,7 @@ end
 
 local function midrun(ctx, kind, workers)
   local s = started(kind)
+  proc.single_writer = kind == "ferretdb" and workers == 1
   local f = fleet.new(s.uri, "midrun", { accounts = 20, tokens = 300 })
   for _ = 1, workers do f:spawn() end
   local kills = ctx.full and 5 or 2
@@ -74,6 +75,7 @@ local function midrun(ctx, kind, workers)
   end
   core.sleep(2)
   local r = f:finish()
+  proc.single_writer = false
   s:stop()
   r.notes = ("%s: %d server kills, %s"):format(kind, kills, r.notes)
   return r

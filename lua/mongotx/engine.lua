@@ -462,6 +462,35 @@ function Engine:holds(T)
   return T.state == "pending" and self:holding(T)
 end
 
+-- T is pending and another owner holds it: two calls of one idempotency
+-- key (in any processes) met, or a commit came for a transaction someone
+-- else runs.  Its outcome is this call's answer, the one a retry after it
+-- would get, so T is read again (every policy.backoff) until it left
+-- pending, for at most policy.holder_wait seconds; then nil and
+-- `in_progress`: its holder (or recovery, after the holder's lease)
+-- still has to finish it.
+function Engine:await(T)
+  local policy = self.policy
+  local give_up = core.monotonic_ms() + policy.holder_wait * 1000
+  local attempt = 0
+  while true do
+    local left = (give_up - core.monotonic_ms()) / 1000
+    if left <= 0 then break end
+    attempt = attempt + 1
+    policy.sleep(math.min(policy.backoff(attempt), left))
+    local now, err = self:get(T._id)
+    if err then return nil, err end
+    if not now then
+      return nil, errors.new("state", "the transaction disappeared", { id = T._id })
+    end
+    if now.state ~= "pending" then return now end
+    T = now
+  end
+  return nil, errors.new("in_progress", ("held by %s, which did not finish it in %g s " ..
+    "(holder_wait): ask again later, or recovery finishes it after its lease"):format(
+    tostring(T.application), policy.holder_wait), { id = T._id })
+end
+
 -- Versions read while this manager holds T: read, then check T is still
 -- held, so any later owner's writes come after the read.
 function Engine:confirmed_versions(T)

@@ -9,6 +9,8 @@
 --   cancelled    the transaction ended cancelled (why as a code in .cause, the
 --                one stored on it: docs/errors.md; in words in .reason)
 --   owned        another application holds the transaction and its lease
+--   in_progress  another call holds the transaction and did not finish it
+--                within policy.holder_wait seconds (Engine:await)
 --   idempotency  an id was reused with different ops
 --   state        the transaction is not in a state that allows the call
 --   malformed    recovery found a transaction document it cannot read (left as it is)

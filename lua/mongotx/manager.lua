@@ -26,6 +26,7 @@ local checks = require "mongotx.manager.checks"
 local batches = require "mongotx.manager.batches"
 local counts = require "mongotx.manager.counts"
 local operate = require "mongotx.manager.operate"
+local commands = require "mongotx.engine.commands"
 
 local canon = validate.canon
 local live = stored.live
@@ -46,10 +47,29 @@ local CALLER, HELPER_CALLER, ITEM_CALLER = 2, 3, 4
 
 local manager_options = {
   collection = true, application = true, marker = true, version_field = true,
-  write_concern = true, fencing = true, escrow = true,
+  write_concern = true, fencing = true, escrow = true, single_writer = true,
 }
 
 for k in pairs(default_policy) do manager_options[k] = true end
+
+-- nil when the manager may write to db's server; else the `unsupported`
+-- error.  FerretDB v1 does not isolate concurrent read-modify-write
+-- updates of one document (its issue #3040): two writers there lose money
+-- (docs/servers.md has the figures), so a manager starts there only when
+-- its caller promises one writer, by the option or for a whole process
+-- tree (the command, the test targets) by the environment.
+local function refuse_server(db, single_writer)
+  if single_writer == nil then single_writer = os.getenv("MONGOTX_SINGLE_WRITER") == "1" end
+  if single_writer then return nil end
+  local version, err = commands.ferretdb_v1(db.client)
+  if version == nil then return err end
+  if version then
+    return errors.new("unsupported", format("FerretDB %s does not isolate concurrent " ..
+      "updates of one document (FerretDB issue #3040, mongotx issue 34): two writers lose " ..
+      "money. Pass single_writer = true (or set MONGOTX_SINGLE_WRITER=1) only when this " ..
+      "process is the one writer of these documents", version), { step = "manager" })
+  end
+end
 
 -- Options are checked by mongotx.options (types raise; values, fencing's
 -- and finish's modes and a marker that clashes give nil, err).  fencing:
@@ -75,6 +95,8 @@ function _M.new(db, opts)
   if not ok then
     return nil, errors.new("invalid", "option collection of manager: " .. bad, { step = "manager" })
   end
+  local refused = refuse_server(db, opts.single_writer)
+  if refused then return nil, refused end
   local tx = db.client:collection(db.name, collection)
   local self = setmetatable({
     db = db,
@@ -203,8 +225,12 @@ function Manager:begin(ops, opts, extra)
   local id = spec.id
   if id == nil then id = core.ObjectId() end
   local eng = self.engine
+  -- its owner and lease (no instance: the owner drives it, when it
+  -- wants, by commit or rollback), so others take it only after that
+  -- lease (policy.may_recover)
   local doc = { _id = id, state = "initial", ops = spec.stored, epoch = 0,
                 attempts = 0, meta = spec.meta, markerField = eng.marker,
+                application = eng.application, lease = self.policy.lease,
                 versionField = eng.version_field, mark = stored.new_mark(eng.vctx.collection, id) }
   for k, v in pairs(extra or {}) do doc[k] = v end
   local res
@@ -230,7 +256,8 @@ end
 -- @tparam table t the transaction (from `begin`, or any table with its `_id`)
 -- @treturn table the final document, state `done`
 -- @errors `cancelled` (an op could not apply: `missing`, `guard`, `conflict`, ...; `err.cause` the code,
---   `err.reason` the words), `owned`, `state`, database errors
+--   `err.reason` the words), `in_progress` (another call holds it beyond `holder_wait`),
+--   `state`, database errors
 -- @usage local done, err = tm:commit(t)
 function Manager:commit(t)
   local T, err = self:_load(t, "commit")
@@ -265,7 +292,8 @@ end
 -- @tparam[opt] table opts `field` (default `"balance"`), `min` (the debit's floor: guard `field >= min + amount`),
 --   `id`, `meta`
 -- @treturn table the transaction (`source`, `destination`, `value` on it)
--- @errors `guard` (below `min`: nothing stays applied), `missing`, `invalid`, `idempotency`, `busy`, database errors
+-- @errors `guard` (below `min`: nothing stays applied), `missing`, `invalid`, `idempotency`, `busy`, `in_progress`
+--   (a call with the same id holds it beyond `holder_wait`), database errors
 -- @usage local T, err = tm:transfer("accounts", "A", "B", 100, { min = 0, id = "order-17" })
 function Manager:transfer(collection, from, to, amount, opts)
   local spec, err = checks.transfer_call(self, collection, from, to, amount, opts, CALLER)

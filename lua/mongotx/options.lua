@@ -141,6 +141,7 @@ local checks = {
   escrow = typed("boolean"),
   fencing = typed("string", '"auto", "deadline" or "version"',
     one_of { auto = true, deadline = true, version = true }),
+  single_writer = typed("boolean"),
   -- policies (mongotx.policy)
   stale_after = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
   retries = typed("number", "a whole number from 0 to 1000", whole(0, 1000)),
@@ -180,6 +181,7 @@ checks.version_field, checks.flag = checks.marker, checks.marker
 checks.roots, checks.items = checks.collection, checks.collection
 checks.accounts = checks.collection -- db:ledger's heads (mongotx.ledger)
 checks.lease, checks.retention = checks.stale_after, checks.stale_after
+checks.holder_wait = checks.stale_after
 checks.at, checks.idle, checks.poll = checks.older_than, checks.older_than, checks.older_than
 -- Any other policy (the functions) only needs the type of its default.
 for k, v in pairs(default_policy) do

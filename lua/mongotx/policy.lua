@@ -14,9 +14,17 @@ _M.stale_after = 30
 -- another application may take it over.
 _M.lease = 30
 
+-- Seconds a call waits for the outcome of a transaction that another call
+-- runs (two callers of one idempotency key, in any processes; or a commit
+-- of a transaction another owner holds) before answering `in_progress`.
+_M.holder_wait = 10
+
 -- May the manager `me` recover the stale transaction `tx` (age in seconds
 -- by the server's clock)?  Its own (same instance) at once, its
--- application's once stale, others' once their lease expired.
+-- application's once stale, others' once their lease expired.  A begun
+-- transaction records its creator's application and lease too; one
+-- without an owner (begun before they were recorded) is anyone's once
+-- stale.
 function _M.may_recover(tx, age, me)
   if tx.application == nil then return age >= me.stale_after end
   if tx.instance == me.instance then return true end

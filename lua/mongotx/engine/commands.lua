@@ -27,23 +27,33 @@ _M.FERRETDB_V1 = 25
 -- transaction of its list).
 local ITEMS = { apply = true, claim = true, undo = true, fence = true }
 
--- client -> the cap it needs, or false for none (asked once a client).
+-- client -> FerretDB v1's version, or false for another server (asked
+-- once a client).
 local known = setmetatable({}, { __mode = "k" })
+
+-- The FerretDB v1 version `client`'s server is ("v1.24.0"), or false for
+-- any other server; nil, err when it could not be asked.  buildInfo names
+-- FerretDB (ferretdbVersion): one round trip a client, asked when a
+-- manager is made (mongotx.manager: v1 does not isolate updates of one
+-- document) or a step has more statements than FERRETDB_V1.
+function _M.ferretdb_v1(client)
+  local v = known[client]
+  if v == nil then
+    local reply, err = client:command("admin", { buildInfo = 1 })
+    if not reply then return nil, err end
+    v = reply.ferretdbVersion
+    v = type(v) == "string" and v:match("^v?1%.") ~= nil and v
+    known[client] = v
+  end
+  return v
+end
 
 -- The most statements a write command to `client`'s server may carry, or
 -- false for no limit; nil, err when the server could not be asked.
--- buildInfo names FerretDB (ferretdbVersion): one round trip a client,
--- only once a step has more statements than FERRETDB_V1.
 local function cap_of(client)
-  local cap = known[client]
-  if cap == nil then
-    local reply, err = client:command("admin", { buildInfo = 1 })
-    if not reply then return nil, err end
-    local v = reply.ferretdbVersion
-    cap = type(v) == "string" and v:match("^v?1%.") ~= nil and _M.FERRETDB_V1
-    known[client] = cap
-  end
-  return cap
+  local v, err = _M.ferretdb_v1(client)
+  if v == nil then return nil, err end
+  return v and _M.FERRETDB_V1
 end
 
 -- The calls' lists, each of at most `cap` statements (for finish, pieces

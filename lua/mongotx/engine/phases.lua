@@ -346,10 +346,11 @@ function Engine:drive(T, versions)
       T = claimed or self:get(T._id)
     elseif state == "pending" then
       if not self:holds(T) then
-        return nil, errors.new("owned", format("held by %s; recover() takes it " ..
-          "over once its lease expired", tostring(T.application)), { id = T._id })
-      end
-      if not versions then
+        -- another call runs it: its outcome is this call's (Engine:await)
+        T, err = self:await(T)
+        if not T then return nil, err end
+        versions = nil
+      elseif not versions then
         local now
         versions, now = self:confirmed_versions(T)
         if versions == nil then return nil, now end
