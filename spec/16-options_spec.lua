@@ -188,6 +188,13 @@ describe("#server options", function()
         assert.are.equal(6, assert(accounts:find_one({ _id = row.account }, {})).balance, row.what)
         assert(accounts:delete_many({}, {}))
       end
+      -- NUL's overlong form (C0 80) is no UTF-8, beside a NUL or not
+      for _, bad in ipairs { "\195\169\192\128", "\195\169\0\192\128", "a\192\128" } do
+        local t, err = tm:transfer("accounts", "x", "to", 4, { id = bad })
+        assert.is_nil(t)
+        assert.are.equal("invalid", err.code)
+      end
+      assert.are.equal(0, tx:count({ state = { ["$ne"] = "done" } }))
     end)
 
     it("refuses unknown modes and names", function()
