@@ -243,15 +243,19 @@ function Engine:clock()
 end
 
 -- Are this manager's applies fenced by a deadline (csrc/txn.c)?  When
--- the server evaluates $$NOW in a query (asked once; an _id lookup keeps
--- the probe cheap) and the lease is not 0: a deadline of now would expire
--- before the first apply.
+-- the server evaluates $$NOW in a write's filter (asked once; an _id
+-- lookup that matches nothing keeps the probe cheap) and the lease is not
+-- 0: a deadline of now would expire before the first apply.  The probe is
+-- an update, as the applies are: DocumentDB (FerretDB v2) evaluates $$NOW
+-- in reads but refuses it in update and findAndModify unless
+-- documentdb.enableVariablesSupportForWriteCommands is on.
 function Engine:deadlines()
   if self.use_deadline == nil then
     if self.fencing == "auto" then
-      local n = self.tx:count({ _id = "mongotx:probe",
-                                ["$expr"] = { ["$lt"] = { "$$NOW", core.Date(0) } } })
-      self.use_deadline = n ~= nil
+      local res = self.tx:update_one({ _id = "mongotx:probe",
+                                       ["$expr"] = { ["$lt"] = { "$$NOW", core.Date(0) } } },
+                                     { ["$set"] = { probe = true } })
+      self.use_deadline = res ~= nil
     else
       self.use_deadline = self.fencing == "deadline"
     end
