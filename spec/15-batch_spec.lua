@@ -143,8 +143,10 @@ describe("#server transactions run at once", function()
       local _, refused = db:collection("transactions"):update_one(
         { ["$expr"] = { ["$lt"] = { "$$NOW", mongotx.Date(0) } } }, { ["$set"] = { x = 1 } })
       assert.are.equal(9, refused.server_code)
-      assert.are.equal(1, accounts:count({ ["$expr"] = { ["$lt"] = { mongotx.Date(0), "$$NOW" } },
-                                           _id = "A1" }))
+      if not deadline_reason then -- and reads it as the server would
+        assert.are.equal(1, accounts:count({ ["$expr"] = { ["$lt"] = { mongotx.Date(0), "$$NOW" } },
+                                             _id = "A1" }))
+      end
       local tm = assert(db:manager {})
       local T = assert(tm:begin({
         { collection = "accounts", id = "A1", update = { ["$inc"] = { balance = -100 } } },
@@ -279,10 +281,10 @@ describe("#server transactions run at once", function()
         assert.is_false(errs[i])
         assert.are.equal("done", results[i].state)
       end
-      -- the $$NOW probe (an update, once per manager), 10 creates, 20
+      -- the $$NOW probe (two updates, once per manager), 10 creates, 20
       -- applies, the commit, 20 finishes (one per op, each sent to its own
       -- collection once), done
-      assert.are.equal(53, db.client:counters().writes)
+      assert.are.equal(54, db.client:counters().writes)
       assert.are.same({ done = 10 }, states(tm))
       for _, c in ipairs { { accounts, 1000, -1 }, { savings, 50, 1 } } do
         for _, doc in ipairs(helpers.dump(c[1])) do

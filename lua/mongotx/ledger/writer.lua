@@ -78,9 +78,10 @@ end
 -- in), and a ledger there would let two writers share a seqId in silence.
 -- So before its first write a ledger tries the index on a collection of
 -- its own (`<entries>.seqs_probe`, same index; not the `.probe` of the
--- version before seqs, which holds the old index): two documents under
--- one new (ObjectId, 1) pair, the second of which must fail as a
--- duplicate; both are deleted again.  Once per connection and
+-- version before seqs, which holds the old index): two documents that
+-- share one new (ObjectId, 1) pair, the first with a second pair (FerretDB
+-- v1 refuses only an equal whole array), the second of which must fail as
+-- a duplicate; both are deleted again.  Once per connection and
 -- collection; nil, `unsupported` where the index is not enforced.
 local PROBE_INDEX = core.doc("seqs", 1)
 local probed = setmetatable({}, { __mode = "k" }) -- client -> { "<db>.<entries>" = true }
@@ -97,11 +98,12 @@ local function index_enforced(self, step)
   local probe = client:collection(self.db.name, self.entries:name() .. ".seqs_probe")
   local ok, err = probe:create_index(PROBE_INDEX, { unique = true, sparse = true })
   if not ok then return nil, errors.wrap(err, step) end
-  local seqs = { seq_key(core.ObjectId(), 1) }
+  local shared = seq_key(core.ObjectId(), 1)
   local first, second = core.ObjectId(), core.ObjectId()
-  ok, err = probe:insert_one({ _id = first, seqs = seqs }, self.wopts)
+  ok, err = probe:insert_one({ _id = first, seqs = { shared, seq_key(core.ObjectId(), 1) } },
+                             self.wopts)
   if not ok then return nil, errors.wrap(err, step) end
-  local dup, why = probe:insert_one({ _id = second, seqs = seqs }, self.wopts)
+  local dup, why = probe:insert_one({ _id = second, seqs = { shared } }, self.wopts)
   probe:delete_many({ _id = { ["$in"] = { first, second } } }, self.wopts)
   if dup then
     return nil, errors.new("unsupported", "this server does not enforce a unique index " ..
