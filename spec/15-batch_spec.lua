@@ -5,7 +5,7 @@
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
 
-local deadline_reason = helpers.ferretdb_lacks("$$NOW in a query filter, so creators read versions")
+local deadline_reason = helpers.no_deadlines()
 
 describe("#server transactions run at once", function()
   local db, accounts
