@@ -262,15 +262,21 @@ describe("#server mongotx.ledger", function()
     assert(old:create_index(mongotx.doc("changes.account", 1, "changes.seqId", 1), { unique = true }))
     assert(old:insert_one({ _id = "d1", ts = mongotx.Date(0), proc = "UNCOMMITTED", state = "VALID",
       changes = { { account = "A", value = 100, seqId = 1, cacheBal = null } } }))
-    assert(old:insert_one({ _id = "t1", ts = mongotx.Date(0), proc = "UNCOMMITTED", state = "VALID",
-      changes = { { account = "A", value = -30, seqId = 2, cacheBal = null },
-                  { account = "B", value = 30, seqId = 1, cacheBal = null } } }))
+    local ok, err = old:insert_one({ _id = "t1", ts = mongotx.Date(0), proc = "UNCOMMITTED",
+      state = "VALID", changes = { { account = "A", value = -30, seqId = 2, cacheBal = null },
+                                   { account = "B", value = 30, seqId = 1, cacheBal = null } } })
+    if not ok and err.server_code == 11000 then
+      -- DocumentDB builds that index from every combination: (A 1) and
+      -- (A 2, B 1) meet at (A 1); such a ledger never ran there
+      return pending("the server builds a compound index over an array from every combination")
+    end
+    assert(ok, err)
     local O = assert(db:ledger { collection = name })
     local t = assert(O:transfer("A", "B", 70, { min = 0 }))
     assert.are.same({ { "A", -70, 3 }, { "B", 70, 2 } }, seqs(assert(old:find_one({ _id = t._id }))))
     assert.is_nil((O:transfer("A", "B", 1, { min = 0 })))
     -- the old index still guards the old entries, which have no seqs
-    local ok, err = old:insert_one({ changes = { { account = "B", seqId = 1 } } })
+    ok, err = old:insert_one({ changes = { { account = "B", seqId = 1 } } })
     assert.is_nil(ok)
     assert.are.equal(11000, err.server_code)
     assert.are.same({ 0, 3 }, { O:balance("A") })
