@@ -353,7 +353,7 @@ do_update(lua_State *L, update_fn fn)
 	mtx_opt_write_concern(L, 4, opts);
 	reply = mtx_scratch(L);
 	sent = mtx_commands_sent(owner(L));
-	ok = fn(coll, filter, update, opts, reply, &err);
+	ok = !mtx_fault_refuses(filter, &err) && fn(coll, filter, update, opts, reply, &err);
 	mtx_count_writes(owner(L), sent, 1);
 	if (!ok)
 		return mtx_push_error(L, &err, reply);
@@ -473,7 +473,8 @@ collection_find_and_modify(lua_State *L)
 	mongoc_find_and_modify_opts_append(fam, extra);
 	reply = mtx_scratch(L);
 	sent = mtx_commands_sent(owner(L));
-	ok = mongoc_collection_find_and_modify_with_opts(coll, query, fam, reply, &err);
+	ok = !mtx_fault_refuses(query, &err) &&
+	     mongoc_collection_find_and_modify_with_opts(coll, query, fam, reply, &err);
 	mtx_count_writes(owner(L), sent, 1);
 	if (!ok)
 		return mtx_push_error(L, &err, reply);

@@ -10,7 +10,14 @@
  *       reached, so a test can list the points a scenario passes.
  *
  * core.fault(spec) sets the same thing from Lua (nil turns it off), for
- * tests that start no child process.  The environment is read once. */
+ * tests that start no child process.  The environment is read once.
+ *
+ * core.refuse_now(true) makes this process's single writes (update,
+ * findAndModify: of the collection handles and of the steps) whose filter
+ * holds "$$NOW" fail without being sent, code 9, as DocumentDB (FerretDB
+ * v2) refuses them unless documentdb.enableVariablesSupportForWriteCommands
+ * is on, though it evaluates $$NOW in reads: the specs' stand-in for that
+ * server.  The batched steps' bulk writes are not covered. */
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,7 +31,8 @@ static struct {
 	char point[32], when[8];
 	long target, seen;
 	int trace_fd;
-} fault = {0, "", "", 0, 0, -1};
+	int refuse_now;
+} fault = {0, "", "", 0, 0, -1, 0};
 
 /* Parses "<point>:<when>:<n>" into the crash target; 0 when malformed. */
 static int
@@ -81,6 +89,44 @@ mtx_fault(const char *point, const char *when)
 	}
 }
 
+/* Does what the iterator walks hold the string "$$NOW" at any depth? */
+static int
+holds_now(bson_iter_t *it)
+{
+	bson_iter_t child;
+
+	while (bson_iter_next(it)) {
+		if (BSON_ITER_HOLDS_UTF8(it) &&
+		    strcmp(bson_iter_utf8(it, NULL), "$$NOW") == 0)
+			return 1;
+		if ((BSON_ITER_HOLDS_DOCUMENT(it) || BSON_ITER_HOLDS_ARRAY(it)) &&
+		    bson_iter_recurse(it, &child) && holds_now(&child))
+			return 1;
+	}
+	return 0;
+}
+
+int
+mtx_fault_refuses(const bson_t *filter, bson_error_t *err)
+{
+	bson_iter_t it;
+
+	if (!fault.refuse_now || !bson_iter_init(&it, filter) || !holds_now(&it))
+		return 0;
+	bson_set_error(err, MONGOC_ERROR_SERVER, 9,
+		       "$$NOW is not supported in this context (core.refuse_now)");
+	return 1;
+}
+
+/* core.refuse_now(on): see the top of this file. */
+static int
+l_refuse_now(lua_State *L)
+{
+	luaL_checktype(L, 1, LUA_TBOOLEAN);
+	fault.refuse_now = lua_toboolean(L, 1);
+	return 0;
+}
+
 /* core.fault("<point>:<when>:<n>" | nil): arm (or disarm) a crash point
  * from Lua; raises on a malformed spec. */
 static int
@@ -121,5 +167,7 @@ mtx_open_fault(lua_State *L)
 	lua_setfield(L, -2, "fault");
 	lua_pushcfunction(L, l_crash_point);
 	lua_setfield(L, -2, "crash_point");
+	lua_pushcfunction(L, l_refuse_now);
+	lua_setfield(L, -2, "refuse_now");
 	return 0;
 }

@@ -365,8 +365,9 @@ run_update(lua_State *L, const char *point, mongoc_collection_t *coll,
 	bool ok;
 
 	sent = write_begin(L, point);
-	ok = many ? mongoc_collection_update_many(coll, filter, update, opts, reply, &err)
-		     : mongoc_collection_update_one(coll, filter, update, opts, reply, &err);
+	ok = !mtx_fault_refuses(filter, &err) &&
+	     (many ? mongoc_collection_update_many(coll, filter, update, opts, reply, &err)
+		   : mongoc_collection_update_one(coll, filter, update, opts, reply, &err));
 	write_end(L, point, sent);
 	if (!ok)
 		return mtx_push_error(L, &err, reply);

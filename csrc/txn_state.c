@@ -32,7 +32,8 @@ find_and_modify(lua_State *L, const char *point, mongoc_collection_t *coll,
 	mongoc_find_and_modify_opts_set_flags(fam, MONGOC_FIND_AND_MODIFY_RETURN_NEW);
 	mongoc_find_and_modify_opts_append(fam, opts);
 	sent = write_begin(L, point);
-	ok = mongoc_collection_find_and_modify_with_opts(coll, query, fam, reply, &err);
+	ok = !mtx_fault_refuses(query, &err) &&
+	     mongoc_collection_find_and_modify_with_opts(coll, query, fam, reply, &err);
 	write_end(L, point, sent);
 	if (!ok)
 		return mtx_push_error(L, &err, reply);

@@ -24,8 +24,12 @@ describe("#server collection", function()
     coll = client:collection(db, "c")
   end)
 
+  -- by name; none when the collection does not exist (MongoDB and
+  -- FerretDB answer NamespaceNotFound there, mongo-java-server no index)
   local function indexes()
-    local reply = assert(client:command(db, { listIndexes = "c" }))
+    local reply, err = client:command(db, { listIndexes = "c" })
+    if not reply and err.server_code == 26 then return {} end
+    assert(reply, err)
     local out = {}
     for _, index in ipairs(reply.cursor.firstBatch) do out[index.name] = index end
     return out
@@ -518,8 +522,6 @@ describe("#server collection", function()
     end)
 
     it("create_index raises for a plain table with several keys", function()
-      local lacks = helpers.ferretdb_lacks("listIndexes on a collection that does not exist")
-      if lacks then return pending(lacks) end
       assert.has_error(function() coll:create_index({ a = 1, b = 1 }) end)
       assert.has_error(function() coll:create_index({ a = 1 }, { bogus = true }) end)
       assert.has_error(function() coll:create_index({ a = 1 }, { unique = "yes" }) end)

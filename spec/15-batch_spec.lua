@@ -5,7 +5,7 @@
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
 
-local deadline_reason = helpers.ferretdb_lacks("$$NOW in a query filter, so creators read versions")
+local deadline_reason = helpers.no_deadlines()
 
 describe("#server transactions run at once", function()
   local db, accounts
@@ -129,6 +129,53 @@ describe("#server transactions run at once", function()
     end)
   end)
 
+  -- DocumentDB (FerretDB v2) evaluates $$NOW in a find or a count but
+  -- refuses it in update and findAndModify (code 9) unless
+  -- documentdb.enableVariablesSupportForWriteCommands is on;
+  -- core.refuse_now makes this process's single writes refuse it the same
+  -- way (csrc/fault.c), on any server.
+  describe("a server that refuses $$NOW in writes", function()
+    after_each(function() mongotx.core.refuse_now(false) end)
+
+    it("is asked with a write, and gets fencing by versions: nothing fails", function()
+      mongotx.core.refuse_now(true)
+      -- the stand-in refuses what the server would
+      local _, refused = db:collection("transactions"):update_one(
+        { ["$expr"] = { ["$lt"] = { "$$NOW", mongotx.Date(0) } } }, { ["$set"] = { x = 1 } })
+      assert.are.equal(9, refused.server_code)
+      if not deadline_reason then -- and reads it as the server would
+        assert.are.equal(1, accounts:count({ ["$expr"] = { ["$lt"] = { mongotx.Date(0), "$$NOW" } },
+                                             _id = "A1" }))
+      end
+      local tm = assert(db:manager {})
+      local T = assert(tm:begin({
+        { collection = "accounts", id = "A1", update = { ["$inc"] = { balance = -100 } } },
+        { collection = "accounts", id = "A2", update = { ["$inc"] = { balance = 100 } } },
+      }))
+      assert.are.equal("done", assert(tm:commit(T)).state)
+      local stored = assert(tm:get(T._id))
+      assert.are.same({ "done", nil }, { stored.state, stored.deadline })
+      assert(tm:transfer("accounts", "A3", "A4", 50))
+      local b, sum = balances()
+      assert.are.same({ 900, 1100, 950, 1050 }, { b.A1, b.A2, b.A3, b.A4 })
+      assert.are.equal(10000, sum)
+      assert.are.equal(0, accounts:count({ ["pendingTransactions.0"] = { ["$exists"] = true } }))
+    end)
+
+    it("fails at the first apply when told to fence by deadline", function()
+      if deadline_reason then return pending(deadline_reason) end
+      mongotx.core.refuse_now(true)
+      local tm = assert(db:manager { fencing = "deadline" })
+      local T = assert(tm:begin({
+        { collection = "accounts", id = "A1", update = { ["$inc"] = { balance = -100 } } },
+      }))
+      local ok, err = tm:commit(T)
+      assert.is_nil(ok)
+      assert.are.equal(9, err.server_code)
+      assert.are.equal(1000, assert(accounts:find_one({ _id = "A1" })).balance)
+    end)
+  end)
+
   describe("ops that collide", function()
     it("an insert whose _id is taken cancels, the document untouched", function()
       local tm = assert(db:manager {})
@@ -234,9 +281,10 @@ describe("#server transactions run at once", function()
         assert.is_false(errs[i])
         assert.are.equal("done", results[i].state)
       end
-      -- 10 creates, 20 applies, the commit, 20 finishes (one per op, each
-      -- sent to its own collection once), done
-      assert.are.equal(52, db.client:counters().writes)
+      -- the $$NOW probe (two updates, once per manager), 10 creates, 20
+      -- applies, the commit, 20 finishes (one per op, each sent to its own
+      -- collection once), done
+      assert.are.equal(54, db.client:counters().writes)
       assert.are.same({ done = 10 }, states(tm))
       for _, c in ipairs { { accounts, 1000, -1 }, { savings, 50, 1 } } do
         for _, doc in ipairs(helpers.dump(c[1])) do

@@ -15,9 +15,9 @@
 local helpers = require "spec.helpers"
 
 local reason = helpers.no_concurrency()
-if not reason and helpers.server_kind() == "ferretdb" then
-  reason = "FerretDB v1 cannot evaluate $$NOW in a filter, so applies are fenced by " ..
-           "versions alone, which other writers do not move"
+if not reason and helpers.no_deadlines() then
+  reason = helpers.no_deadlines() .. ": applies are fenced by versions alone, which " ..
+           "other writers do not move"
 end
 
 describe("#server #concurrency other writers", function()

@@ -14,7 +14,10 @@ local ERROR_MT = getmetatable(core.error({ code = "x" }))
 -- The URI with more options (the test server's URI has a query already).
 local function with_options(extra)
   local uri = helpers.uri()
-  return uri .. (uri:find("?", 1, true) and "&" or "?") .. extra
+  if uri:find("?", 1, true) then return uri .. "&" .. extra end
+  -- options follow a "/": libmongoc refuses mongodb://host:port?x
+  if not uri:match("^[^:]+://[^/]*/") then uri = uri .. "/" end
+  return uri .. "?" .. extra
 end
 
 describe("#server pooled clients", function()

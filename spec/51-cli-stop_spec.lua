@@ -207,12 +207,14 @@ describe("#server recovery and raises that are not a policy's", function()
       local rec = assert(db:manager{ application = "app-1", stale_after = 0,
                                      may_recover = case[2] })
       for _, size in ipairs { 1, 100 } do
-        local before = helpers.db_dump(db.client, dbname)
+        -- (the $$NOW probe's collection is written once a manager, first)
+        local skip = { skip = { "transactions.probe" } }
+        local before = helpers.db_dump(db.client, dbname, skip)
         local ok, raised = pcall(rec.recover, rec, { batch = size })
         assert.is_false(ok)
         assert.truthy(tostring(raised):find(case[1]:match("^an interrupt") and "interrupted!"
           or "not enough memory", 1, true), tostring(raised))
-        helpers.assert_dump_unchanged(before, db.client, dbname)
+        helpers.assert_dump_unchanged(before, db.client, dbname, skip)
       end
     end)
   end
@@ -225,12 +227,13 @@ describe("#server recovery and raises that are not a policy's", function()
     -- fences by deadline: mongotx.engine.forward)
     local function bug() error("a bug") end
     rec.engine.versions, rec.engine.claim_many = bug, bug
+    local skip = { skip = { "transactions.probe" } } -- (as above)
     for _, size in ipairs { 1, 100 } do
-      local before = helpers.db_dump(db.client, dbname)
+      local before = helpers.db_dump(db.client, dbname, skip)
       local ok, raised = pcall(rec.recover, rec, { batch = size })
       assert.is_false(ok)
       assert.truthy(tostring(raised):find("a bug", 1, true))
-      helpers.assert_dump_unchanged(before, db.client, dbname)
+      helpers.assert_dump_unchanged(before, db.client, dbname, skip)
     end
   end)
 

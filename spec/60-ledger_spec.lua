@@ -50,10 +50,10 @@ describe("#server mongotx.ledger", function()
   -- tries it and leaves nothing in the probe collection; where it does
   -- not (FerretDB v1), nothing is posted and the code says why.
   it("tries the unique index before its first post and refuses where it is not enforced", function()
-    local probe = db:collection("ledger.probe")
+    local probe = db:collection("ledger.seqs_probe")
     if no_ledger then
       -- the probe's collection and index may stay; the ledger's data does not move
-      local skip = { skip = { "ledger.probe" } }
+      local skip = { skip = { "ledger.seqs_probe" } }
       local before = helpers.db_dump(db.client, db.name, skip)
       for _, call in ipairs {
         function() return L:transfer("A", "B", 1) end,
@@ -74,9 +74,9 @@ describe("#server mongotx.ledger", function()
     assert.are.equal(0, probe:count({}))
     assert.are.equal(2, entries:count({}))
     -- the probe's index is the entries' own: a duplicate is refused there
-    local pair = { { account = "A", seqId = 1 } }
-    assert(probe:insert_one({ _id = 1, changes = pair }))
-    local dup, err = probe:insert_one({ _id = 2, changes = pair })
+    local pair = { mongotx.doc("account", "A", "seqId", 1) }
+    assert(probe:insert_one({ _id = 1, seqs = pair }))
+    local dup, err = probe:insert_one({ _id = 2, seqs = pair })
     assert.is_nil(dup)
     assert.are.equal(11000, err.server_code)
   end)
@@ -278,13 +278,64 @@ describe("#server mongotx.ledger", function()
   end)
 
   it_ledger("the unique index keeps two entries off one (account, seqId), per element", function()
-    assert(L:post({ { account = "A", value = 1 }, { account = "B", value = 2 } }))
-    local ok, err = entries:insert_one({ changes = { { account = "A", seqId = 1, value = 5 } } })
+    local function key(a, n) return mongotx.doc("account", a, "seqId", n) end
+    local e = assert(L:post({ { account = "A", value = 1 }, { account = "B", value = 2 } }))
+    assert.are.same({ key("A", 1), key("B", 1) }, e.seqs)
+    assert.are.same(e.seqs, assert(entries:find_one({ _id = e._id })).seqs)
+    local ok, err = entries:insert_one({ seqs = { key("A", 1) } })
     assert.is_nil(ok)
     assert.are.equal(11000, err.server_code)
-    -- (A 2, B 1) and (A 1, B 2) share no pair: no false duplicate
-    assert(entries:insert_one({ changes = { { account = "B", seqId = 2 }, { account = "C", seqId = 1 } } }))
-    assert.are.equal(2, entries:count({}))
+    -- a seqId is one number however it is typed
+    ok, err = entries:insert_one({ seqs = { key("B", 1.0) } })
+    assert.is_nil(ok)
+    assert.are.equal(11000, err.server_code)
+    -- (A 4, B 5) and (A 5, B 4) share no pair: no false duplicate
+    assert(entries:insert_one({ seqs = { key("A", 4), key("B", 5) } }))
+    assert(entries:insert_one({ seqs = { key("A", 5), key("B", 4) } }))
+    assert.are.equal(3, entries:count({}))
+    -- the only unique key besides _id is that one field: a compound one
+    -- over changes.account and changes.seqId is built from every
+    -- combination of the changes by DocumentDB (FerretDB v2), where after
+    -- (A 1, B 2) the number 2 of A counts as taken
+    local reply = assert(db.client:command(db.name, { listIndexes = "ledger" }))
+    local unique = {}
+    for _, ix in ipairs(reply.cursor.firstBatch) do
+      if ix.unique then unique[#unique + 1] = ix.key end
+    end
+    assert.are.same({ mongotx.doc("seqs", 1) }, unique)
+  end)
+
+  it_ledger("a ledger begun before seqs keeps its entries and its unique index", function()
+    -- what the version before seqs left: entries without seqs, and the
+    -- index on (changes.account, changes.seqId) unique
+    local name = "oldbooks"
+    local old = db:collection(name)
+    assert(old:create_index(mongotx.doc("changes.account", 1, "changes.seqId", 1), { unique = true }))
+    assert(old:insert_one({ _id = "d1", ts = mongotx.Date(0), proc = "UNCOMMITTED", state = "VALID",
+      changes = { { account = "A", value = 100, seqId = 1, cacheBal = null } } }))
+    local ok, err = old:insert_one({ _id = "t1", ts = mongotx.Date(0), proc = "UNCOMMITTED",
+      state = "VALID", changes = { { account = "A", value = -30, seqId = 2, cacheBal = null },
+                                   { account = "B", value = 30, seqId = 1, cacheBal = null } } })
+    if not ok and err.server_code == 11000 then
+      -- DocumentDB builds that index from every combination: (A 1) and
+      -- (A 2, B 1) meet at (A 1); such a ledger never ran there
+      return pending("the server builds a compound index over an array from every combination")
+    end
+    assert(ok, err)
+    local O = assert(db:ledger { collection = name })
+    local t = assert(O:transfer("A", "B", 70, { min = 0 }))
+    assert.are.same({ { "A", -70, 3 }, { "B", 70, 2 } }, seqs(assert(old:find_one({ _id = t._id }))))
+    assert.is_nil((O:transfer("A", "B", 1, { min = 0 })))
+    -- the old index still guards the old entries, which have no seqs
+    ok, err = old:insert_one({ changes = { { account = "B", seqId = 1 } } })
+    assert.is_nil(ok)
+    assert.are.equal(11000, err.server_code)
+    assert.are.same({ 0, 3 }, { O:balance("A") })
+    assert(O:commit())
+    for account, balance in pairs { A = 0, B = 100 } do
+      local r = assert(O:reconcile(account))
+      assert.are.same({ true, balance }, { r.ok, r.balance })
+    end
   end)
 
   it_ledger("a writer whose seqId was taken reads again and takes the next one", function()

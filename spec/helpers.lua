@@ -66,6 +66,22 @@ function helpers.ferretdb_lacks(what)
   end
 end
 
+-- Why a spec that needs fencing by deadlines cannot run here, or nil:
+-- the server does not evaluate $$NOW in a write's filter (FerretDB v1,
+-- FerretDB v2 without its write-variables setting).  A manager's probe
+-- answers, once a process.
+local no_deadlines
+function helpers.no_deadlines()
+  if no_deadlines == nil then
+    local db = assert(require("mongotx").connect(helpers.uri(), { database = helpers.db_name() }))
+    no_deadlines = not assert(db:manager {}).engine:deadlines() and
+      "the server does not evaluate $$NOW in a write's filter, so creators read versions"
+    assert(db.client:command(db.name, { dropDatabase = 1 }))
+    db:close()
+  end
+  return no_deadlines or nil
+end
+
 -- All documents of a collection sorted by _id, for asserting what the
 -- database holds.
 function helpers.dump(coll)

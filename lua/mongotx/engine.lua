@@ -246,16 +246,30 @@ function Engine:clock()
   return self.server_clock:now()
 end
 
+-- Does the server evaluate $$NOW in a write's filter, as the applies and
+-- claims send it?  DocumentDB (FerretDB v2) evaluates it in reads but
+-- refuses it in update and findAndModify unless
+-- documentdb.enableVariablesSupportForWriteCommands is on; FerretDB v1
+-- refuses it everywhere.  Both look at the rest of a filter only on a
+-- document its _id found, so the probe updates one: `<transactions>.probe`
+-- holds it (upserted; a document in the transactions collection would
+-- meet recovery), and its condition, false, leaves it as it is.
+local function now_in_writes(self)
+  local probe = self.db.client:collection(self.db.name, self.tx:name() .. ".probe")
+  if not probe:update_one({ _id = "now" }, { ["$set"] = { probe = true } }, { upsert = true }) then
+    return false
+  end
+  return probe:update_one({ _id = "now", ["$expr"] = { ["$lt"] = { "$$NOW", core.Date(0) } } },
+                          { ["$set"] = { probe = true } }) ~= nil
+end
+
 -- Are this manager's applies fenced by a deadline (csrc/txn.c)?  When
--- the server evaluates $$NOW in a query (asked once; an _id lookup keeps
--- the probe cheap) and the lease is not 0: a deadline of now would expire
--- before the first apply.
+-- the server evaluates $$NOW in a write's filter (asked once) and the
+-- lease is not 0: a deadline of now would expire before the first apply.
 function Engine:deadlines()
   if self.use_deadline == nil then
     if self.fencing == "auto" then
-      local n = self.tx:count({ _id = "mongotx:probe",
-                                ["$expr"] = { ["$lt"] = { "$$NOW", core.Date(0) } } })
-      self.use_deadline = n ~= nil
+      self.use_deadline = now_in_writes(self)
     else
       self.use_deadline = self.fencing == "deadline"
     end

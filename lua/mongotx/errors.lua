@@ -20,7 +20,7 @@
 --                contention also when mongotx.ledger kept finding its seqIds taken
 --   mismatch     mongotx.ledger's committer found a cached balance its entries contradict
 --   unsupported  mongotx.ledger: the server does not enforce the unique index on
---                (changes.account, changes.seqId) (FerretDB v1); nothing was posted
+--                the entries' (account, seqId) pairs (FerretDB v1); nothing was posted
 --   policy       a policy function raised (in a recover report; errors.guard_policy
 --                tells it from other raises) or returned what it may not
 --                (queue:fail's backoff)

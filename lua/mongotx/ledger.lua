@@ -6,12 +6,16 @@
 --
 --   { _id, ts = <server time>, proc = "UNCOMMITTED" | "COMMITTED", state = "VALID",
 --     changes = { { account, value, seqId, cacheBal = null | <balance after it> }, ... },
+--     seqs = { { account, seqId }, ... },  -- the changes' keys, for the unique index
 --     reverses = <id of the entry it reverses, for a counter-transfer> }
 --
 -- Each change takes the next seqId of its account; the unique index on
--- { "changes.account", "changes.seqId" } lets only one writer take a
--- number, so a duplicate key means another writer got there first: read
--- again and retry with the next one.  Because a writer only takes max + 1
+-- `seqs` lets only one writer take a number, so a duplicate key means
+-- another writer got there first: read again and retry with the next one.
+-- It is one field, not { "changes.account", "changes.seqId" }: a
+-- compound index over two paths of one array is built per element by
+-- MongoDB but from every combination of the elements by DocumentDB
+-- (FerretDB v2), where (A 1, B 2) then refuses (A 2, B 1).  Because a writer only takes max + 1
 -- of what it read, every account's seqIds are 1, 2, 3 ... with no gap, and
 -- a guard (`min`, no overdraft) checked against the balance read at the
 -- number taken cannot be passed twice on one balance.
@@ -82,14 +86,17 @@ local MAX_CHANGES, MAX_BATCH = 1000, 10000
 -- amounts are in the currency's smallest unit.
 local MAX_VALUE = 2 ^ 53
 
+local CHANGES_INDEX = core.doc("changes.account", 1, "changes.seqId", 1)
+
 local ledger_options = { collection = true, accounts = true, write_concern = true,
                          retries = true }
 
 
 -- db:ledger{ collection = "ledger", accounts = <collection> .. "_accounts",
 -- write_concern = { w = "majority", j = true }, retries = 100 }: creates
--- the unique index on (changes.account, changes.seqId) and one on
--- (proc, ts) for the committer.
+-- the unique index on seqs, one on (changes.account, changes.seqId) for
+-- the reads of an account's entries, and one on (proc, ts) for the
+-- committer.
 function _M.new(db, opts)
   local why
   opts, why = options.check(opts, ledger_options, "ledger", HELPER_CALLER)
@@ -108,9 +115,17 @@ function _M.new(db, opts)
     retries = opts.retries or DEFAULT_RETRIES,
     timer = clock.new(db),
     known = {}, n_known = 0, -- id_key(account) -> { seq, balance } (remember)
+    before_seqs = false, -- begun before seqs: its unique index is (changes.account, changes.seqId)
   }, Ledger)
-  local ok, err = self.entries:create_index(core.doc("changes.account", 1, "changes.seqId", 1),
-                                            { unique = true })
+  -- sparse: entries written before seqs have none, and a ledger may hold many
+  local ok, err = self.entries:create_index(core.doc("seqs", 1), { unique = true, sparse = true })
+  if ok then ok, err = self.entries:create_index(CHANGES_INDEX) end
+  -- a ledger begun before seqs has this index unique (85 or 86: the same
+  -- keys with other options), which serves the reads as well and keeps
+  -- guarding its older entries, those without seqs (docs/ledger.md)
+  if not ok and (err.server_code == 85 or err.server_code == 86) then
+    ok, err, self.before_seqs = true, nil, true
+  end
   if ok then ok, err = self.entries:create_index(core.doc("proc", 1, "ts", 1)) end
   if not ok then return nil, errors.wrap(err, "ledger") end
   return self

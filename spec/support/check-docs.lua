@@ -22,7 +22,7 @@ local resty = require "mongotx.resty"
 local CORE_INTERNAL = {
   check_collection = true, check_id = true, check_ops = true, check_update = true,
   check_value = true, escrowable = true, operator_key = true, touched = true, crash_point = true,
-  fault = true,
+  fault = true, refuse_now = true, -- (the specs' stand-in for a server that refuses $$NOW in writes)
   snapshot = true, stored_ops = true, steps = true, error = true, monotonic_ms = true,
   catch_signals = true, signal_caught = true, -- the command's (mongotx.cli) signal flag
 }

@@ -58,20 +58,28 @@ function _M.change_of(entry, key)
   end
 end
 
+-- One element of an entry's seqs: the key the unique index holds, in a
+-- fixed field order (documents compare field by field).
+function _M.seq_key(account, seqId)
+  return core.doc("account", account, "seqId", seqId)
+end
+
 -- Each account's entries after seq, read one seqId at a time by the
 -- whole key of the unique index (a lookup every server answers from the
--- index; mongo-java-server scans the collection for anything else) while
--- the tail is short, then TAIL_CHUNK seqIds at a time by $elemMatch (an
--- index range on MongoDB): a committer far behind makes the reads many,
--- not large.
+-- index; mongo-java-server scans the collection for anything else): seqs,
+-- or (changes.account, changes.seqId) in a ledger begun before seqs,
+-- whose older entries have none.  That while the tail is short, then
+-- TAIL_CHUNK seqIds at a time by $elemMatch (an index range on MongoDB):
+-- a committer far behind makes the reads many, not large.
 local WALK = 8
 _M.TAIL_CHUNK = 1000
 
 -- The change of account `view` at seqId seq and its entry, or nil (the
 -- two path conditions may match two elements: the change is picked here).
 local function entry_at(self, view, seq)
-  local found, err = self.entries:find_all(core.doc("changes.account", view.account,
-                                                     "changes.seqId", seq))
+  local found, err = self.entries:find_all(self.before_seqs and
+    core.doc("changes.account", view.account, "changes.seqId", seq) or
+    { seqs = _M.seq_key(view.account, seq) })
   if not found then return nil, err end
   for _, e in ipairs(found) do
     local c, at = _M.change_of(e, view.key)

@@ -12,6 +12,7 @@ local validate = require "mongotx.validate"
 local acct = require "mongotx.ledger.accounts"
 
 local id_key = validate.id_key
+local seq_key = acct.seq_key
 local crash_point, null = core.crash_point, core.null
 local ipairs, type, setmetatable = ipairs, type, setmetatable
 local floor, format = math.floor, string.format
@@ -29,14 +30,16 @@ local function build_entry(changes, views, opts, now, step)
         { step = step, account = c.account, balance = v.balance, seqId = v.seq })
     end
   end
-  local out = {}
+  local out, keys = {}, {}
   for i, c in ipairs(changes) do
     local v = views[i]
     out[i] = { account = c.account, value = c.value, seqId = v.seq + 1, cacheBal = null }
+    keys[i] = seq_key(c.account, v.seq + 1)
     v.seq, v.balance = v.seq + 1, v.balance + c.value
   end
   return { _id = opts.id == nil and core.ObjectId() or opts.id, ts = core.Date(floor(now)),
-           proc = "UNCOMMITTED", state = "VALID", changes = out, reverses = opts.reverses }
+           proc = "UNCOMMITTED", state = "VALID", changes = out, seqs = keys,
+           reverses = opts.reverses }
 end
 
 -- Do the checked changes `a` move what the stored changes `b` move?  By
@@ -68,18 +71,19 @@ local function existing_entry(self, id, changes, step)
     { step = step, id = id })
 end
 
--- The unique index on (changes.account, changes.seqId) is the ledger's
--- only defence against two entries taking one seqId, and it is a
--- multikey index over an array of documents: a server may accept such an
--- index and not enforce it (FerretDB v1.24 does: a second entry with a
--- taken (account, seqId) goes in), and a ledger there would let two
--- writers share a seqId in silence.  So before its first write a ledger
--- tries the index on a collection of its own (`<entries>.probe`, same
--- index): two documents under one new (ObjectId, 1) pair, the second of
--- which must fail as a duplicate; both are deleted again.  Once per
--- connection and collection; nil, `unsupported` where the index is not
--- enforced.
-local PROBE_INDEX = core.doc("changes.account", 1, "changes.seqId", 1)
+-- The unique index on seqs is the ledger's only defence against two
+-- entries taking one seqId, and it is a multikey index over an array of
+-- documents: a server may accept such an index and not enforce it
+-- (FerretDB v1.24 does: a second entry with a taken (account, seqId) goes
+-- in), and a ledger there would let two writers share a seqId in silence.
+-- So before its first write a ledger tries the index on a collection of
+-- its own (`<entries>.seqs_probe`, same index; not the `.probe` of the
+-- version before seqs, which holds the old index): two documents that
+-- share one new (ObjectId, 1) pair, the first with a second pair (FerretDB
+-- v1 refuses only an equal whole array), the second of which must fail as
+-- a duplicate; both are deleted again.  Once per connection and
+-- collection; nil, `unsupported` where the index is not enforced.
+local PROBE_INDEX = core.doc("seqs", 1)
 local probed = setmetatable({}, { __mode = "k" }) -- client -> { "<db>.<entries>" = true }
 
 local function index_enforced(self, step)
@@ -91,14 +95,15 @@ local function index_enforced(self, step)
   end
   local key = self.db.name .. "." .. self.entries:name()
   if seen[key] then return true end
-  local probe = client:collection(self.db.name, self.entries:name() .. ".probe")
-  local ok, err = probe:create_index(PROBE_INDEX, { unique = true })
+  local probe = client:collection(self.db.name, self.entries:name() .. ".seqs_probe")
+  local ok, err = probe:create_index(PROBE_INDEX, { unique = true, sparse = true })
   if not ok then return nil, errors.wrap(err, step) end
-  local changes = { { account = core.ObjectId(), seqId = 1 } }
+  local shared = seq_key(core.ObjectId(), 1)
   local first, second = core.ObjectId(), core.ObjectId()
-  ok, err = probe:insert_one({ _id = first, changes = changes }, self.wopts)
+  ok, err = probe:insert_one({ _id = first, seqs = { shared, seq_key(core.ObjectId(), 1) } },
+                             self.wopts)
   if not ok then return nil, errors.wrap(err, step) end
-  local dup, why = probe:insert_one({ _id = second, changes = changes }, self.wopts)
+  local dup, why = probe:insert_one({ _id = second, seqs = { shared } }, self.wopts)
   probe:delete_many({ _id = { ["$in"] = { first, second } } }, self.wopts)
   if dup then
     return nil, errors.new("unsupported", "this server does not enforce a unique index " ..
