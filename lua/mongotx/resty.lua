@@ -12,14 +12,11 @@
 --   local tm = assert(db:manager{ application = "shop" })
 --   local t, err = tm:transfer("accounts", "A", "B", 100, { min = 0, id = key })
 --
--- How a call crosses: ngx.run_worker_thread copies only plain values
--- (no userdata, no metatables), so the arguments go as one BSON document
--- (mongotx.core.encode) and the results come back as one, decoded on the
--- worker side: ObjectIds, Dates, Int64s, key order and the error
--- tables' metatable arrive as they left.  The thread side is thread()
--- below: it keeps, per worker-thread VM, the pooled databases and managers
--- made for each connect and db:manager (by their options), and runs every
--- call on a client of the process's pool.
+-- A call's arguments and results cross as one BSON document each
+-- (mongotx.resty.wire: run_worker_thread copies plain values only).  The
+-- thread side, thread() below, keeps per worker-thread VM the pooled
+-- databases and managers made for each connect and db:manager (by their
+-- options), and runs every call on a client of the process's pool.
 --
 -- Limits (docs/openresty.md): calls work where a handler may yield
 -- (rewrite, access, content, ngx.timer); options of db:manager must be
@@ -97,14 +94,11 @@ local function get_manager(spec)
       if opts[k] == nil then opts[k] = v end
     end
   end
-  -- (checked here, where a policies module's finish is known too, and
-  -- before db:manager creates its index)
+  -- (here, where a policies module's finish is known too, before the index)
   if s.grouped and opts and opts.finish == "deferred" then
     return nil, core.error({ code = "invalid", step = "manager", message = "option finish = " ..
-      "\"deferred\" of manager does not go with group commit: a batch finishes its " ..
-      "transactions together already, and a worker thread's deferred queue would leave them " ..
-      "applied, their markers on the documents, until finish_batch more commits there or " ..
-      "recovery (stale_after): drop finish, or set group = false" })
+      "\"deferred\" of manager does not go with group commit: a batch finishes its own, a thread's " ..
+      "queue would leave them applied until recovery; drop finish, or set group = false" })
   end
   -- metrics = "<lua_shared_dict>": the events counted there (mongotx.metrics.shared)
   if opts and opts.metrics ~= nil then opts = require("mongotx.metrics.shared").wrap(opts) end
@@ -328,8 +322,7 @@ function Database:manager(opts)
     error("option metrics of manager must name a lua_shared_dict (a string)", 2)
   end
   -- grouped: the worker thread refuses finish = "deferred" (get_manager)
-  local ok, spec = pcall(encode, { db = self.spec, manager = opts,
-                                   grouped = g and self.offload or nil })
+  local ok, spec = pcall(encode, { db = self.spec, manager = opts, grouped = g and self.offload or nil })
   if not ok then error("options of manager must be BSON data: " .. tostring(spec), 2) end
   local info, err = call(self, 2, "manager", spec, nil)
   if not info then return nil, err end
