@@ -220,7 +220,10 @@ number_sign(const bson_iter_t *it)
 
 /* The $inc element at it into sub, as `pending`.<its path> when its sign
  * is `escrow` (1: the apply's credits; -1: the undo's, which take them
- * back), else as it is. */
+ * back), else as it is.  An apply's credit also adds 0 to its path: the
+ * server then refuses the apply (a string there, a parent that is no
+ * document) rather than the finish's $inc after the commit point
+ * ("Guards"). */
 static void
 append_inc(lua_State *L, bson_t *sub, const bson_iter_t *it, const fields *f, int escrow)
 {
@@ -228,6 +231,8 @@ append_inc(lua_State *L, bson_t *sub, const bson_iter_t *it, const fields *f, in
 		lua_pushfstring(L, "%s.%s", f->pending, bson_iter_key(it));
 		bson_append_iter(sub, lua_tostring(L, -1), -1, it);
 		lua_pop(L, 1);
+		if (escrow == 1)
+			BSON_APPEND_INT32(sub, bson_iter_key(it), 0);
 	} else {
 		bson_append_iter(sub, NULL, 0, it);
 	}

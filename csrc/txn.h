@@ -40,7 +40,11 @@ typedef struct {
  *   `pending` ({$inc: {"txPending.balance": 30}}); the finish moves them
  *   into the fields in the update that pulls the marker, the undo takes
  *   them back out of `pending`: no value a guard reads is ever raised by
- *   an effect that may be undone, and nobody waits (O'Neil's escrow);
+ *   an effect that may be undone, and nobody waits (O'Neil's escrow).
+ *   The apply also adds 0 to each credited path, so that the server
+ *   checks there what the finish's $inc needs (a number, or nothing,
+ *   under documents): an $inc it would refuse is refused before the
+ *   commit point (an absent field is created at 0 there);
  * - any other effect (a credit with escrow off, a $set, an insert, ...)
  *   also records the transaction in the `held` array until it is
  *   finished or undone.

@@ -247,22 +247,23 @@ l_done_many(lua_State *L)
 	return move_many(L, check_steps(L), "applied", "done", 0);
 }
 
-/* What a cancel records: why in words (reason) and as a code (cause). */
-static const char *const cancel_fields[] = {"reason", "cause", NULL};
+/* What a cancel records: why in words (reason), as a code (cause) and,
+ * for an op failure, which op (failedOp, its index). */
+static const char *const cancel_fields[] = {"reason", "cause", "failedOp", NULL};
 
-/* steps:cancel(txcoll, tid, epoch [, reason [, cause]]): pending ->
- * canceling, by the owner at that epoch. */
+/* steps:cancel(txcoll, tid, epoch [, reason [, cause [, failedOp]]]):
+ * pending -> canceling, by the owner at that epoch. */
 static int
 l_cancel(lua_State *L)
 {
 	mtx_steps *s = check_steps(L);
 
-	lua_settop(L, 6);
+	lua_settop(L, 7);
 	luaL_checkany(L, 4);
 	return move(L, s, "pending", "canceling", 4, cancel_fields, 5);
 }
 
-/* steps:cancelled(txcoll, tid [, from [, epoch [, reason [, cause]]]]):
+/* steps:cancelled(txcoll, tid [, from [, epoch [, reason [, cause [, failedOp]]]]]):
  * canceling (or, with from = "initial", a transaction never started, at
  * that epoch) -> cancelled. */
 static int
@@ -272,7 +273,7 @@ l_cancelled(lua_State *L)
 	mtx_steps *s = check_steps(L);
 	int from;
 
-	lua_settop(L, 7);
+	lua_settop(L, 8);
 	from = luaL_checkoption(L, 4, "canceling", froms);
 	return move(L, s, froms[from], "cancelled", 5, cancel_fields, 6);
 }

@@ -33,7 +33,7 @@ local stored = require "mongotx.stored"
 local validate = require "mongotx.validate"
 local canon, id_key = validate.canon, validate.id_key
 
-local ipairs, pairs, pcall, error = ipairs, pairs, pcall, error
+local ipairs, pairs, pcall, error, next = ipairs, pairs, pcall, error, next
 local floor = math.floor
 
 local _M = {}
@@ -234,36 +234,66 @@ local function commit(eng, entries)
 end
 
 -- Step 4: pull the markers of many committed transactions (one bulk write
--- per collection), then applied -> done in one update.  Returns how many
--- finished, or nil, err (those not finished stay `applied`: recovery
--- finishes them).
+-- per collection), then applied -> done in one update.  A transaction
+-- with a finish the server refused (or, after a refusal, did not run:
+-- FerretDB stops a bulk write there) is not moved with the others: it
+-- goes the one-at-a-time way (Engine:finish), which moves it to done only
+-- once every finish passed, so that none is done with a marker or an
+-- escrowed credit left.  Returns how many are done, and the error of the
+-- first that is not (it stays `applied`: recovery finishes it), or nil,
+-- err (all stay `applied`).
 function _M.finish(eng, list)
   if #list == 0 then return 0 end
   -- the collections, in the order first named; finish_many reads each
   -- transaction's ops in one of them
-  local seen, order, ids = {}, {}, {}
-  for t, T in ipairs(list) do
-    ids[t] = T._id
+  local seen, order = {}, {}
+  for _, T in ipairs(list) do
     for _, op in ipairs(T.ops) do
       local name = op.collection
       if not seen[name] then seen[name], order[#order + 1] = true, name end
     end
   end
+  local alone = {}
   for _, name in ipairs(order) do
     local res, err = eng:many("finish", eng:coll(name), list, name)
     if not res then return nil, err end
+    if next(res.items) ~= nil then
+      for _, T in ipairs(list) do
+        for _, op in ipairs(T.ops) do
+          if op.collection == name then alone[T] = true end
+        end
+      end
+    end
   end
-  local res, err = eng:many("done", eng.tx, ids)
-  if not res then return nil, err end
-  local loud = eng:listening()
+  local ids, together = {}, {}
   for _, T in ipairs(list) do
+    if not alone[T] then together[#together + 1], ids[#ids + 1] = T, T._id end
+  end
+  if #ids > 0 then
+    local res, err = eng:many("done", eng.tx, ids)
+    if not res then return nil, err end
+  end
+  local loud = eng:listening()
+  for _, T in ipairs(together) do
     T.state, T.parked = "done", nil -- (done unsets parked: csrc/txn_state.c)
     if loud then
       eng:event_id("finish", T._id)
       eng:event_id("done", T._id)
     end
   end
-  return #list
+  local n, first = #together, nil
+  for _, T in ipairs(list) do
+    if alone[T] then
+      local now, err = eng:finish(T)
+      if now and now.state == "done" then
+        T.state, T.parked, n = "done", nil, n + 1
+      else
+        first = first or err or errors.new("state", "the transaction did not finish",
+          { step = "finish", id = T._id })
+      end
+    end
+  end
+  return n, first
 end
 
 -- Did this batch's create insert `existing`, the document under T's id?

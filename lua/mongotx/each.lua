@@ -38,6 +38,7 @@
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local options = require "mongotx.options"
+local engine = require "mongotx.engine"
 
 local type, ipairs, tostring, rawget = type, ipairs, tostring, rawget
 local format = string.format
@@ -102,10 +103,12 @@ local function new_report()
            cancelled = 0, failed = 0, cancellations = {}, failures = {} }
 end
 
-local function cancelled(report, e, reason, earlier)
+-- e's transaction T (as stored: its reason and cause) ended cancelled:
+-- the same entry whichever run meets it.
+local function cancelled(report, e, T, earlier)
   report.cancelled = report.cancelled + 1
   report.cancellations[#report.cancellations + 1] = { key = e.key, id = e.id,
-    reason = reason, earlier = earlier }
+    reason = T.reason, cause = engine.cause_of(T.reason, T.cause), earlier = earlier }
 end
 
 local function failed(report, e, err)
@@ -131,7 +134,7 @@ local function finish_earlier(tm, report, e, T)
   local now = tm:get(e.id)
   if now and now.state == "cancelled" then
     report.recovered = report.recovered + 1
-    cancelled(report, e, now.reason or tostring(err), false)
+    cancelled(report, e, now, false)
     return true
   end
   failed(report, e, err)
@@ -179,7 +182,7 @@ local function earlier(tm, report, entries)
     elseif T.state == "done" then
       report.skipped = report.skipped + 1
     elseif T.state == "cancelled" then
-      cancelled(report, e, T.reason, true)
+      cancelled(report, e, T, true)
     else
       e.T = T
       flying[#flying + 1] = e
@@ -205,12 +208,14 @@ local function commit_new(tm, report, todo)
   end
   if #unsure == 0 then return end
   local found, err = tm:find({ _id = { ["$in"] = unsure_ids } },
-                              { projection = { state = 1 }, limit = #unsure_ids })
+                              { projection = { state = 1, reason = 1, cause = 1 },
+                                limit = #unsure_ids })
   local state = {}
-  for _, T in ipairs(found or {}) do state[T._id] = T.state end
+  for _, T in ipairs(found or {}) do state[T._id] = T end
   for _, u in ipairs(unsure) do
-    if state[u.e.id] == "cancelled" then
-      cancelled(report, u.e, tostring(u.err), false)
+    local T = state[u.e.id]
+    if T and T.state == "cancelled" then
+      cancelled(report, u.e, T, false)
     else
       failed(report, u.e, found and u.err or err)
     end
@@ -288,7 +293,7 @@ local function await_earlier(tm, report, held, wait)
       elseif T.state == "done" then
         report.skipped = report.skipped + 1
       elseif T.state == "cancelled" then
-        cancelled(report, e, T.reason, true)
+        cancelled(report, e, T, true)
       elseif not settle_earlier(tm, report, e, T) then
         still[#still + 1] = e
       end

@@ -16,7 +16,7 @@
 --   malformed    recovery found a transaction document it cannot read (left as it is)
 --   fenced       another owner took the transaction (or a queue's job) over while
 --                this one worked on it
---   removing, contention, busy  op failures (see policy.on_op_failure);
+--   removing, contention, busy, refused  op failures (see policy.on_op_failure);
 --                contention also when mongotx.ledger kept finding its seqIds taken
 --   mismatch     mongotx.ledger's committer found a cached balance its entries contradict
 --   unsupported  mongotx.ledger: the server does not enforce the unique index on
@@ -68,6 +68,18 @@ end
 -- Is v (what a pcall caught) a policy's raise (guard_policy)?
 function _M.is_policy(v)
   return type(v) == "table" and v.code == "policy" and v.policy ~= nil
+end
+
+-- Is err (a step's error) the server's refusal of that one write (a
+-- write error: a type its update cannot apply to, a path it cannot
+-- create, a document grown too large)?  A definite answer for the op, as
+-- a false guard is; not a network error, a retryable one, nor a command
+-- refused as a whole.
+function _M.refused(err)
+  local reply = err.reply
+  local writes = err.code == "server" and not err.transient and type(reply) == "table"
+    and reply.writeErrors
+  return writes ~= nil and writes ~= false and writes[1] ~= nil
 end
 
 -- Adds the step and transaction id to an error from the C core.

@@ -70,8 +70,8 @@ local function triage(eng, T, now, me)
 end
 
 -- Why an op could not apply (Engine's op failures) and so T was cancelled.
-local CANCELLING = { cancelled = true, missing = true, guard = true, conflict = true,
-                     busy = true, removing = true, contention = true }
+local CANCELLING = { cancelled = true }
+for code in pairs(require("mongotx.engine").failure_text) do CANCELLING[code] = true end
 
 -- A failure of driving T that ended with T cancelled (an op that could
 -- not apply): "cancelled"; nil, err otherwise.
@@ -312,9 +312,9 @@ local function recover_batch(eng, entries, now, me)
   end
   for i, e in ipairs(finish) do list[i] = e.T end
   if #list > 0 then
-    local n, err = batch.finish(eng, list)
+    local _, err = batch.finish(eng, list)
     for _, e in ipairs(finish) do
-      if n then e.outcome = "done" else fail(e, err) end
+      if e.T.state == "done" then e.outcome = "done" else fail(e, err) end
     end
   end
   for _, e in ipairs(claims) do

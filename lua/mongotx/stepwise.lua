@@ -83,9 +83,9 @@ local function step_apply(eng, cache, T, i, refuse)
     if not versions then return refuse("owned", "not held by this manager") end
     cache.versions[k] = versions
   end
-  local ok, why = eng:apply_one(T, i, versions[i])
+  local ok, why, refusal = eng:apply_one(T, i, versions[i])
   if ok == nil then return nil, why end
-  if not ok then return nil, op_failure(T, i, why) end
+  if not ok then return nil, op_failure(T, i, why, refusal) end
   return { applied = true }
 end
 

@@ -183,9 +183,9 @@ function _M.commit(eng, items)
     end
   end
   if #list > 0 then
-    local n, err = batch.finish(eng, list)
+    local _, err = batch.finish(eng, list)
     for _, e in ipairs(finish) do
-      if n then eng:hold(e.T._id, nil) else fail(e, err) end
+      if e.T.state == "done" then eng:hold(e.T._id, nil) else fail(e, err) end
     end
   end
   local results, errs, late = {}, {}, {}

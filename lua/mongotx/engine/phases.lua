@@ -12,7 +12,7 @@ local stored = require "mongotx.stored"
 local key, id_key = validate.tid_key, validate.id_key
 local live, has_marker, mark = stored.live, stored.has_marker, stored.mark
 local REMOVING, HELD = stored.REMOVING, stored.HELD
-local ipairs, pairs, tostring = ipairs, pairs, tostring
+local ipairs, pairs, tostring, type = ipairs, pairs, tostring, type
 local format = string.format
 
 local _M = {}
@@ -38,11 +38,21 @@ local failure_text = {
   contention = "the document kept changing",
   removing = "another transaction is removing the document",
   busy = "another open transaction holds the document its guard reads",
+  refused = "the server refused its write",
 }
 
-local function op_failure(T, i, reason)
-  return errors.new(reason, format("op %d (%s): %s", i, op_name(T.ops[i]),
-    failure_text[reason] or reason), { step = "apply", id = T._id, op = i })
+-- The error of op i's failure `reason`; `refusal`: the server's error of
+-- a refused apply (its number and words go along).
+local function op_failure(T, i, reason, refusal)
+  local op = T.ops[i]
+  local text = failure_text[reason] or reason
+  local server_code
+  if refusal then
+    text, server_code = format("%s (%s)", text, tostring(refusal.message)), refusal.server_code
+  end
+  return errors.new(reason, format("op %d (%s): %s", i, op_name(op), text),
+    { step = "apply", id = T._id, op = i, collection = op.collection, document = op.id,
+      server_code = server_code })
 end
 
 -- Why a cancelled transaction was cancelled, as a code: the `cause` its
@@ -67,13 +77,16 @@ end
 
 -- Applies op i, fenced by v.version (false: none read) and by v.deadline
 -- (this owner's, T's by default where deadlines fence); returns true, or
--- false and why it cannot, or nil, err.
+-- false and why it cannot (and for `refused`, the server's error), or
+-- nil, err.
 function Engine:apply_one(T, i, v)
   local op = T.ops[i]
   local coll = self:coll(op.collection)
   if v.deadline == nil and self:deadlines() then v.deadline = T.deadline end
   for _ = 1, MAX_CONTENTION do
     local res, err = self:op_step(T, "apply", coll, op, v.version, v.deadline)
+    -- the server refused this write: a definite answer, as a false guard
+    if not res and errors.refused(err) then return false, "refused", err end
     if not res then return nil, err end
     if res.applied then return true end
     -- Why not? Read the document, then (if its version moved) check
@@ -169,6 +182,18 @@ function Engine:holder(holder)
   if H and key(mark(H)) == key(holder) then return H end
 end
 
+-- Pulls `holder` from the `held` array of document id in coll where the
+-- marker array of its form (H's fields) no longer names it, with the
+-- version moved as by every write of mongotx.  Returns whether it did, or
+-- nil, err.
+local function unhold(coll, id, holder, form)
+  local res, err = coll:update_one(
+    { _id = id, [HELD] = { ["$in"] = { holder } }, [form.marker] = { ["$nin"] = { holder } } },
+    { ["$pull"] = { [HELD] = { ["$in"] = { holder } } }, ["$inc"] = { [form.version] = 1 } })
+  if not res then return nil, errors.wrap(err, "apply") end
+  return res.matched > 0
+end
+
 -- The document of op carries the marks of other transactions (in T's
 -- marker array, or in `held`).  Those of this collection that have
 -- committed (applied or done) are final: this finishes them on the
@@ -194,9 +219,15 @@ function Engine:release(T, op, doc)
   for _, holder in ipairs(all) do
     local H, err = self:holder(holder)
     if err then return nil, err end
-    local hop
-    if H and (H.state == "applied" or H.state == "done")
-        and not validate.malformed(H, self.vctx) then
+    if H and validate.malformed(H, self.vctx) then H = nil end
+    local hop, stale
+    if H and has_marker(doc, HELD, holder) and not has_marker(doc, self:form(H).marker, holder) then
+      -- its marker is gone (a writer following the tutorial's recipe
+      -- finished or undid it): nothing of it is left to wait for
+      stale, err = unhold(coll, op.id, holder, self:form(H))
+      if stale == nil then return nil, err end
+      if stale then finished = finished + 1 end
+    elseif H and (H.state == "applied" or H.state == "done") then
       for _, o in ipairs(H.ops) do
         if o.collection == op.collection and id_key(o.id) == k then hop = o end
       end
@@ -206,7 +237,7 @@ function Engine:release(T, op, doc)
       res, err = self:op_step(H, "finish", coll, hop)
       if not res then return nil, err end
       if res.finished then finished = finished + 1 end
-    elseif matters[key(holder)] then
+    elseif matters[key(holder)] and stale == nil then
       open = true
     end
   end
@@ -231,7 +262,7 @@ function Engine:apply_all(T, versions)
     if not v.marked then
       local tries = 0
       while true do
-        local ok, why = self:apply_one(T, i, v)
+        local ok, why, refusal = self:apply_one(T, i, v)
         if ok then break end
         if ok == nil then
           if why.code == "fenced" then return self:get(T._id) end
@@ -243,11 +274,11 @@ function Engine:apply_all(T, versions)
           self:event("retry", { id = T._id, step = "apply", reason = why })
           self.policy.sleep(self.policy.backoff(tries))
         elseif decision == "fail" then
-          return nil, op_failure(T, i, why)
+          return nil, op_failure(T, i, why, refusal)
         else
-          local failure = op_failure(T, i, why)
+          local failure = op_failure(T, i, why, refusal)
           failure.cause = why
-          local moved, err = self:cancel(T, failure.message, why)
+          local moved, err = self:cancel(T, failure.message, why, i)
           if not moved then return nil, err end
           return moved, nil, failure
         end
@@ -271,10 +302,11 @@ function Engine:move(T, name, ...)
   return nil, err or errors.new("state", "no such transaction", { step = name, id = T._id })
 end
 
--- pending (held) -> canceling, recording why: in words (reason) and as
--- a code (cause, cause_of's).
-function Engine:cancel(T, reason, cause)
-  return self:move(T, "cancel", T.epoch, reason, cause)
+-- pending (held) -> canceling, recording why: in words (reason), as
+-- a code (cause, cause_of's) and, for an op failure, the op's index
+-- (failedOp: every later answer names the op, its collection and id).
+function Engine:cancel(T, reason, cause, failed_op)
+  return self:move(T, "cancel", T.epoch, reason, cause, failed_op)
 end
 
 -- applied -> done: pull every marker (delete removed documents), then done.
@@ -318,10 +350,16 @@ function Engine:unwind(T)
   return self:move(T, "cancelled")
 end
 
+-- The answer for a cancelled T: its cause and, when an op failed, that
+-- op (its index, collection and document id), as the first answer gave.
 local function cancelled_error(T)
+  local i = T.failedOp
+  local op = type(i) == "number" and type(T.ops) == "table" and T.ops[i] or nil
   return errors.new("cancelled", "the transaction was cancelled: " ..
     tostring(T.reason or "no reason recorded"),
-    { id = T._id, reason = T.reason, cause = cause_of(T.reason, T.cause) })
+    { id = T._id, reason = T.reason, cause = cause_of(T.reason, T.cause),
+      op = op and i or nil, collection = op and op.collection or nil,
+      document = op and op.id or nil })
 end
 
 -- Drives T to done or cancelled from whatever state it is in.  `versions`
