@@ -9,7 +9,6 @@ local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
 local server = require "spec.support.server"
 
-local core = helpers.core
 
 describe("#server contract holes", function()
   local db, accounts, txs, name
@@ -147,9 +146,9 @@ describe("#server contract holes", function()
         { _id = "S", balance = 0, txPending = "junk" } },
     }
     for _, case in ipairs(cases) do
-      local name, opts, S = case[1], case[2], case[3]
+      local what, opts, S = case[1], case[2], case[3]
 
-      it("cancels, every other op undone (" .. name .. "): single, begin + commit, batch", function()
+      it("cancels, every other op undone (" .. what .. "): single, begin + commit, batch", function()
         put { { _id = "P", balance = 1000 }, { _id = "Q", balance = 0 }, S }
         local tm = assert(db:manager(opts))
         local T, err = tm:transfer("accounts", "P", "S", 30, { min = 0, id = "r1" })
@@ -174,7 +173,7 @@ describe("#server contract holes", function()
         assert_clean()
       end)
 
-      it("cancels on recovery's paths, batched and one at a time (" .. name .. ")", function()
+      it("cancels on recovery's paths, batched and one at a time (" .. what .. ")", function()
         put { { _id = "P", balance = 1000 }, S }
         local gone = assert(db:manager(opts))
         for _, id in ipairs { "v1", "v2" } do
