@@ -85,23 +85,40 @@ _M.max_attempts = 5
 -- Seconds finished transactions are kept before prune() deletes them.
 _M.retention = 24 * 3600
 
+-- The bounds a where puts on numbers, each as fn(field, x, strict):
+-- `field >= x` ($gte) and `field > x` ($gt, strict), at its top and
+-- inside `$and` (the floor forms of docs/guards.md).
+local function bounds(where, fn)
+  if type(where) ~= "table" then return end
+  for field, cond in pairs(where) do
+    if field == "$and" and type(cond) == "table" then
+      for _, part in ipairs(cond) do bounds(part, fn) end
+    elseif type(field) == "string" and type(cond) == "table" then
+      if type(cond["$gte"]) == "number" then fn(field, cond["$gte"], false) end
+      if type(cond["$gt"]) == "number" then fn(field, cond["$gt"], true) end
+    end
+  end
+end
+
 -- The floor each field kept in tx's debits: an op that takes `d` off a
 -- field ($inc of -d) under a `where` of `field >= x` keeps it at x - d or
--- above (a transfer's `min`).  The highest per field name; only numbers
--- (a guard on anything else is no floor this can carry).
+-- above (a transfer's `min`), under `field > x` strictly above.  The
+-- highest per field name (at one height, the strict one): { value, strict
+-- }.  Only numbers (a guard on anything else is no floor this can carry).
 local function floors_of(tx)
   local floors = {}
   for _, op in ipairs(tx.ops) do
     local inc = op.kind == "update" and type(op.update) == "table" and op.update["$inc"]
-    if type(inc) == "table" and type(op.where) == "table" then
-      for field, d in pairs(inc) do
-        local cond = op.where[field]
-        local x = type(cond) == "table" and cond["$gte"]
-        if type(d) == "number" and d < 0 and type(x) == "number" then
-          local floor = x + d
-          if floors[field] == nil or floor > floors[field] then floors[field] = floor end
+    if type(inc) == "table" then
+      bounds(op.where, function(field, x, strict)
+        local d = inc[field]
+        if type(d) == "number" and d < 0 then
+          local floor, was = x + d, floors[field]
+          if was == nil or floor > was[1] or (floor == was[1] and strict) then
+            floors[field] = { floor, strict }
+          end
         end
-      end
+      end)
     end
   end
   return floors
@@ -117,7 +134,7 @@ local function floor_guard(update, floors)
     local floor = floors[field]
     if type(d) == "number" and d < 0 and floor ~= nil then
       where = where or {}
-      where[field] = { ["$gte"] = floor - d }
+      where[field] = { [floor[2] and "$gt" or "$gte"] = floor[1] - d }
     end
   end
   return where
@@ -145,9 +162,9 @@ end
 -- in reverse order ($inc is inverted automatically when the op was
 -- begun; anything else needs an explicit `undo`). Inserts become removes.
 -- A refund must not overdraw: each of its debits keeps the floor the
--- original's debits of that field had (a transfer's `min`: B, paid 30 by
--- A with min = 0, gives the 30 back only while B >= 30), unless
--- opts.floors is false.  Returns ops, or nil and a message.
+-- original's debits of that field had, in every form (a transfer's
+-- `min`: B, paid 30 by A with min = 0, gives the 30 back only while B >=
+-- 30; `$gt`, inside `$and`), unless opts.floors is false.  Returns ops, or nil and a message.
 function _M.compensation(tx, opts)
   local floors = (opts == nil or opts.floors ~= false) and floors_of(tx) or {}
   local ops = {}

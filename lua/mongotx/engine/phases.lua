@@ -182,14 +182,19 @@ function Engine:holder(holder)
   if H and key(mark(H)) == key(holder) then return H end
 end
 
--- Pulls `holder` from the `held` array of document id in coll where the
--- marker array of its form (H's fields) no longer names it, with the
--- version moved as by every write of mongotx.  Returns whether it did, or
--- nil, err.
+-- Pulls `holder` (the mark of a transaction: an id, no operator in it)
+-- from the `held` array of document id in coll where the marker array of
+-- its form (its transaction's fields) no longer names it, with the
+-- version moved as by every write of mongotx.  (A $pull of the value
+-- itself, which FerretDB v1 needs, where it is no document: a document
+-- there would be a condition on the elements.)  Returns whether it did,
+-- or nil, err.
 local function unhold(coll, id, holder, form)
+  local pull = holder
+  if type(holder) == "table" then pull = { ["$in"] = { holder } } end
   local res, err = coll:update_one(
     { _id = id, [HELD] = { ["$in"] = { holder } }, [form.marker] = { ["$nin"] = { holder } } },
-    { ["$pull"] = { [HELD] = { ["$in"] = { holder } } }, ["$inc"] = { [form.version] = 1 } })
+    { ["$pull"] = { [HELD] = pull }, ["$inc"] = { [form.version] = 1 } })
   if not res then return nil, errors.wrap(err, "apply") end
   return res.matched > 0
 end
