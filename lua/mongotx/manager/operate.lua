@@ -13,6 +13,7 @@ local validate = require "mongotx.validate"
 local options = require "mongotx.options"
 local stored = require "mongotx.stored"
 local counts = require "mongotx.manager.counts"
+local engine = require "mongotx.engine"
 
 local key = validate.tid_key
 local ipairs, pairs, type, tostring = ipairs, pairs, type, tostring
@@ -114,10 +115,23 @@ local compensate_options = { floors = true }
 -- cancelled (refused by a floor, say), and cancelled is final: of a
 -- transaction's compensations, at most one is ever anything but
 -- cancelled, so at most one is done, whoever calls and however many at
--- once (two that begin the same attempt meet on its _id).  Attempts are
--- read one by one from the first: each refused one adds a read to the
--- next call.  prune deletes the original before its compensations (it
--- is older), so a chain is never read with a gap.
+-- once (two that begin the same attempt meet on its _id).  Before it
+-- begins attempt n + 1, a call records n + 1 on the original
+-- (`compensations`, $max): attempts before that one are all cancelled,
+-- so the next call reads from there, not from the first (a refund tried
+-- daily costs the same on day 1 000 as on day 1).  prune deletes the
+-- original before its compensations (it is older).
+
+-- The answer of a compensation that ended cancelled because an op of it
+-- could not apply: that op failure's code (`guard` below a floor), the
+-- same for the call whose attempt it was and for one that met it in
+-- flight, which learns it as `cancelled` with that cause.
+local function refusal(C, err)
+  if not C and err.code == "cancelled" and engine.failure_text[err.cause] then
+    err.code = err.cause
+  end
+  return C, err
+end
 
 --- Undoes a committed transaction with a new one; of its compensations at most one ends `done`.
 -- @syntax T, err = tm:compensate(t [, { floors = false }])
@@ -148,7 +162,8 @@ function Manager:compensate(t, opts)
   if not ops then
     return nil, errors.new("invalid", why, { step = "compensate", id = T._id })
   end
-  local n, raced = 1, false
+  local n, raced = T.compensations, false
+  if type(n) ~= "number" or n < 1 or n % 1 ~= 0 then n = 1 end
   while true do
     local cid = _M.compensation_id(T._id, n)
     local C
@@ -158,16 +173,19 @@ function Manager:compensate(t, opts)
       C, err = self:begin(ops, { id = cid }, { compensates = T._id })
       if C then
         self.engine:event("compensate", { id = T._id, by = C._id })
-        return self:commit(C)
+        return refusal(self:commit(C))
       end
       -- another call began this attempt first, with other ops (floors):
       -- read it again (once) and go on from there
       if err.code ~= "idempotency" or raced then return nil, err end
       raced = true
     elseif C.state ~= "cancelled" then
-      return self:commit(C) -- this attempt is the one in flight, or done
+      return refusal(self:commit(C)) -- this attempt is the one in flight, or done
     else
       n, raced = n + 1, false
+      local res
+      res, err = self.engine.tx:update_one({ _id = T._id }, { ["$max"] = { compensations = n } })
+      if not res then return nil, errors.wrap(err, "compensate", T._id) end
     end
   end
 end
