@@ -240,12 +240,13 @@ append_inc(lua_State *L, bson_t *sub, const bson_iter_t *it, const fields *f, in
 
 /* Copies the operators of update (may be NULL) into out, adding the
  * marker change (`$push` or `$pull` of the transaction id, or none; and
- * the same of `held` when `held`) and `$inc` of the version field.  With
+ * the same of the array `also` names: `held`, `escrow`, or NULL) and
+ * `$inc` of the version field.  With
  * `escrow` (1 or -1, see append_inc) the $inc paths of that sign go to
  * the escrow subdocument instead (an escrowed op's apply and undo). */
 void
 merge_update(lua_State *L, bson_t *out, const bson_t *update, const fields *f,
-	     const char *marker_op, const bson_t *tid_holder, int held, int escrow)
+	     const char *marker_op, const bson_t *tid_holder, const char *also, int escrow)
 {
 	bson_iter_t it, inner, tid;
 	bson_t sub;
@@ -272,8 +273,8 @@ merge_update(lua_State *L, bson_t *out, const bson_t *update, const fields *f,
 			}
 			if (is_marker) {
 				bson_append_iter(&sub, f->marker, -1, &tid);
-				if (held)
-					bson_append_iter(&sub, f->held, -1, &tid);
+				if (also)
+					bson_append_iter(&sub, also, -1, &tid);
 				saw_marker = 1;
 			}
 			bson_append_document_end(out, &sub);
@@ -287,8 +288,8 @@ merge_update(lua_State *L, bson_t *out, const bson_t *update, const fields *f,
 	if (marker_op && !saw_marker) {
 		bson_append_document_begin(out, marker_op, -1, &sub);
 		bson_append_iter(&sub, f->marker, -1, &tid);
-		if (held)
-			bson_append_iter(&sub, f->held, -1, &tid);
+		if (also)
+			bson_append_iter(&sub, also, -1, &tid);
 		bson_append_document_end(out, &sub);
 	}
 }
@@ -487,6 +488,7 @@ l_steps_gc(lua_State *L)
 	bson_free((char *)s->f.held);
 	bson_free((char *)s->f.placeholder);
 	bson_free((char *)s->f.pending);
+	bson_free((char *)s->f.escrow);
 	if (s->wopts)
 		bson_destroy(s->wopts);
 	if (s->bopts)
@@ -499,15 +501,15 @@ l_steps_gc(lua_State *L)
 	return 0;
 }
 
-/* core.steps{ marker, version, removing, held, placeholder, pending [,
- * write_concern] } -> a Steps object: the protocol's steps with those
- * names and that write concern bound. */
+/* core.steps{ marker, version, removing, held, placeholder, pending,
+ * escrow [, write_concern] } -> a Steps object: the protocol's steps with
+ * those names and that write concern bound. */
 static int
 l_new_steps(lua_State *L)
 {
 	static const char *const names[] = {"marker", "version", "removing", "held",
-		"placeholder", "pending", "write_concern", NULL};
-	const char *field[6];
+		"placeholder", "pending", "escrow", "write_concern", NULL};
+	const char *field[7];
 	size_t len;
 	mtx_steps *s;
 	bson_t *opts;
@@ -515,7 +517,7 @@ l_new_steps(lua_State *L)
 
 	luaL_checktype(L, 1, LUA_TTABLE);
 	mtx_check_options(L, 1, names);
-	for (i = 0; i < 6; i++) {
+	for (i = 0; i < 7; i++) {
 		lua_getfield(L, 1, names[i]);
 		field[i] = luaL_checklstring(L, -1, &len); /* kept alive by the table */
 		/* "Built here": these names go out unvalidated */
@@ -537,6 +539,7 @@ l_new_steps(lua_State *L)
 	s->f.held = bson_strdup(field[3]);
 	s->f.placeholder = bson_strdup(field[4]);
 	s->f.pending = bson_strdup(field[5]);
+	s->f.escrow = bson_strdup(field[6]);
 	s->wopts = bson_copy(opts);
 	s->checked_wopts = bson_copy(opts);
 	BSON_APPEND_BOOL(s->checked_wopts, "validate", false);

@@ -16,8 +16,9 @@
  * so that no other transaction applies to a document on its way out (two
  * removes of one document must not both succeed); the array of the
  * open transactions whose effect on the document may have raised a value
- * (see "Guards" below); the field of a fence's placeholder; and the
- * subdocument an escrowed credit waits in until its finish ("Guards"). */
+ * (see "Guards" below); the field of a fence's placeholder; the
+ * subdocument an escrowed credit waits in until its finish, and the array
+ * of the transactions whose escrowed credits wait there ("Guards"). */
 typedef struct {
 	const char *marker;
 	const char *version;
@@ -25,6 +26,7 @@ typedef struct {
 	const char *held;
 	const char *placeholder;
 	const char *pending;
+	const char *escrow;
 } fields;
 
 /* Guards.  A guard (an op's where) must never pass on an effect that may
@@ -44,7 +46,11 @@ typedef struct {
  *   The apply also adds 0 to each credited path, so that the server
  *   checks there what the finish's $inc needs (a number, or nothing,
  *   under documents): an $inc it would refuse is refused before the
- *   commit point (an absent field is created at 0 there);
+ *   commit point (an absent field is created at 0 there).  The apply
+ *   records the transaction in the `escrow` array, which its finish and
+ *   undo pull with the marker: any manager's floor guard finds the
+ *   committed ones there (whatever their marker field) and finishes them
+ *   first, so that it reads their credit;
  * - any other effect (a credit with escrow off, a $set, an insert, ...)
  *   also records the transaction in the `held` array until it is
  *   finished or undone.
@@ -87,8 +93,8 @@ MTX_HIDDEN void append_marker_eq(bson_t *filter, const fields *f, const bson_t *
 MTX_HIDDEN bson_t *check_tid(lua_State *L, int idx);
 MTX_HIDDEN void item_tid(lua_State *L, int item, int i, bson_t *holder);
 MTX_HIDDEN void merge_update(lua_State *L, bson_t *out, const bson_t *update,
-	     const fields *f, const char *marker_op, const bson_t *tid_holder, int held,
-	     int escrow);
+	     const fields *f, const char *marker_op, const bson_t *tid_holder,
+	     const char *also, int escrow);
 MTX_HIDDEN void append_settle(lua_State *L, bson_t *out, const bson_t *update,
 	     const fields *f);
 

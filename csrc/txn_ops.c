@@ -57,6 +57,18 @@ op_holds(lua_State *L, int op, int kind)
 {
 	return (kind == K_UPDATE || kind == K_INSERT) && op_effect(L, op) == E_RAISES;
 }
+
+/* The array the op's apply, finish and undo push or pull the transaction
+ * in with its marker: `held`, `escrow` (an escrowed credit) or none. */
+static const char *
+op_array(lua_State *L, int op, int kind, const fields *f)
+{
+	if (op_holds(L, op, kind))
+		return f->held;
+	if (kind == K_UPDATE && op_effect(L, op) == E_ESCROW)
+		return f->escrow;
+	return NULL;
+}
 /* The insert of op.doc carrying the marker [tid] (and `held` [tid]) and
  * version 1 (a scratch document left on the stack). */
 static bson_t *
@@ -191,7 +203,8 @@ build_apply(lua_State *L, const op_parts *p, const bson_t *tid, int version,
 		bson_append_null(filter, f->version, -1);
 	else if (!lua_isboolean(L, version))
 		mtx_append_value(L, version, filter, f->version);
-	merge_update(L, update, p->update, f, "$push", tid, p->holds, p->escrow);
+	merge_update(L, update, p->update, f, "$push", tid,
+		     p->holds ? f->held : p->escrow ? f->escrow : NULL, p->escrow);
 	if (p->kind == K_REMOVE)
 		append_removing(update, "$set", f, tid);
 }
@@ -393,11 +406,11 @@ build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 
 		lua_getfield(L, op, "update");
 		append_settle(L, settle, mtx_check_document(L, -1), f);
-		merge_update(L, update, settle, f, "$pull", tid, 0, 0);
+		merge_update(L, update, settle, f, "$pull", tid, f->escrow, 0);
 		lua_settop(L, top);
 		return OP_UPDATE;
 	}
-	merge_update(L, update, NULL, f, "$pull", tid, op_holds(L, op, kind), 0);
+	merge_update(L, update, NULL, f, "$pull", tid, op_array(L, op, kind, f), 0);
 	return OP_UPDATE;
 }
 
@@ -555,7 +568,7 @@ build_undo(lua_State *L, int op, const bson_t *tid, const fields *f,
 		lua_getfield(L, op, "undo");
 		undo = mtx_check_document(L, -1);
 	}
-	merge_update(L, update, undo, f, "$pull", tid, op_holds(L, op, kind),
+	merge_update(L, update, undo, f, "$pull", tid, op_array(L, op, kind, f),
 		     kind == K_UPDATE && op_effect(L, op) == E_ESCROW ? -1 : 0);
 	if (kind == K_REMOVE)
 		append_removing(update, "$unset", f, tid);
@@ -598,14 +611,14 @@ build_fence(lua_State *L, int op, const bson_t *tid, const fields *f,
 	lua_pop(L, 1);
 	append_marker_ne(filter, f, tid);
 	if (op_kind(L, op) != K_INSERT) {
-		merge_update(L, update, NULL, f, NULL, tid, 0, 0);
+		merge_update(L, update, NULL, f, NULL, tid, NULL, 0);
 		return OP_UPDATE;
 	}
 	bson_append_document_begin(update, "$setOnInsert", -1, &set);
 	bson_iter_init_find(&it, tid, "t");
 	bson_append_iter(&set, f->placeholder, -1, &it);
 	bson_append_document_end(update, &set);
-	merge_update(L, update, NULL, f, NULL, tid, 0, 0);
+	merge_update(L, update, NULL, f, NULL, tid, NULL, 0);
 	return OP_UPSERT;
 }
 

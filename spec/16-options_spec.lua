@@ -108,7 +108,7 @@ describe("#server options", function()
     it("core.steps itself refuses a field name that is empty or not UTF-8", function()
       local core = require "mongotx.core"
       local names = { marker = "m", version = "v", removing = "r", held = "h", placeholder = "p",
-                      pending = "e" }
+                      pending = "e", escrow = "s" }
       assert.is_not_nil(core.steps(names))
       for field in pairs(names) do
         for _, bad in ipairs { "", "\xff", "a\xe2\x82" } do

@@ -183,7 +183,7 @@ describe("#server the batch builder", function()
     -- the fence condition is built once a batch (csrc/txn.c,
     -- deadline_condition) and must still say $$NOW < deadline for each op
     local steps = core.steps { marker = "m", version = "v", removing = "r", held = "h",
-                               placeholder = "p", pending = "e" }
+                               placeholder = "p", pending = "e", escrow = "s" }
     local coll = db.client:collection(db.name, "accounts")
     local function items(tid)
       return {

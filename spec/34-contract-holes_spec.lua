@@ -34,6 +34,7 @@ describe("#server contract holes", function()
     for _, d in ipairs(helpers.dump(accounts)) do
       assert.are.same({}, d.pendingTransactions or {}, "marker left on " .. tostring(d._id))
       assert.are.same({}, d.txHeld or {}, "txHeld left on " .. tostring(d._id))
+      assert.are.same({}, d.txEscrow or {}, "txEscrow left on " .. tostring(d._id))
       local p = d.txPending
       if type(p) == "table" then
         for k, v in pairs(p) do
@@ -246,6 +247,23 @@ describe("#server contract holes", function()
     end
     assert.are.equal(5, assert(db:collection("stock"):find_one({ _id = "widget" })).count)
     assert.are.equal(100, doc("A").balance)
+  end)
+
+  it("a floor reads another manager's committed escrowed credit", function()
+    put { { _id = "A", balance = 100 }, { _id = "B", balance = 0 }, { _id = "C", balance = 0 } }
+    local m1 = assert(db:manager { marker = "m1", finish = "deferred" })
+    local T = assert(m1:transfer("accounts", "A", "B", 50, { min = 0, id = "m1-t" }))
+    assert.are.equal("applied", T.state) -- committed, B's credit still in escrow
+    assert.are.same({ 0, 50 }, { doc("B").balance, doc("B").txPending.balance })
+    local m2 = assert(db:manager {})
+    T = assert(m2:transfer("accounts", "B", "C", 50, { min = 0 }))
+    assert.are.equal("done", T.state)
+    assert.are.same({ 50, 0, 50 }, { doc("A").balance, doc("B").balance, doc("C").balance })
+    assert.are.same({}, doc("B").m1)
+    assert.are.equal(1, m1:finish())
+    assert.are.equal("done", stored("m1-t").state)
+    assert.are.same({}, doc("A").m1)
+    assert_clean()
   end)
 
   it("clears a txHeld entry the tutorial's recipe (PyMongo) left behind", function()

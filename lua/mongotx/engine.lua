@@ -28,8 +28,8 @@ local phases = require "mongotx.engine.phases"
 local commands = require "mongotx.engine.commands"
 
 local ipairs, pairs, tostring, setmetatable = ipairs, pairs, tostring, setmetatable
-local REMOVING, HELD, PLACEHOLDER, PENDING =
-  stored.REMOVING, stored.HELD, stored.PLACEHOLDER, stored.PENDING
+local REMOVING, HELD, PLACEHOLDER, PENDING, ESCROW =
+  stored.REMOVING, stored.HELD, stored.PLACEHOLDER, stored.PENDING, stored.ESCROW
 
 local _M = {}
 
@@ -59,16 +59,16 @@ function _M.new(ctx)
     version_field = ctx.version_field,
     fencing = ctx.fencing,
     fields = { marker = ctx.marker, version = ctx.version_field, removing = REMOVING,
-               held = HELD, placeholder = PLACEHOLDER, pending = PENDING },
+               held = HELD, placeholder = PLACEHOLDER, pending = PENDING, escrow = ESCROW },
     vctx = { collection = ctx.collection,
              owned = { "_id", ctx.marker, ctx.version_field, REMOVING, HELD, PLACEHOLDER,
-                       PENDING },
+                       PENDING, ESCROW },
              name_max = math.max(0, core.MAX_NAMESPACE - #ctx.db.name - 1),
              escrow = ctx.escrow },
     wopts = { write_concern = ctx.write_concern },
     steps = core.steps { marker = ctx.marker, version = ctx.version_field,
                          removing = REMOVING, held = HELD, placeholder = PLACEHOLDER,
-                         pending = PENDING, write_concern = ctx.write_concern },
+                         pending = PENDING, escrow = ESCROW, write_concern = ctx.write_concern },
     forms = {},         -- the forms of transactions begun with other fields (form)
     colls = {},         -- collection handles by name (coll)
     held = {},          -- key(id) -> epoch this engine holds (hold, holds)
@@ -106,7 +106,7 @@ function Engine:form(T)
     f = { marker = marker, version = version,
           steps = core.steps { marker = marker, version = version, removing = REMOVING,
                                held = HELD, placeholder = PLACEHOLDER, pending = PENDING,
-                               write_concern = self.wopts.write_concern } }
+                               escrow = ESCROW, write_concern = self.wopts.write_concern } }
     self.forms[k] = f
   end
   return f

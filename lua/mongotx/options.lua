@@ -31,7 +31,7 @@ _M.MAX_SECONDS = MAX_SECONDS
 -- two (manager.lua): a marker or version field may be none of them.
 local DEFAULT_MARKER, DEFAULT_VERSION = "pendingTransactions", "txVersion"
 local RESERVED = { _id = true, txRemoving = true, txHeld = true, txPlaceholder = true,
-                   txPending = true }
+                   txPending = true, txEscrow = true }
 
 local INT32_MAX = 2147483647
 
@@ -137,7 +137,7 @@ local checks = {
   collection = collection_name,
   application = typed("string", "a non-empty UTF-8 string", text_ok),
   marker = typed("string", "a top-level field name (UTF-8, not empty, no $ first, no dots, " ..
-    "not _id, txRemoving, txHeld, txPlaceholder or txPending)", field_ok),
+    "not _id, txRemoving, txHeld, txPlaceholder, txPending or txEscrow)", field_ok),
   escrow = typed("boolean"),
   fencing = typed("string", '"auto", "deadline" or "version"',
     one_of { auto = true, deadline = true, version = true }),

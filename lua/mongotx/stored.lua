@@ -55,7 +55,12 @@ local PLACEHOLDER = "txPlaceholder"
 -- ({ balance = 30 }): moved into their fields at the finish, taken back
 -- at the undo (docs/guards.md, "Escrow").
 local PENDING = "txPending"
-_M.REMOVING, _M.HELD, _M.PLACEHOLDER, _M.PENDING = REMOVING, HELD, PLACEHOLDER, PENDING
+-- the open transactions with an escrowed credit in txPending, whatever
+-- their marker field: any manager's floor guard finishes the committed
+-- ones first, so that it reads their credit (docs/guards.md, "Escrow").
+local ESCROW = "txEscrow"
+_M.REMOVING, _M.HELD, _M.PLACEHOLDER, _M.PENDING, _M.ESCROW =
+  REMOVING, HELD, PLACEHOLDER, PENDING, ESCROW
 
 -- The mark a new transaction of collection `coll` with this _id records
 -- (nil: none, its _id is its mark): MARK_PREFIX, the collection's name, a

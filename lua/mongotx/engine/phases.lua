@@ -11,7 +11,7 @@ local stored = require "mongotx.stored"
 
 local key, id_key = validate.tid_key, validate.id_key
 local live, has_marker, mark = stored.live, stored.has_marker, stored.mark
-local REMOVING, HELD = stored.REMOVING, stored.HELD
+local REMOVING, HELD, ESCROW = stored.REMOVING, stored.HELD, stored.ESCROW
 local ipairs, pairs, tostring, type = ipairs, pairs, tostring, type
 local format = string.format
 
@@ -215,7 +215,7 @@ function Engine:release(T, op, doc)
   for _, x in ipairs(stored.holders(doc, op.floor and HELD or marker, tm)) do
     matters[key(x)] = true
   end
-  for _, field in ipairs { marker, HELD } do
+  for _, field in ipairs { marker, HELD, ESCROW } do
     for _, x in ipairs(stored.holders(doc, field, tm)) do
       if not seen[key(x)] then seen[key(x)], all[#all + 1] = true, x end
     end
