@@ -440,7 +440,7 @@ describe("#server transactions", function()
       local docs = helpers.dump(accounts)
       assert.are.same({ { _id = "A", balance = 999, pendingTransactions = {}, locks = {}, v = 2 },
                         { _id = "B", balance = 1001, pendingTransactions = {}, locks = {},
-                          txPending = { balance = 0 }, v = 2 } },
+                          txPending = { balance = 0 }, txEscrow = {}, v = 2 } },
                       docs)
     end)
   end)

@@ -129,7 +129,7 @@ describe("#server options", function()
       assert.are.equal("done", t.state)
       assert.are.same({ { _id = "a", balance = 6, ["versión"] = 2, ["en_cours_é"] = {} },
                         { _id = "b", balance = 4, ["versión"] = 2, ["en_cours_é"] = {},
-                          txPending = { balance = 0 } } }, helpers.dump(accounts))
+                          txPending = { balance = 0 }, txEscrow = {} } }, helpers.dump(accounts))
       assert.are.equal("done", assert(tm:get(t._id)).state)
     end)
 

@@ -1134,7 +1134,7 @@ end)
 -- left empty on a document an undone credit raised, txPending at 0 where
 -- an undone escrowed credit waited).  Its collections are skipped where a
 -- transaction runs: the transactions and the $$NOW probe's.
-local BOOKKEEPING = { "txVersion", "txHeld", "txPending" }
+local BOOKKEEPING = { "txVersion", "txHeld", "txPending", "txEscrow" }
 
 -- What the corpus refuses must not cost what is allowed: every allowed id
 -- type works, in whatever spelling the server takes as the same id;

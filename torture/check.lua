@@ -3,7 +3,10 @@
 --   1. every transaction ended done or cancelled (none parked, none in
 --      flight), and a compensating one only for a done original;
 --   2. no document carries a marker (pendingTransactions, or OTHER's
---      marker) or a holder (txHeld) any more;
+--      marker), a holder (txHeld) or an escrow holder (txEscrow) any
+--      more; no transaction is done with a marker or an escrowed credit
+--      of it left on a document, and no txHeld entry is left without its
+--      marker;
 --   3. the documents are exactly the fixture with the ops of the done
 --      transactions applied once each and those of the cancelled ones not
 --      at all: a model replays the done transactions' stored ops ($inc,
@@ -22,6 +25,7 @@
 
 local mongotx = require "mongotx"
 local validate = require "mongotx.validate"
+local stored = require "mongotx.stored"
 
 -- Ids as map keys and in messages: strings as they are (every id the
 -- suite makes is one), anything else in the engine's canonical form.
@@ -39,6 +43,8 @@ M.HELD = "txHeld"
 -- the escrowed credits of open transactions (docs/guards.md, Escrow):
 -- every path there must end at 0, each credit moved in or taken back
 M.PENDING = "txPending"
+-- the open transactions with an escrowed credit there, by their marks
+M.ESCROW = "txEscrow"
 -- The other configuration the sections with mixed managers use (issue
 -- 27): another transactions collection (whose transactions are keyed
 -- "tx2:<id>" here, their ids may repeat those of `transactions`), and
@@ -128,9 +134,43 @@ end
 local function visible(doc)
   if doc.txPlaceholder ~= nil then return nil end
   local d = copy(doc)
-  d[M.MARKER], d[M.VERSION], d[M.HELD], d[M.PENDING] = nil, nil, nil, nil
+  d[M.MARKER], d[M.VERSION], d[M.HELD], d[M.PENDING], d[M.ESCROW] = nil, nil, nil, nil, nil
   d[M.OTHER.marker], d[M.OTHER.version] = nil, nil
   return d
+end
+
+-- The key r.docs has the transaction a mark names under (its _id's
+-- canonical form, prefixed by its collection outside `transactions`).
+local function mark_key(mark)
+  local coll, id = stored.named(mark)
+  if coll and coll ~= "transactions" then return coll .. ":" .. canon(id) end
+  return canon(id == nil and mark or id)
+end
+
+-- What doc carries that no settled protocol leaves (docs: mark_key ->
+-- the transaction), also while transactions run: a mark (marker,
+-- txHeld, txEscrow: its escrowed credit) of a transaction that is done,
+-- and a txHeld entry whose marker is gone.  A list of messages.
+function M.leftovers(doc, docs)
+  local out, marked = {}, {}
+  for _, field in ipairs(MARKERS) do
+    for _, mark in ipairs(type(doc[field]) == "table" and doc[field] or {}) do
+      marked[mark_key(mark)] = true
+    end
+  end
+  for _, field in ipairs { M.MARKER, M.OTHER.marker, M.HELD, M.ESCROW } do
+    for _, mark in ipairs(type(doc[field]) == "table" and doc[field] or {}) do
+      local k = mark_key(mark)
+      local T = docs[k]
+      if T and T.state == "done" then
+        out[#out + 1] = ("transaction %s is done with its mark left in %s"):format(k, field)
+      end
+      if field == M.HELD and not marked[k] then
+        out[#out + 1] = ("a txHeld entry of %s without its marker"):format(k)
+      end
+    end
+  end
+  return out
 end
 
 local TERMINAL = { done = true, cancelled = true }
@@ -227,6 +267,16 @@ function M.database(db, fixture, opts)
         local ids = {}
         for i, id in ipairs(type(held) == "table" and held or {}) do ids[i] = canon(id) end
         violation("%s/%s is still held by %s", name, tostring(doc._id), table.concat(ids, ", "))
+      end
+      local escrow = doc[M.ESCROW]
+      if escrow ~= nil and (type(escrow) ~= "table" or #escrow > 0) then
+        local ids = {}
+        for i, id in ipairs(type(escrow) == "table" and escrow or {}) do ids[i] = canon(id) end
+        violation("%s/%s still has escrowed credits of %s", name, tostring(doc._id),
+          table.concat(ids, ", "))
+      end
+      for _, why in ipairs(M.leftovers(doc, r.docs)) do
+        violation("%s/%s: %s", name, tostring(doc._id), why)
       end
       local stuck = escrowed(doc[M.PENDING], "")
       if stuck then
