@@ -117,9 +117,10 @@ move(lua_State *L, const mtx_steps *s, const char *from, const char *to, int epo
 }
 
 /* The same for many transactions (ids: a list at stack index 3) in one
- * update_many; pushes { moved = <count> }. */
+ * update_many, also setting keys as move does; pushes { moved = <count> }. */
 static int
-move_many(lua_State *L, const mtx_steps *s, const char *from, const char *to, int epoch)
+move_many(lua_State *L, const mtx_steps *s, const char *from, const char *to, int epoch,
+	  const char *const *keys, int value)
 {
 	mongoc_collection_t *coll = arg_collection(L, 2);
 	bson_t *filter, *update, id;
@@ -132,7 +133,7 @@ move_many(lua_State *L, const mtx_steps *s, const char *from, const char *to, in
 	bson_append_document_begin(filter, "_id", 3, &id);
 	mtx_append_value(L, 3, &id, "$in"); /* a sequence: an array */
 	bson_append_document_end(filter, &id);
-	build_transition(L, from, to, epoch, NULL, 0, filter, update);
+	build_transition(L, from, to, epoch, keys, value, filter, update);
 	if ((rc = run_update(L, transition_point(to), coll, filter, update,
 			     s->checked_wopts, 1, &n)))
 		return rc;
@@ -228,7 +229,7 @@ l_commit_many(lua_State *L)
 	luaL_checkany(L, 4);
 	if (lua_istable(L, 4))
 		return move_many_epochs(L, s, "pending", "applied", 4);
-	return move_many(L, s, "pending", "applied", 4);
+	return move_many(L, s, "pending", "applied", 4, NULL, 0);
 }
 
 /* steps:done(txcoll, tid): applied -> done, once every op is finished. */
@@ -239,12 +240,16 @@ l_done(lua_State *L)
 	return move(L, check_steps(L), "applied", "done", 0, NULL, 0);
 }
 
-/* steps:done_many(txcoll, tids) -> { moved = <count> } */
+/* steps:done_many(txcoll, tids [, by]) -> { moved = <count> }; `by`, a
+ * value unique to this call, is set as `doneBy`, so that the caller can
+ * read which of them it moved when another moved some first. */
 static int
 l_done_many(lua_State *L)
 {
-	lua_settop(L, 3);
-	return move_many(L, check_steps(L), "applied", "done", 0);
+	static const char *const done_fields[] = {"doneBy", NULL};
+
+	lua_settop(L, 4);
+	return move_many(L, check_steps(L), "applied", "done", 0, done_fields, 4);
 }
 
 /* What a cancel records: why in words (reason), as a code (cause) and,
@@ -284,7 +289,7 @@ static int
 l_cancelled_many(lua_State *L)
 {
 	lua_settop(L, 3);
-	return move_many(L, check_steps(L), "canceling", "cancelled", 0);
+	return move_many(L, check_steps(L), "canceling", "cancelled", 0, NULL, 0);
 }
 
 /* steps:renew(txcoll, tid, epoch, deadline): pending -> pending with a new

@@ -8,6 +8,7 @@
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
 local server = require "spec.support.server"
+local metrics = require "mongotx.metrics"
 
 
 describe("#server contract holes", function()
@@ -264,6 +265,62 @@ describe("#server contract holes", function()
     assert.are.equal("done", stored("m1-t").state)
     assert.are.same({}, doc("A").m1)
     assert_clean()
+  end)
+
+  describe("counters", function()
+    -- begun, done, cancelled of application "app" as rendered
+    local function figures(m)
+      local text, out = m:render(), {}
+      for _, what in ipairs { "begun", "done" } do
+        out[#out + 1] = tonumber(text:match("mongotx_transactions_" .. what ..
+          "_total{application=\"app\"} (%S+)")) or 0
+      end
+      local cancelled = 0
+      for n in text:gmatch("mongotx_transactions_cancelled_total{[^}]*} (%S+)") do
+        cancelled = cancelled + tonumber(n)
+      end
+      out[3] = cancelled
+      return out
+    end
+
+    it("count a transaction whose creator was gone once, begun and done, where it ends", function()
+      put { { _id = "A", balance = 100 }, { _id = "B", balance = 0 } }
+      -- a process that created them and died before it counted (no registry)
+      local gone = assert(db:manager { application = "app" })
+      for _, id in ipairs { "k1", "k2" } do
+        local t = assert(gone:begin({ credit("A", -10), credit("B", 10) }, { id = id }))
+        assert(gone:step("claim", t))
+        helpers.age(txs, id, 3600)
+      end
+      local m = metrics.new()
+      local back = assert(db:manager(m:wrap { application = "app", stale_after = 1 }))
+      assert.are.equal(1, assert(back:recover { batch = 1, limit = 1 }).done)
+      assert.are.same({ 1, 1, 0 }, figures(m))
+      assert.are.equal(1, assert(back:recover()).done)
+      assert.are.same({ 2, 2, 0 }, figures(m))
+      -- and one created here, refused: begun once, cancelled once
+      local _, err = back:transfer("accounts", "A", "B", 500, { min = 0 })
+      assert.are.equal("guard", err.code)
+      assert.are.same({ 3, 2, 1 }, figures(m))
+    end)
+
+    it("count done once when two drivers finish the same transactions", function()
+      put { { _id = "A", balance = 100 }, { _id = "B", balance = 0 } }
+      local m = metrics.new()
+      local tm = assert(db:manager(m:wrap { application = "app", finish = "deferred" }))
+      for _, id in ipairs { "f1", "f2", "f3" } do
+        assert.are.equal("applied", assert(tm:transfer("accounts", "A", "B", 10, { id = id })).state)
+      end
+      -- another caller of the same registry finishes one first
+      local other = assert(db:manager(m:wrap { application = "app" }))
+      assert.are.equal("done", assert(other:commit({ _id = "f2" })).state)
+      assert.are.same({ 3, 1, 0 }, figures(m))
+      assert.are.equal(3, tm:finish())
+      assert.are.same({ 3, 3, 0 }, figures(m))
+      for _, id in ipairs { "f1", "f2", "f3" } do assert.are.equal("done", stored(id).state) end
+      assert.are.same({ 70, 30 }, { doc("A").balance, doc("B").balance })
+      assert_clean()
+    end)
   end)
 
   it("clears a txHeld entry the tutorial's recipe (PyMongo) left behind", function()

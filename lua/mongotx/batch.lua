@@ -269,14 +269,27 @@ function _M.finish(eng, list)
   for _, T in ipairs(list) do
     if not alone[T] then together[#together + 1], ids[#ids + 1] = T, T._id end
   end
+  -- mine[id key]: moved to done by this call.  When another caller moved
+  -- some first (a deferred finish and recovery, say), the stamp says
+  -- which: each done event fires once, from whoever moved it (metrics)
+  local mine
   if #ids > 0 then
-    local res, err = eng:many("done", eng.tx, ids)
+    local by = core.ObjectId()
+    local res, err = eng:many("done", eng.tx, ids, by)
     if not res then return nil, err end
+    if res.moved < #ids then
+      local docs
+      docs, err = eng.tx:find_all({ _id = { ["$in"] = ids }, doneBy = by },
+        { projection = { _id = 1 }, limit = #ids })
+      if not docs then return nil, errors.wrap(err, "done") end
+      mine = {}
+      for _, d in ipairs(docs) do mine[id_key(d._id)] = true end
+    end
   end
   local loud = eng:listening()
   for _, T in ipairs(together) do
     T.state, T.parked = "done", nil -- (done unsets parked: csrc/txn_state.c)
-    if loud then
+    if loud and (not mine or mine[id_key(T._id)]) then
       eng:event_id("finish", T._id)
       eng:event_id("done", T._id)
     end

@@ -92,6 +92,17 @@ local Table = {}
 Table.__index = Table
 
 function Table:incr(key, n) self.values[key] = (self.values[key] or 0) + n end
+-- The transactions counted begun and not yet ended (Metrics:begin_mark).
+function Table:mark(k)
+  if self.marks[k] then return "exists" end
+  self.marks[k] = true
+  return "new"
+end
+function Table:unmark(k)
+  local was = self.marks[k]
+  self.marks[k] = nil
+  return was == true
+end
 function Table:set(key, v) self.values[key] = v end
 function Table:get(key) return self.values[key] end
 function Table:keys()
@@ -102,10 +113,11 @@ end
 
 --- The default store: the figures in a table of this Lua state.
 -- @syntax store = metrics.table_store()
--- @treturn table a store: `incr(key, n)`, `set(key, v)`, `get(key)`, `keys()`
+-- @treturn table a store: `incr(key, n)`, `set(key, v)`, `get(key)`, `keys()`, and `mark(k)`, `unmark(k)`
+--   (the transactions counted begun and not yet ended)
 -- @usage local m = metrics.new{ store = metrics.table_store() }
 function _M.table_store()
-  return setmetatable({ values = {} }, Table)
+  return setmetatable({ values = {}, marks = {} }, Table)
 end
 
 -- How many transactions a Lua state times at once (two generations of
@@ -234,10 +246,32 @@ local OUTCOMES = { "done", "cancelled", "parked", "skipped", "failed" }
 -- result is false did not move the transaction (somebody else did).
 local ON = {}
 
+-- Each transaction is counted begun once and ended (done or cancelled)
+-- once by a registry, whoever drives it: begun is counted where it is
+-- marked (the store's mark: shared by the workers of an nginx instance),
+-- and an end that finds no mark (a worker killed between its create and
+-- the count, another process's transaction recovered here) counts it
+-- begun then.  So begun - done - cancelled is the number of marks, never
+-- below 0, and 0 once all finished.  A store without marks (a caller's
+-- own) keeps them in this Lua state.
+local function marks_of(m)
+  local store = m.store
+  if store.mark and store.unmark then return store end
+  m.own_marks = m.own_marks or _M.table_store()
+  return m.own_marks
+end
+
+local function ended(m, app, id)
+  if not marks_of(m):unmark(key_of(id)) then m:count("mongotx_transactions_begun_total", app) end
+end
+
 function ON.create(m, app, info)
   local res = info.result
   if res == false or type(res) == "table" and res.created == false then return end
-  m:count("mongotx_transactions_begun_total", app)
+  -- (no room for the mark: counted begun at its end instead)
+  if marks_of(m):mark(key_of(info.id)) == "new" then
+    m:count("mongotx_transactions_begun_total", app)
+  end
   m:start(info.id)
 end
 
@@ -247,6 +281,7 @@ end
 
 function ON.done(m, app, info)
   if info.result == false then return end
+  ended(m, app, info.id)
   m:count("mongotx_transactions_done_total", app)
   m:stop(info.id, app, "done")
 end
@@ -256,6 +291,7 @@ function ON.cancelled(m, app, info)
   if res == false then return end
   local from = type(res) == "table" and res or info
   local reason = cancel_reason(from.reason, from.cause)
+  ended(m, app, info.id)
   m:count("mongotx_transactions_cancelled_total", app, "reason", reason)
   m:stop(info.id, app, "cancelled")
 end

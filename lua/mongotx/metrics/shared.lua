@@ -44,6 +44,24 @@ function Store:incr(key, n)
   self:dropped()
 end
 
+-- The transactions counted begun and not yet ended (mongotx.metrics):
+-- one key each, shared by the workers, so that a worker that ends one
+-- another (killed) worker began counts it once.  Kept MARK_TTL seconds
+-- at most (a transaction open longer is counted begun again at its end).
+local MARK, MARK_TTL = "mongotx_begun\t", 7 * 24 * 3600
+function Store:mark(k)
+  local ok, err = self.dict:safe_add(MARK .. k, 1, MARK_TTL)
+  if ok then return "new" end
+  if err == "exists" then return "exists" end
+  return false
+end
+function Store:unmark(k)
+  local left = self.dict:incr(MARK .. k, -1)
+  if left == nil then return false end
+  self.dict:delete(MARK .. k)
+  return left == 0
+end
+
 function Store:set(key, v)
   if not self.dict:safe_set(key, v) then self:dropped() end
 end
