@@ -9,6 +9,7 @@ local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
 local server = require "spec.support.server"
 local metrics = require "mongotx.metrics"
+local group = require "mongotx.group"
 
 
 describe("#server contract holes", function()
@@ -171,6 +172,30 @@ describe("#server contract holes", function()
           assert.are.same({ "cancelled", "refused" }, { stored(id).state, stored(id).cause })
         end
         assert.are.same({ 995, 5 }, { doc("P").balance, doc("Q").balance })
+        assert.are.same(S.balance, doc("S").balance)
+        assert_clean()
+      end)
+
+      it("cancels in a group-commit batch, transfers and begun commits (" .. what .. ")", function()
+        put { { _id = "P", balance = 1000 }, { _id = "Q", balance = 0 },
+              { _id = "R", balance = 1000 }, S }
+        local tm = assert(db:manager(opts))
+        -- (calls on disjoint documents: one batch each time)
+        local out = group.run_calls(tm, {
+          { method = "transfer", n = 5, "accounts", "P", "Q", 5, { id = "g1" } },
+          { method = "transfer", n = 5, "accounts", "R", "S", 6, { min = 0, id = "g2" } },
+        })
+        assert.are.equal("done", out[1][1].state)
+        assert_refused(out[2][2], 2, "S")
+        local t3 = assert(tm:begin({ credit("R", -7), credit("S", 7) }, { id = "g3" }))
+        local t4 = assert(tm:begin({ credit("P", -8), credit("Q", 8) }, { id = "g4" }))
+        out = group.run_calls(tm, { { method = "commit", n = 1, t3 }, { method = "commit", n = 1, t4 } })
+        assert_refused(out[1][2], 2, "S")
+        assert.are.equal("done", out[2][1].state)
+        for _, id in ipairs { "g2", "g3" } do
+          assert.are.same({ "cancelled", "refused" }, { stored(id).state, stored(id).cause })
+        end
+        assert.are.same({ 987, 13, 1000 }, { doc("P").balance, doc("Q").balance, doc("R").balance })
         assert.are.same(S.balance, doc("S").balance)
         assert_clean()
       end)
