@@ -147,28 +147,40 @@ local function mark_key(mark)
   return canon(id == nil and mark or id)
 end
 
--- What doc carries that no settled protocol leaves (docs: mark_key ->
--- the transaction), also while transactions run: a mark (marker,
--- txHeld, txEscrow: its escrowed credit) of a transaction that is done,
--- and a txHeld entry whose marker is gone.  A list of messages.
-function M.leftovers(doc, docs)
+-- The txHeld entries of doc without their marker (in either marker
+-- array), by mark_key: never there at any moment, since an apply pushes
+-- both in one write and a finish or an undo pulls both (the floor
+-- observer checks it at every poll).
+function M.orphan_holds(doc)
   local out, marked = {}, {}
   for _, field in ipairs(MARKERS) do
     for _, mark in ipairs(type(doc[field]) == "table" and doc[field] or {}) do
       marked[mark_key(mark)] = true
     end
   end
+  for _, mark in ipairs(type(doc[M.HELD]) == "table" and doc[M.HELD] or {}) do
+    if not marked[mark_key(mark)] then out[#out + 1] = mark_key(mark) end
+  end
+  return out
+end
+
+-- What doc carries that no settled protocol leaves (docs: mark_key ->
+-- the transaction): a mark (marker, txHeld, txEscrow: its escrowed
+-- credit) of a transaction that is done, and a txHeld entry whose marker
+-- is gone.  A list of messages.
+function M.leftovers(doc, docs)
+  local out = {}
   for _, field in ipairs { M.MARKER, M.OTHER.marker, M.HELD, M.ESCROW } do
     for _, mark in ipairs(type(doc[field]) == "table" and doc[field] or {}) do
-      local k = mark_key(mark)
-      local T = docs[k]
+      local T = docs[mark_key(mark)]
       if T and T.state == "done" then
-        out[#out + 1] = ("transaction %s is done with its mark left in %s"):format(k, field)
-      end
-      if field == M.HELD and not marked[k] then
-        out[#out + 1] = ("a txHeld entry of %s without its marker"):format(k)
+        out[#out + 1] = ("transaction %s is done with its mark left in %s"):format(
+          mark_key(mark), field)
       end
     end
+  end
+  for _, k in ipairs(M.orphan_holds(doc)) do
+    out[#out + 1] = ("a txHeld entry of %s without its marker"):format(k)
   end
   return out
 end

@@ -14,7 +14,9 @@
 -- a document read is atomic, so every value seen is one the document
 -- really had.  A sighting (one violation) is a document seen below its
 -- floor after it was last seen at or above it: the episode is counted
--- once however many polls see it.
+-- once however many polls see it.  Each poll also checks that no txHeld
+-- entry is there without its marker (torture/check.lua, orphan_holds):
+-- each one seen is a violation too.
 --
 --   local obs = observer.start(uri, dbname)  -- returns once it has polled
 --   ... start workers, kill them, recover ...
@@ -59,15 +61,16 @@ function Obs:stop()
   proc.cleanup(self.c)
   os.remove(self.stopfile)
   local o = { polls = 0, readings = 0, sightings = 0, errors = 0, gap = 0, first = {},
-              problem = self.problem }
+              orphans = 0, orphaned = {}, problem = self.problem }
   for line in out:gmatch("[^\n]+") do
     if line:match("^below ") then o.first[#o.first + 1] = line:sub(7) end
-    local p, rd, s, e, low, gap = line:match("^polls (%d+) readings (%d+) sightings (%d+) "
-      .. "errors (%d+) lowest (%S+) gap (%d+)")
+    if line:match("^orphan ") then o.orphaned[#o.orphaned + 1] = line:sub(8) end
+    local p, rd, s, e, low, gap, orph = line:match("^polls (%d+) readings (%d+) sightings (%d+) "
+      .. "errors (%d+) lowest (%S+) gap (%d+) orphans (%d+)")
     if p then
       o.polls, o.readings, o.sightings, o.errors = tonumber(p), tonumber(rd), tonumber(s),
         tonumber(e)
-      o.lowest, o.gap = tonumber(low), tonumber(gap)
+      o.lowest, o.gap, o.orphans = tonumber(low), tonumber(gap), tonumber(orph)
     end
   end
   if rc ~= 0 or o.polls == 0 then
@@ -82,7 +85,10 @@ end
 -- are printed; an observer that did not run is a crash (the section
 -- proved nothing about floors).
 function M.add(r, o, label)
-  r.violations = r.violations + o.sightings
+  r.violations = r.violations + o.sightings + o.orphans
+  for i = 1, math.min(#o.orphaned, M.SHOW) do
+    r.failures[#r.failures + 1] = ("%s: %s"):format(label, o.orphaned[i])
+  end
   for i = 1, math.min(#o.first, M.SHOW) do
     r.failures[#r.failures + 1] = ("%s: below its floor at %s"):format(label, o.first[i])
   end

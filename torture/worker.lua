@@ -23,7 +23,8 @@
 --       the floor observer (torture/observer.lua): reads the accounts
 --       that have a floor every <interval-ms> until the stop file exists
 --       (then once more), prints "ready" after its first poll, "below
---       ..." for the first sightings and a "polls ..." summary line
+--       ..." for the first sightings, "orphan ..." for the first txHeld
+--       entries seen without their marker and a "polls ..." summary line
 --   worker.lua hold <uri> <db> <event> <ready-file> <go-file>
 --       one transaction that, after its <event>th step event, writes the
 --       ready file and waits for the go file, then times how long the rest
@@ -144,9 +145,12 @@ elseif mode == "acked" then
 elseif mode == "observe" then
   local dbname, stopfile, interval = arg[3], arg[4], tonumber(arg[5]) / 1000
   local coll = connect(dbname):collection("accounts")
+  local check = require "torture.check"
   local filter = { floor = { ["$exists"] = true } }
-  local opts = { projection = { balance = 1, floor = 1, pendingTransactions = 1 } }
+  local opts = { projection = { balance = 1, floor = 1, [check.MARKER] = 1,
+                                [check.OTHER.marker] = 1, [check.HELD] = 1 } }
   local polls, readings, sightings, errors, printed = 0, 0, 0, 0, 0
+  local orphans, orphaned = 0, {} -- txHeld entries seen without their marker
   local lowest, below, gap = nil, {}, 0
   local t0 = core.monotonic_ms()
   local last = t0
@@ -165,6 +169,15 @@ elseif mode == "observe" then
     -- scan while it rewrites it) keeps its last status
     for _, d in ipairs(docs) do
       local id = tostring(d._id)
+      for _, k in ipairs(check.orphan_holds(d)) do
+        if not orphaned[id .. "\0" .. k] then
+          orphaned[id .. "\0" .. k], orphans = true, orphans + 1
+          if orphans <= 50 then
+            say(("orphan %.0f ms: %s/accounts/%s holds %s in txHeld without its marker"):format(
+              now - t0, dbname, id, k))
+          end
+        end
+      end
       if type(d.balance) == "number" and type(d.floor) == "number" and d.balance < d.floor then
         readings = readings + 1
         lowest = math.min(lowest or d.balance, d.balance)
@@ -192,8 +205,8 @@ elseif mode == "observe" then
     core.sleep(interval)
   end
   poll()
-  say(("polls %d readings %d sightings %d errors %d lowest %s gap %.0f"):format(polls, readings,
-    sightings, errors, tostring(lowest or "none"), gap))
+  say(("polls %d readings %d sightings %d errors %d lowest %s gap %.0f orphans %d"):format(polls,
+    readings, sightings, errors, tostring(lowest or "none"), gap, orphans))
 elseif mode == "hold" then
   local dbname, at, ready, go = arg[3], tonumber(arg[4]), arg[5], arg[6]
   local events, t0 = 0, nil
