@@ -79,7 +79,7 @@ local tm = assert(db:manager { application = name })
 while not io.open(start) do core.sleep(0.002) end
 for _ = 1, 10 do
   local C, err = tm:compensate({ _id = "pay" })
-  io.write(C and "done" or (err.code .. "/" .. tostring(err.cause)), " ")
+  io.write(C and "done/none" or (err.code .. "/" .. tostring(err.cause)), " ")
 end
 print("end")
 ]], helpers.uri(), db.name, "p" .. i, start)
@@ -90,7 +90,8 @@ print("end")
     for _, p in ipairs(procs) do
       local output = helpers.script_output(p.pid, p.out, p.script, 60)
       assert.truthy(output:find("end"), output)
-      for code in output:gmatch("(%S+) ") do codes[code] = (codes[code] or 0) + 1 end
+      -- (code/cause words only: a library may warn on the same output)
+      for code in output:gmatch("(%l+/%l+) ") do codes[code] = (codes[code] or 0) + 1 end
     end
     os.remove(start)
     assert.are.same({ ["guard/guard"] = 60 }, codes)
