@@ -55,10 +55,13 @@ end
 
 -- Manager options of worker `name` ("w<n>"): every third one recovers
 -- stale pending transactions by rolling them back, every fourth defers
--- finishing its batches.
+-- finishing its batches, every fifth applies credits in place (escrow =
+-- false).
 function M.role(name)
   local n = tonumber(name:match("%d+")) or 0
-  return { back = n % 3 == 0, deferred = n % 4 == 1 }
+  -- plain: credits in place and held (escrow = false), as the tutorial
+  -- applies them, beside escrowed ones on the same accounts
+  return { back = n % 3 == 0, deferred = n % 4 == 1, plain = n % 5 == 2 }
 end
 
 function M.manager_options(name, extra)
@@ -70,6 +73,7 @@ function M.manager_options(name, extra)
   if name:find("m$") then o.marker, o.version_field = other.marker, other.version end
   if role.back then o.stale_pending = function() return "back" end end
   if role.deferred then o.finish, o.finish_batch = "deferred", 5 end
+  if role.plain then o.escrow = false end
   for k, v in pairs(extra or {}) do o[k] = v end
   return o
 end
