@@ -404,12 +404,14 @@ end
 -- Finishes the transactions committed with policy.finish = "deferred"
 -- (it runs by itself every policy.finish_batch commits): pulls their
 -- markers and moves them to done, one round trip per collection and one
--- for the states.  Returns how many, or nil, err (they stay `applied`,
--- and recovery finishes them).
+-- for the states.  Returns how many, and the error of the first that
+-- could not finish, or nil, err (they stay `applied`, and recovery
+-- finishes them).
 
 --- Finishes the transactions that wait with `finish = "deferred"`.
--- @syntax n = tm:finish()
--- @treturn integer how many were finished
+-- @syntax n, err = tm:finish()
+-- @treturn integer how many were finished (a transaction whose finish the server refused stays `applied`)
+-- @treturn ?table the error of the first that did not finish
 -- @usage tm:finish()
 function Manager:finish()
   local list = self.finishing

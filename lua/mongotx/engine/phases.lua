@@ -200,14 +200,16 @@ local function unhold(coll, id, holder, form)
 end
 
 -- The document of op carries the marks of other transactions (in T's
--- marker array, or in `held`).  Those of this collection that have
+-- marker array, in `held`, or in `escrow`, which every manager shares:
+-- another marker's escrowed credits).  Those of this collection that have
 -- committed (applied or done) are final: this finishes them on the
 -- document (any manager may help a committed transaction along), so that
--- the guard reads their effect.  The others a guard may not read past:
--- all of them for most guards, for a floor guard those in the `held`
--- array (their effect may have raised a value; see csrc/txn.c).  Returns
--- how many were finished and whether an open one that matters is left,
--- or nil, err.
+-- the guard reads their effect.  A `held` entry whose marker is gone (the
+-- tutorial's recipe finished it) is pulled.  The others a guard may not
+-- read past: all of them for most guards, for a floor guard those in the
+-- `held` array (their effect may have raised a value; see csrc/txn.c).
+-- Returns how many were finished or pulled and whether an open one that
+-- matters is left, or nil, err.
 function Engine:release(T, op, doc)
   local coll, k, tm = self:coll(op.collection), id_key(op.id), mark(T)
   local marker = self:form(T).marker
