@@ -173,13 +173,16 @@ function Engine:renew(T)
 end
 
 -- The transaction of this collection that `holder` (a mark read on a
--- document) names, or nil (another collection's, or none); nil, err.
+-- document) names, or nil (another collection's, or none), and then
+-- whether it names one of this collection that is not there (pruned);
+-- nil, err.
 function Engine:holder(holder)
   local coll, id = stored.named(holder)
   if id == nil or (coll ~= nil and coll ~= self.vctx.collection) then return nil end
   local H, err = self:get(id)
   if err then return nil, err.code ~= "invalid" and err or nil end
   if H and key(mark(H)) == key(holder) then return H end
+  return nil, nil, H == nil and (coll ~= nil or self.vctx.collection == stored.HOME)
 end
 
 -- Pulls `holder` (the mark of a transaction: an id, no operator in it)
@@ -224,14 +227,16 @@ function Engine:release(T, op, doc)
   end
   local finished, open = 0, false
   for _, holder in ipairs(all) do
-    local H, err = self:holder(holder)
+    local H, err, gone = self:holder(holder)
     if err then return nil, err end
     if H and validate.malformed(H, self.vctx) then H = nil end
+    local form = H and self:form(H) or gone and self:form(T)
     local hop, stale
-    if H and has_marker(doc, HELD, holder) and not has_marker(doc, self:form(H).marker, holder) then
+    if form and has_marker(doc, HELD, holder) and not has_marker(doc, form.marker, holder) then
       -- its marker is gone (a writer following the tutorial's recipe
-      -- finished or undid it): nothing of it is left to wait for
-      stale, err = unhold(coll, op.id, holder, self:form(H))
+      -- finished or undid it), or its transaction (pruned since):
+      -- nothing of it is left to wait for
+      stale, err = unhold(coll, op.id, holder, form)
       if stale == nil then return nil, err end
       if stale then finished = finished + 1 end
     elseif H and (H.state == "applied" or H.state == "done") then
