@@ -113,6 +113,22 @@ local function decide(eng, T, step, cond, set)
   return live(res.value)
 end
 
+-- canceling -> cancelled: both undos in one bulk write (a hold's ops are
+-- on one collection), then cancelled; when an undo matched nothing (done
+-- already, by another that drives it too) the engine's way, which fences.
+local function unwind(eng, T)
+  if eng:form(T) == eng.own and T.ops[1].collection == T.ops[2].collection then
+    local tid = stored.mark(T)
+    local items = { { tid = tid, op = T.ops[1] }, { tid = tid, op = T.ops[2] } }
+    local res = eng:many("undo", eng:coll(T.ops[1].collection), items)
+    if res and res.ok and res.matched == #items then
+      eng:event("undo", { id = T._id })
+      return eng:move(T, "cancelled")
+    end
+  end
+  return eng:unwind(T)
+end
+
 -- Drives a decided T to its final state (done, or cancelled); T as it
 -- ends, or nil, err (then recovery finishes it: it is decided).
 local function settle(eng, T)
@@ -122,7 +138,7 @@ local function settle(eng, T)
     if not n then return nil, err end
     return T
   end
-  if T.state == "canceling" then return eng:unwind(T) end
+  if T.state == "canceling" then return unwind(eng, T) end
   return T
 end
 
@@ -301,7 +317,10 @@ function _M.capture(tm, id, amount, level)
   if amount ~= nil then
     local ok
     ok, err = validate.amount(amount)
-    if not ok then return nil, errors.wrap(err, "capture", T._id) end
+    if not ok then
+      err.step, err.id = "capture", T._id
+      return nil, err
+    end
     if amount > T.hold.amount then
       return nil, errors.new("invalid", format("capture of %s is more than the %s held",
         tostring(amount), tostring(T.hold.amount)), { step = "capture", id = T._id })
