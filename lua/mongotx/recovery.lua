@@ -80,6 +80,15 @@ local function stale_way(eng, T)
   return eng.policy.stale_pending(T), "rolled back by recovery", "recovery"
 end
 
+-- The expire event of a hold this recovery's cancel (at `epoch`, which a
+-- cancel keeps and a decision moves on) expired.
+local function expired(eng, T, epoch)
+  if type(T.hold) == "table" and T.state == "canceling" and T.cause == "expired"
+      and T.epoch == epoch then
+    eng:event("expire", { id = T._id, amount = T.hold.amount })
+  end
+end
+
 -- Why an op could not apply (Engine's op failures) and so T was cancelled.
 local CANCELLING = { cancelled = true, missing = true, guard = true, conflict = true,
                      busy = true, removing = true, contention = true }
@@ -120,8 +129,10 @@ local function recover_one(eng, T, now, me)
   if was == "pending" then
     local way, reason, cause = stale_way(eng, T)
     if way == "back" then
+      local epoch = T.epoch
       T, err = eng:cancel(T, reason, cause)
       if not T then return nil, err end
+      expired(eng, T, epoch)
       versions = nil
     end
   end
@@ -272,7 +283,9 @@ local function claim(eng, entries, now)
         if not ok then
           raised_in(e, way)
         elseif way == "back" then
+          local epoch = e.T.epoch
           local T, err = eng:cancel(e.T, reason, cause)
+          if T then expired(eng, T, epoch) end
           if T then e.T = T else fail(e, err) end
         end
       end
