@@ -297,6 +297,29 @@ describe("#server holds", function()
     assert.are.same({ 20, 0, 0, 0 }, seen("B"))
   end)
 
+  it("compensates what a capture took, keeping the floor; a hold is not rolled back", function()
+    setup { A = 100, B = 5 }
+    assert(tm:hold("accounts", "A", "B", 60, { min = 0, id = "h1" }))
+    local none, err = tm:rollback({ _id = "h1" })
+    assert.is_nil(none)
+    assert.are.equal("invalid", err.code)
+    assert.are.same({ 40, 0, 1, 0 }, seen("A"))
+    assert(tm:capture("h1", 25))
+    local C = assert(tm:compensate({ _id = "h1" }))
+    assert.are.equal("done", C.state)
+    assert.are.same({ 100, 0, 0, 0 }, seen("A")) -- 75 and the 25 captured
+    assert.are.same({ 5, 0, 0, 0 }, seen("B"))
+    -- the refund keeps B's floor: with 24 left it could not give 25 back
+    setup { A = 100, B = 0 }
+    assert(tm:hold("accounts", "A", "B", 60, { min = 0, id = "h1" }))
+    assert(tm:capture("h1", 25))
+    assert(tm:transfer("accounts", "B", "A", 1, { min = 0 }))
+    none, err = tm:compensate({ _id = "h1" })
+    assert.is_nil(none)
+    assert.are.equal("guard", err.cause)
+    assert.are.same({ 24, 0, 0, 0 }, seen("B"))
+  end)
+
   it("refuses a transaction whose settle does not fit its update as malformed", function()
     setup({ A = 100, B = 0 }, { application = "app-1", stale_after = 0, lease = 0 })
     assert(tm:hold("accounts", "A", "B", 60, { id = "h1" }))

@@ -426,6 +426,31 @@ function _M.void(tm, id, level)
   return nil, errors.new("state", "the hold did not settle", { step = "void", id = T._id })
 end
 
+-- The captured hold T as the transfer it amounts to (a copy): each op
+-- moves the captured amount, the debit's floor guard what it was, so
+-- that its compensation (policy.compensation) gives back what was
+-- captured, keeping the floors (tm:compensate).
+function _M.as_captured(T)
+  local c, held = T.hold.captured or T.hold.amount, T.hold.amount
+  local out, ops = {}, {}
+  for k, v in pairs(T) do out[k] = v end
+  for i, op in ipairs(T.ops) do
+    local o = {}
+    for k, v in pairs(op) do o[k] = v end
+    local sign = i == 1 and -1 or 1
+    local field = next(op.update["$inc"])
+    o.update = { ["$inc"] = { [field] = sign * c } }
+    o.undo = { ["$inc"] = { [field] = -sign * c } }
+    o.settle = nil
+    local floor_ = type(op.where) == "table" and type(op.where[field]) == "table"
+      and op.where[field]["$gte"]
+    if type(floor_) == "number" then o.where = { [field] = { ["$gte"] = floor_ - held + c } } end
+    ops[i] = o
+  end
+  out.ops = ops
+  return out
+end
+
 -- Recovery -------------------------------------------------------------------
 
 -- What recovery does with the hold T (mongotx.recovery's triage): a
