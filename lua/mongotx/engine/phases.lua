@@ -355,6 +355,11 @@ function Engine:drive(T, versions)
       if claimed == nil then return nil, err end
       if not claimed then versions = nil end
       T = claimed or self:get(T._id)
+    elseif state == "pending" and T.hold ~= nil then
+      -- a hold (mongotx.holds) is decided by capture, void or expiry,
+      -- never driven forward
+      return nil, errors.new("invalid", "a hold is decided by capture or void",
+        { id = T._id })
     elseif state == "pending" then
       if not self:holds(T) then
         -- another call runs it: its outcome is this call's (Engine:await)
