@@ -3,7 +3,8 @@
 -- each hold in exactly one of captured (one amount), voided or expired,
 -- and every answer agrees with it; a process killed at every crash point
 -- of a hold's opening, capture and void (MONGOTX_FAULT, as the torture
--- suite's matrix) leaves it recoverable to that one outcome; holds and
+-- suite's matrix) leaves it recoverable to that one outcome (and so does
+-- one killed while a capture expires a hold it met past its expiry); holds and
 -- transfers on one hot account never take a balance below its floor at
 -- any poll, and the sums, counting what open holds reserve, are
 -- conserved.
@@ -158,6 +159,9 @@ if call == "hold" then
   assert(tm:hold("accounts", "A", "B", 60, { id = "h1", min = 0 }))
 elseif call == "capture" then
   assert(tm:capture("h1", 25))
+elseif call == "expire" then
+  local _, err = tm:capture("h1", 25) -- meets it past its expiry: expires it
+  assert(err.status == "expired", tostring(err))
 else
   assert(tm:void("h1"))
 end
@@ -187,6 +191,11 @@ describe("#server holds killed at every crash point", function()
     assert(db:collection("accounts"):insert_many { { _id = "A", balance = 100 }, { _id = "B", balance = 0 } })
     local tm = assert(db:manager { application = "spec", stale_after = 0 })
     if call ~= "hold" then assert(tm:hold("accounts", "A", "B", 60, { id = "h1", min = 0 })) end
+    if call == "expire" then
+      local past = mongotx.core.Date(math.floor(assert(tm:server_now()) - 1000))
+      assert(db:collection("transactions"):update_one({ _id = "h1" },
+        { ["$set"] = { ["hold.expires"] = past, deadline = past } }))
+    end
     return db, tm
   end
 
@@ -213,8 +222,9 @@ describe("#server holds killed at every crash point", function()
   -- again settle it to that outcome, with the money where it says.
   local expect = {
     hold = { A = 40, B = 60 }, capture = { A = 75, B = 25 }, void = { A = 100, B = 0 },
+    expire = { A = 100, B = 0 },
   }
-  for _, call in ipairs { "hold", "capture", "void" } do
+  for _, call in ipairs { "hold", "capture", "void", "expire" } do
     it("leave the " .. call .. " recoverable to its one outcome", function()
       local list = points(call)
       assert.truthy(#list >= 4, table.concat(list, " "))
@@ -227,12 +237,12 @@ describe("#server holds killed at every crash point", function()
         local state = T and T.state or "absent"
         if call == "capture" then
           assert.truthy(state == "pending" or state == "applied" or state == "done", case .. " " .. state)
-        elseif call == "void" then
+        elseif call ~= "hold" then
           assert.truthy(state == "pending" or state == "canceling" or state == "cancelled", case .. " " .. state)
         end
         if T then
           helpers.age(txs, "h1", 3600)
-          if T.hold.ready and T.state == "pending" then
+          if T.hold.ready and T.state == "pending" and call ~= "expire" then
             -- undecided and held: recovery must leave it alone (not expired)
             local back = assert(txs:find_one({ _id = "h1" }))
             assert(txs:update_one({ _id = "h1" }, { ["$set"] = { deadline = back.hold.expires } }))
@@ -255,11 +265,14 @@ describe("#server holds killed at every crash point", function()
           assert.is_nil(none)
           assert.are.equal("captured", err.status, case)
         else
+          -- void: voided; expire: expired, whoever settled it (the
+          -- capture again, or recovery: the hold's deadline passed)
+          local status = call == "void" and "voided" or "expired"
           local T2 = assert(tm:void("h1"), case)
-          assert.are.equal("voided", T2.hold.status, case)
+          assert.are.equal(status, T2.hold.status, case)
           local none, err = tm:capture("h1")
           assert.is_nil(none)
-          assert.are.equal("voided", err.status, case)
+          assert.are.equal(status, err.status, case)
         end
         local want = expect[call]
         if call == "hold" and not (now and now.hold.ready) then want = { A = 100, B = 0 } end
