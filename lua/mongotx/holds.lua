@@ -142,10 +142,6 @@ local function settle(eng, T)
   return T
 end
 
-local function amount_of(T)
-  return T.hold.amount
-end
-
 -- The expiry decision on T (ready and pending): true when T is now
 -- decided (by this call or another), or nil, err.
 local function expire(eng, T)
@@ -156,7 +152,7 @@ local function expire(eng, T)
     { state = "canceling", reason = "expired", cause = "expired" })
   if won == nil then return nil, err end
   if won then
-    eng:event("expire", { id = T._id, amount = amount_of(T) })
+    eng:event("expire", { id = T._id, amount = T.hold.amount })
     local _
     _, err = settle(eng, won)
     if err then return nil, err end
@@ -407,7 +403,7 @@ function _M.void(tm, id, level)
       { state = "canceling", reason = "voided", cause = "voided" })
     if won == nil then return nil, err end
     if won then
-      eng:event("void", { id = T._id, amount = amount_of(T) })
+      eng:event("void", { id = T._id, amount = T.hold.amount })
       T = won
     else
       local now
