@@ -47,7 +47,8 @@ local FAMILIES = {
   { "mongotx_transactions_cancelled_total", "counter",
     "Transactions this manager moved to cancelled, by reason: an op that could not apply " ..
     "(guard, missing, conflict, busy, removing, contention), rollback (a caller or operator), " ..
-    "recovery (a stale pending one rolled back), expired (a stale initial one), unknown." },
+    "recovery (a stale pending one rolled back), expired (a stale initial one, or a hold past " ..
+    "its expiry), voided (a hold voided), unknown." },
   { "mongotx_transaction_seconds", "histogram",
     "Seconds from a transaction's create (or first claim) in this process to done or " ..
     "cancelled (outcome).", SECONDS },
