@@ -11,6 +11,8 @@
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
 
+local observer = require "torture.observer"
+
 local concurrency = helpers.no_concurrency()
 local Date = mongotx.core.Date
 
@@ -330,8 +332,13 @@ describe("#server #concurrency holds and transfers on one hot account", function
     local dbname = helpers.db_name()
     local db = assert(mongotx.connect(helpers.uri(), { database = dbname }))
     local accounts = db:collection("accounts")
-    assert(accounts:insert_many { { _id = "H", balance = 100 }, { _id = "X1", balance = START },
-      { _id = "X2", balance = START }, { _id = "X3", balance = START } })
+    -- floor: the torture suite's observer watches them too (its own
+    -- process, a poll every 3 ms)
+    assert(accounts:insert_many { { _id = "H", balance = 100, floor = 0 },
+      { _id = "X1", balance = START, floor = 0 }, { _id = "X2", balance = START, floor = 0 },
+      { _id = "X3", balance = START, floor = 0 } })
+    local obs = observer.start(helpers.uri(), dbname)
+    assert.is_nil(obs.problem)
     local procs = {}
     for i, mode in ipairs { "hold", "hold", "transfer", "transfer" } do
       local pid, out, script = helpers.spawn_script(HOT, helpers.uri(), dbname, mode, 40, i)
@@ -355,6 +362,10 @@ describe("#server #concurrency holds and transfers on one hot account", function
         end
       end
     until not running or mongotx.core.monotonic_ms() > deadline
+    local seen = obs:stop()
+    assert.is_nil(seen.problem)
+    assert.truthy(seen.polls > 0)
+    assert.are.equal(0, seen.sightings, table.concat(seen.first, "; "))
     local busy = 0
     for _, p in ipairs(procs) do
       local said = helpers.script_output(p.pid, p.out, p.script, 10)
@@ -382,8 +393,8 @@ describe("#server #concurrency holds and transfers on one hot account", function
     end
     assert.are.equal(reserved, escrow)
     assert.are.equal(TOTAL, sum + escrow)
-    print(("\n  holds: 2 processes holding and 2 transferring on one account, %d polls, %d open holds reserve %d")
-      :format(polls, open, reserved))
+    print(("\n  holds: 2 processes holding and 2 transferring on one account, %d polls " ..
+      "(observer: %d), %d open holds reserve %d"):format(polls, seen.polls, open, reserved))
     db:close()
   end)
 end)
