@@ -50,6 +50,21 @@ describe("#server holds, visible", function()
     assert.is_nil(assert(txs:find_one({ _id = "held" })).hold.status)
   end)
 
+  it("counts an open hold active, but not stale nor the oldest until it expires", function()
+    -- the open hold, last changed an hour ago
+    assert(txs:update_one({ _id = "held" }, { ["$set"] = {
+      lastModified = Date(math.floor(assert(tm:server_now()) - 3600 * 1000)) } }))
+    local b = assert(tm:backlog())
+    assert.are.equal(1, b.active)
+    assert.are.equal(0, b.stale)
+    assert.is_nil(b.oldest_id)
+    local at = Date(math.floor(assert(tm:server_now()) - 1000))
+    assert(txs:update_one({ _id = "held" }, { ["$set"] = { ["hold.expires"] = at, deadline = at } }))
+    b = assert(tm:backlog())
+    assert.are.equal(1, b.stale)
+    assert.are.equal("held", b.oldest_id)
+  end)
+
   it("sends an event for each decision, and the metrics count them", function()
     assert.are.same({ { "hold", "held", 100 }, { "hold", "cap", 100 }, { "capture", "cap", 40 },
       { "hold", "void", 100 }, { "void", "void", 100 }, { "hold", "late", 100 },
