@@ -300,6 +300,21 @@ describe("#server holds", function()
     local none, err = tm:hold("accounts", "A", "B", 50, { id = "h1" })
     assert.is_nil(none)
     assert.are.equal("idempotency", err.code)
+    -- one refused by its guard answers so again, as a transfer's key does
+    none, err = tm:hold("accounts", "A", "B", 500, { id = "h2", min = 0 })
+    assert.is_nil(none)
+    assert.are.equal("guard", err.code)
+    none, err = tm:hold("accounts", "A", "B", 500, { id = "h2", min = 0 })
+    assert.is_nil(none)
+    assert.are.equal("cancelled", err.code)
+    assert.are.equal("guard", err.cause)
+    -- one still opening (its opener died before ready) is in progress
+    assert(txs:insert_one({ _id = "h3", state = "pending", epoch = 1, attempts = 1,
+      ops = assert(txs:find_one({ _id = "h2" })).ops, application = "gone",
+      hold = { amount = 500, expires = Date(0), ready = false } }))
+    none, err = tm:hold("accounts", "A", "B", 500, { id = "h3", min = 0 })
+    assert.is_nil(none)
+    assert.are.equal("in_progress", err.code)
     assert.are.same({ 80, 0, 0, 0 }, seen("A"))
     assert.are.same({ 20, 0, 0, 0 }, seen("B"))
   end)

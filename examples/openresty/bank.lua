@@ -336,6 +336,9 @@ local function hold_error(err, req)
   if type(err) == "table" and err.code == "state" then
     return fail(404, "unknown_hold", err.message)
   end
+  if type(err) == "table" and err.code == "in_progress" then
+    return fail(409, "in_progress", err.message) -- another request is opening it
+  end
   return transfer_error(err, req)
 end
 

@@ -237,7 +237,10 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
   eng:hold(id, 1)
   local e = { T = T, doc = doc, err = false, slow = false, applied = false }
   batch.apply(eng, { e }, deadline, versions)
-  if e.err then return nil, e.err end -- pending: recovery rolls it back after the lease
+  if e.err then
+    eng:hold(id, nil)
+    return nil, e.err -- pending: recovery rolls it back after the lease
+  end
   if e.slow then
     local vs = {}
     for i in ipairs(T.ops) do
@@ -283,7 +286,9 @@ function _M.ready(eng, T)
 end
 
 -- A hold whose id exists already: the same hold (ops and amount) is
--- answered as it stands now; anything else is an idempotency error.
+-- answered as it stands now (one still opening is `in_progress`, one
+-- that never opened `cancelled`, as a transfer's key answers); anything
+-- else is an idempotency error.
 function _M.again(tm, T, spec)
   local existing, err = tm.engine:get(T._id)
   if err then return nil, err end
@@ -303,7 +308,18 @@ function _M.again(tm, T, spec)
     return nil, errors.new("idempotency", "this id was used for another transaction",
       { step = "hold", id = T._id })
   end
-  return _M.view(tm.engine, existing)
+  _M.view(tm.engine, existing)
+  local status = existing.hold.status
+  if status == "opening" then
+    return nil, errors.new("in_progress", "another call is opening this hold: ask again " ..
+      "later (recovery rolls it back if that call died)", { step = "hold", id = T._id,
+      status = status })
+  elseif status == "failed" then
+    return nil, errors.new("cancelled", "the hold did not open: " ..
+      tostring(existing.reason or "no reason recorded"), { step = "hold", id = T._id,
+      status = status, reason = existing.reason, cause = existing.cause })
+  end
+  return existing
 end
 
 -- capture(tm, id, amount): see Manager:capture.
