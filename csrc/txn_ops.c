@@ -167,7 +167,8 @@ op_parts_stored(lua_State *L, int op, int kind, const bson_value_t *ops, int i,
 }
 
 /* The apply of an update/remove/assert op: filter {_id, where...,
- * marker: {$ne: tid}} fenced by the version the owner read (stack index
+ * "held.0" absent (and "marker.0" for an exclusive op or a guard other
+ * than a floor: "Isolation" in txn.h), marker: {$ne: tid}} fenced by the version the owner read (stack index
  * `version`; nil means the document had none, false that the owner read
  * none) and, when `before` (deadline_condition) is given, by the server's
  * clock being before the deadline; update: op.update (update kind only;
@@ -183,8 +184,11 @@ build_apply(lua_State *L, const op_parts *p, const bson_t *tid, int version,
 	else
 		bson_append_iter(filter, "_id", 3, &p->id_it);
 	append_conditions(p->where, before, filter);
-	if (p->where)
-		append_unheld(L, filter, p->floor ? f->held : f->marker);
+	/* Isolation (txn.h): no exclusive holder for anyone; no holder at
+	 * all for an exclusive op or a guard other than a floor */
+	if (p->holds || p->kind == K_REMOVE || (p->where && !p->floor))
+		append_unheld(L, filter, f->marker);
+	append_unheld(L, filter, f->held);
 	append_marker_ne(filter, f, tid);
 	bson_append_null(filter, f->removing, -1); /* absent: nobody removes it */
 	if (lua_isnil(L, version))
