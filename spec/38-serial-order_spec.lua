@@ -271,6 +271,24 @@ describe("#server serial order", function()
     assert.are.equal(2, doc("A").x)
   end)
 
+  it("an owner's give-back undo is fenced by its deadline: once it passed, it takes nothing back", function()
+    -- a new owner may drive the pending transaction forward after its
+    -- deadline; a late give-back would then erase a committed effect
+    local lacks = helpers.no_deadlines()
+    if lacks then return pending(lacks .. ": nothing is given back there") end
+    local t1 = open({ set("A", 1) }, { 1 })
+    local steps = mongotx.core.steps { marker = "pendingTransactions", version = "txVersion",
+      removing = "txRemoving", held = "txHeld", placeholder = "txPlaceholder", pending = "txPending" }
+    local now = math.floor(assert(tm1:server_now()))
+    local op = t1.ops[1]
+    local res = assert(steps:undo(docs, "t1", op, mongotx.core.Date(now - 60000)))
+    assert.is_false(res.undone)
+    assert.are.same({ 1, { "t1" } }, { doc("A").x, doc("A").pendingTransactions })
+    res = assert(steps:undo(docs, "t1", op, mongotx.core.Date(now + 60000)))
+    assert.is_true(res.undone)
+    assert.are.same({ 0, {} }, { doc("A").x, doc("A").pendingTransactions })
+  end)
+
   it("compensation is a transaction like any: it waits for t1", function()
     local tm2 = assert(db:manager { application = "app-2" })
     local t0 = assert(tm2:run({ set("B", 5) }, { id = "t0" }))

@@ -252,17 +252,17 @@ function M.database(db, fixture, opts)
       for _, why in ipairs(serial.final(docs, txs, function(T) return T.key or canon(T._id) end)) do
         violation("%s", why)
       end
-      expected = {}
-    end
-    for k, want in pairs(expected) do
-      if not actual[k] then
-        violation("%s/%s is missing (expected %s)", name, k, show(want))
-      elseif not equal(want, actual[k]) then
-        violation("%s/%s is %s, expected %s", name, k, show(actual[k]), show(want))
+    else
+      for k, want in pairs(expected) do
+        if not actual[k] then
+          violation("%s/%s is missing (expected %s)", name, k, show(want))
+        elseif not equal(want, actual[k]) then
+          violation("%s/%s is %s, expected %s", name, k, show(actual[k]), show(want))
+        end
       end
-    end
-    for k, got in pairs(actual) do
-      if not expected[k] then violation("%s/%s should not exist: %s", name, k, show(got)) end
+      for k, got in pairs(actual) do
+        if not expected[k] then violation("%s/%s should not exist: %s", name, k, show(got)) end
+      end
     end
   end
   if sum_before ~= sum_after then

@@ -23,18 +23,22 @@ function M.fixture()
   return docs
 end
 
--- The ops of transaction `id`: its id pushed onto `n` (default 2) of the
--- documents, in a random order.
-function M.ops(id, n)
+-- The op that pushes `name` onto the log of document `doc` ("s1"...).
+function M.push(name, doc)
+  return { collection = M.COLLECTION, id = doc, update = { ["$push"] = { log = name } },
+           undo = { ["$pop"] = { log = 1 } } }
+end
+
+-- The ops of transaction `name`: its name pushed onto `n` (default 2) of
+-- the documents, in a random order.
+function M.ops(name, n)
   local picks, ops = {}, {}
   n = n or 2
   while #ops < n do
     local k = math.random(M.DOCS)
     if not picks[k] then
       picks[k] = true
-      ops[#ops + 1] = { collection = M.COLLECTION, id = "s" .. k,
-                        update = { ["$push"] = { log = id } },
-                        undo = { ["$pop"] = { log = 1 } } }
+      ops[#ops + 1] = M.push(name, "s" .. k)
     end
   end
   return ops

@@ -141,8 +141,9 @@ end
 -- back those it took before it is settled alone: two batch-mates that
 -- each took one the other needs would otherwise wait for each other
 -- (settle runs them one after the other; docs/guards.md, "Isolation").
-local function give_back(eng, e)
-  local _, err = eng:give_back(e.T, e.applied)
+-- Only where the batch's deadline fences (Engine:give_back).
+local function give_back(eng, e, deadline)
+  local _, err = eng:give_back(e.T, e.applied, deadline)
   if err then fail(e, err) end
 end
 
@@ -206,7 +207,7 @@ local function apply(eng, entries, deadline, versions)
         if not e.applied[i] then e.slow = "apply" end
       end
       if loud and not e.slow then eng:event_id("apply", e.T._id) end
-      if e.slow and #entries > 1 then guarded(give_back, eng, e) end
+      if e.slow and #entries > 1 then guarded(give_back, eng, e, deadline) end
     end
   end
 end

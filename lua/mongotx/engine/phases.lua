@@ -238,13 +238,18 @@ end
 -- Undoes the ops of pending T that `applied` lists (i -> true), which
 -- T holds and gives back to wait without holding them (apply_all, and a
 -- batch's transaction that could not take all its documents); each one
--- undone leaves the list.  Returns true, or nil, err.
-function Engine:give_back(T, applied)
+-- undone leaves the list.  Each undo is fenced by this owner's deadline
+-- as the applies are: a new owner may drive T forward once it passed,
+-- and a late undo would then take a committed effect back.  Without a
+-- deadline (fencing by versions alone) nothing is given back: false.
+-- Returns true, false, or nil, err.
+function Engine:give_back(T, applied, deadline)
+  if not deadline then return false end
   for i, op in ipairs(T.ops) do
     if applied[i] then
-      local res, err = self:op_step(T, "undo", self:coll(op.collection), op)
+      local res, err = self:op_step(T, "undo", self:coll(op.collection), op, deadline)
       if not res then return nil, err end
-      applied[i] = nil
+      if res.undone then applied[i] = nil end
     end
   end
   return true
@@ -265,9 +270,9 @@ function Engine:apply_all(T, versions)
   end
   -- No cycle of waits (docs/guards.md, "Isolation"): a T that holds
   -- documents and meets an open holder with an older mark gives its
-  -- documents back (undoes its applies, still pending) before it waits,
-  -- then applies them again.  So a T waits holding documents only for
-  -- younger holders.
+  -- documents back (undoes its applies, still pending, fenced by its
+  -- deadline: give_back) before it waits, then applies them again.  So a
+  -- T waits holding documents only for younger holders.
   local held, tries, k = {}, {}, 1
   for i, v in ipairs(versions) do
     if v.marked then held[i] = true end
@@ -288,9 +293,9 @@ function Engine:apply_all(T, versions)
         tries[i] = (tries[i] or 0) + 1
         if decision == "retry" and tries[i] <= self.policy.retries then
           if outranked and next(held) then
-            local gave, err = self:give_back(T, held)
-            if not gave then return nil, err end
-            k = 1
+            local gave, err = self:give_back(T, held, versions[i].deadline)
+            if gave == nil then return nil, err end
+            if gave then k = 1 end
           end
           self:event("retry", { id = T._id, step = "apply", reason = why })
           self.policy.sleep(self.policy.backoff(tries[i]))
