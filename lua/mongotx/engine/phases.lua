@@ -37,7 +37,7 @@ local failure_text = {
   conflict = "another document has its _id",
   contention = "the document kept changing",
   removing = "another transaction is removing the document",
-  busy = "another open transaction holds the document its guard reads",
+  busy = "another open transaction holds the document",
 }
 
 local function op_failure(T, i, reason)
@@ -50,7 +50,7 @@ end
 -- were stored has only its reason's text, read as the metrics read it
 -- then: an op failure's text, recovery's and expiry's words, any other
 -- text a caller's rollback.
-local OP_FAILURE = {}
+local OP_FAILURE = { ["another open transaction holds the document its guard reads"] = "busy" }
 for code, text in pairs(failure_text) do OP_FAILURE[text] = code end
 
 local function cause_of(reason, cause)
