@@ -392,8 +392,9 @@ for _, s in ipairs {
 -- One serial order (issue 39; torture/serial.lua): U, of an owner gone,
 -- pushed its entry onto s1 and not yet onto s2; T pushes onto s2 and s1
 -- (exclusive ops: T waits for U, then cancels busy) and the final
--- recovery rolls U forward (T may then be rolled forward after it) or
--- back (its $pop undo must pop its own entry).  Without isolation T's
+-- recovery rolls U forward (T may then be rolled forward after it; U
+-- cancels busy where T crashed holding s2) or back (its $pop undo must
+-- pop its own entry).  Without isolation T's
 -- entry lands after U's on s1 and before it on s2 (a cycle), or U's undo
 -- pops T's entry (lost).  In every document's log in the fixture, and
 -- checked at the end of every case (torture/check.lua).
@@ -410,8 +411,8 @@ end
 
 for _, s in ipairs {
   { name = "serial-held-open", kinds = { "update" }, prepare = serial_hold,
-    prepare_manager = SHORT, allowed = ALL, other = { done = true }, manager = BUSY,
-    run = serial_T },
+    prepare_manager = SHORT, allowed = ALL, other = { done = true, cancelled = true },
+    manager = BUSY, run = serial_T },
   { name = "serial-held-open-back", kinds = { "update" }, prepare = serial_hold,
     prepare_manager = SHORT, recover = "back", allowed = CANCELLED,
     other = { cancelled = true }, manager = BUSY, run = serial_T },
