@@ -275,9 +275,10 @@ local function label(e)
   if e.batch and e.batch > 1 or e.key:match("^commit_many") or e.key:match("^recover_") then
     s = s .. " (batch " .. e.batch .. ")"
   end
-  if e.procs then
+  if e.set then
+    s = ("tm:run of $set pairs, processes %d on %d documents"):format(e.procs, e.accounts)
+  elseif e.procs then
     s = ("%s %d on %d accounts"):format(s, e.procs, e.accounts) .. (e.min and ", min = " .. e.min or "")
-      .. (e.set and ", $set pairs" or "")
   elseif e.accounts then s = ("%s on %d accounts"):format(s, e.accounts) end
   if e.level then s = ("%s, +%s"):format(s, e.level.label) end
   return s
