@@ -168,7 +168,8 @@ op_parts_stored(lua_State *L, int op, int kind, const bson_value_t *ops, int i,
 
 /* The apply of an update/remove/assert op: filter {_id, where...,
  * "held.0" absent (and "marker.0" for an exclusive op or a guard other
- * than a floor: "Isolation" in txn.h), marker: {$ne: tid}} fenced by the version the owner read (stack index
+ * than a floor: "Isolation" in txn.h), marker: {$ne: tid}} fenced by the
+ * version the owner read (stack index
  * `version`; nil means the document had none, false that the owner read
  * none) and, when `before` (deadline_condition) is given, by the server's
  * clock being before the deadline; update: op.update (update kind only;

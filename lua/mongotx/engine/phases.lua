@@ -173,10 +173,9 @@ end
 
 -- The marks of other transactions on doc that keep op of T from
 -- applying (docs/guards.md, "Isolation"; csrc/txn.h): every exclusive
--- holder (in `held`, whatever its marker); for an
--- exclusive op (anything but a debit, an escrowed credit or an assert)
--- or a guard other than a floor, every holder in T's marker array too.
--- A list, empty when none.
+-- holder (in `held`, whatever its marker); for an exclusive op (anything
+-- but a debit, an escrowed credit or an assert) or a guard other than a
+-- floor, every holder in T's marker array too.  A list, empty when none.
 function Engine:blockers(T, op, doc)
   local tm, marker = mark(T), self:form(T).marker
   local out, seen = {}, {}
