@@ -247,6 +247,27 @@ describe("#server serial order", function()
     assert.are.same({}, b.pendingTransactions)
   end)
 
+  it("batch-mates that took what the other needs give it back, and both end done", function()
+    -- guarded ops go first in a batch: t2 takes A and t3 takes B by their
+    -- guards, then each meets the other on its second document
+    local lacks = helpers.no_deadlines()
+    if lacks then return pending(lacks .. ": nothing is given back there") end
+    local function guarded(id, v)
+      local op = set(id, v)
+      op.where = { x = { ["$gte"] = 0 } }
+      return op
+    end
+    local tm2 = assert(db:manager { application = "app-2", sleep = function() error("waited") end })
+    local results, errs = tm2:commit_many {
+      { ops = { guarded("A", 2), set("B", 2) }, id = "t2" },
+      { ops = { guarded("B", 3), set("A", 3) }, id = "t3" },
+    }
+    assert(results[1], tostring(errs[1]))
+    assert(results[2], tostring(errs[2]))
+    assert.are.same({ "done", "done" }, { state("t2"), state("t3") })
+    assert.are.same({ 3, 3 }, { doc("A").x, doc("B").x }) -- t2, then t3 on both
+  end)
+
   it("recovery rolling t1 back erases nothing of a t2 that waited", function()
     local t1 = open({ set("A", 1) }, { 1 })
     helpers.age(txs, t1._id, 60)
