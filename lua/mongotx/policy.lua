@@ -60,7 +60,10 @@ function _M.stale_initial(tx) -- luacheck: no unused args
 end
 
 -- Transient errors (network, failover) are retried this many times, with
--- backoff(attempt) seconds of sleep() between tries.
+-- backoff(attempt) seconds of sleep() between tries; so is an op that
+-- finds its document held by another open transaction (`busy`, with the
+-- default on_op_failure): the bound of that wait, 0.35 s in all by
+-- default (docs/guards.md, "Isolation").
 _M.retries = 3
 
 function _M.backoff(attempt)
