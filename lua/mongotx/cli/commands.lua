@@ -48,7 +48,9 @@ function _M.status(tm, o, fail)
   if o.json then
     local rec = record()
     for _, s in ipairs(STATES) do add(rec, s, stats[s]) end
-    for _, k in ipairs { "active", "stale", "oldest", "oldest_id" } do add(rec, k, backlog[k]) end
+    for _, k in ipairs { "active", "stale", "oldest", "oldest_id", "foreign" } do
+      add(rec, k, backlog[k])
+    end
     add(rec, "parked", stats.parked)
     add(rec, "stale_after", tm.policy.stale_after)
     say(json(rec))
@@ -68,6 +70,8 @@ function _M.status(tm, o, fail)
     { "stale", format("%d (unchanged for more than %s)", backlog.stale,
       seconds_text(tm.policy.stale_after)) },
     { "oldest open", oldest },
+    { "foreign", format("%d (documents without ops, another writer's: left alone)",
+      backlog.foreign) },
   } do
     list[#list + 1], list[#list + 2] = pair[1], pair[2]
   end

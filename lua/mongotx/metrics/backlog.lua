@@ -20,6 +20,8 @@ local GAUGES = {
   { "mongotx_parked_transactions", "Open transactions recovery parked for an operator." },
   { "mongotx_oldest_open_seconds",
     "Seconds since the last change of the oldest open transaction (0: none is open)." },
+  { "mongotx_foreign_documents",
+    "Documents of the collection mongotx did not write (no ops): another writer's, left alone." },
   { "mongotx_lease_seconds", "The lease policy: seconds before another owner may take over." },
   { "mongotx_stale_after_seconds", "The stale_after policy the stale count used." },
 }
@@ -36,6 +38,7 @@ function _M.render(tm, database, collection)
     mongotx_stale_transactions = backlog.stale,
     mongotx_parked_transactions = stats.parked,
     mongotx_oldest_open_seconds = backlog.oldest or 0,
+    mongotx_foreign_documents = backlog.foreign,
     mongotx_lease_seconds = tm.policy.lease,
     mongotx_stale_after_seconds = tm.policy.stale_after,
   }
