@@ -60,6 +60,18 @@ function _M.render(tm, database, collection)
   return table.concat(out, "\n") .. "\n"
 end
 
+-- The time the recovery worker last finished a pass (Unix seconds, the
+-- worker's clock; 0: none yet) as exposition text: what an alert on a
+-- dead or stuck worker compares with time() (docs/metrics.md, "Alerts").
+function _M.last_pass(database, collection, time)
+  local out, name = {}, "mongotx_recovery_last_pass_timestamp_seconds"
+  exposition.header(out, name, "gauge",
+    "When the recovery worker last finished a pass, in Unix seconds (0: not yet).")
+  exposition.sample(out, name, exposition.labels { "database", database, "collection", collection },
+    time or 0)
+  return table.concat(out, "\n") .. "\n"
+end
+
 -- Where write() puts the text before renaming it over `path`: the same
 -- directory (a rename is atomic within one file system), and a name the
 -- textfile collector skips (it reads *.prom only).
