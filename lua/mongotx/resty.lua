@@ -208,6 +208,7 @@ end
 -- option).
 
 --- Internal: what `ngx.run_worker_thread` runs in a worker-thread VM.
+-- @local
 -- @syntax status, results = resty.thread(kind, spec, method, args)
 -- @string kind "call", "db" or the like
 -- @tparam table spec the handle's description

@@ -155,7 +155,7 @@ function Manager:compensate(t, opts)
     C, err = self.engine:get(cid)
     if err then return nil, err end
     if not C then
-      C, err = self:begin(ops, { id = cid }, { compensates = T._id })
+      C, err = self:_begin(ops, { id = cid }, { compensates = T._id })
       if C then
         self.engine:event("compensate", { id = T._id, by = C._id })
         return self:commit(C)
