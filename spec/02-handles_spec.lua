@@ -76,7 +76,10 @@ describe("#server handles", function()
         'local core = require "mongotx.core"\n' .. table.concat(lines, "\n") .. "\n")
       local said = helpers.script_output(pid, out, script)
       local got = {}
-      for line in said:gmatch("[^\n]+") do got[#got + 1] = line end
+      for line in said:gmatch("[^\n]+") do
+        -- (libmongoc's word on the machine, not on a URI: no shared memory to spare)
+        if not line:find("mongoc: Falling back to malloc for counters", 1, true) then got[#got + 1] = line end
+      end
       assert.are.equal(#lines, #got, said) -- one line each: nothing else on stderr
       for i, c in ipairs(cases) do
         for j = 0, 1 do
