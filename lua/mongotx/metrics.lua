@@ -163,6 +163,7 @@ end
 --- @type Metrics
 
 --- Internal: the store key of a family's series (cached).
+-- @local
 -- @syntax k = m:key(family, app [, name2, value2 [, part]])
 -- @string family the metric's name
 -- @string app the application label
@@ -188,6 +189,7 @@ function Metrics:key(family, app, name2, value2, part)
 end
 
 --- Internal: adds n (default 1) to a counter's series.
+-- @local
 -- @syntax m:count(family, app [, name2, value2 [, n]])
 -- @string family the metric's name
 -- @string app the application label
@@ -202,6 +204,7 @@ end
 -- One observation v of a histogram: its bucket, its sum, its count.
 
 --- Internal: one observation of a histogram.
+-- @local
 -- @syntax m:observe(family, app, name2, value2, v)
 -- @string family the metric's name
 -- @string app the application label
@@ -224,6 +227,7 @@ end
 -- Timing: when this Lua state first saw a transaction (ms), by its key.
 
 --- Internal: starts timing a transaction (its create or first claim here).
+-- @local
 -- @syntax m:start(id)
 -- @param id the transaction's id
 -- @usage -- used by the create and claim events
@@ -237,6 +241,7 @@ function Metrics:start(id)
 end
 
 --- Internal: ends a transaction's timing and observes its seconds.
+-- @local
 -- @syntax m:stop(id, app, outcome)
 -- @param id the transaction's id
 -- @string app the application label

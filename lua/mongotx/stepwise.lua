@@ -85,7 +85,7 @@ local function step_apply(eng, cache, T, i, refuse)
   end
   local ok, why, refusal = eng:apply_one(T, i, versions[i])
   if ok == nil then return nil, why end
-  if not ok then return nil, op_failure(T, i, why, refusal) end
+  if not ok then return nil, op_failure(T, i, why, why == "refused" and refusal or nil) end
   return { applied = true }
 end
 

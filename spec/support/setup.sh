@@ -15,7 +15,8 @@
 #     prometheus Python's prometheus_client and pymongo (PyPI, pinned) in a
 #               venv: the independent parser spec/70-metrics_spec.lua checks
 #               the exposition format with (spec/support/promparse.py), and
-#               the tutorial's recipe of spec/34 (spec/support/recipe.py)
+#               the tutorial's recipe of spec/54 and spec/34
+#               (spec/support/recipe_writer.py)
 #   default: deps java prometheus, and ferretdb where a Go toolchain is
 #            found (what `make test` runs: spec/32 needs FerretDB v1; without
 #            Go it says so and that spec is pending with the reason)
@@ -243,7 +244,7 @@ do_toxiproxy() {
 # The Python packages the specs use, from PyPI in a venv of Debian's
 # python3 (python3-venv), so that neither the system's Python nor pip's
 # --user site changes: prometheus_client (spec/70's parser) and pymongo
-# (spec/34: the tutorial's recipe as a writer that knows nothing of
+# (spec/54, spec/34: the tutorial's recipe as a writer that knows nothing of
 # mongotx).  A package missing or at another version is installed into
 # the venv there is (specs may be using it meanwhile).
 do_prometheus() {
