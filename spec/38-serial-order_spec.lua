@@ -311,7 +311,8 @@ describe("#server serial order", function()
     if lacks then return pending(lacks .. ": nothing is given back there") end
     local t1 = open({ set("A", 1) }, { 1 })
     local steps = mongotx.core.steps { marker = "pendingTransactions", version = "txVersion",
-      removing = "txRemoving", held = "txHeld", placeholder = "txPlaceholder", pending = "txPending" }
+      removing = "txRemoving", held = "txHeld", placeholder = "txPlaceholder", pending = "txPending",
+      escrow = "txEscrow" }
     local now = math.floor(assert(tm1:server_now()))
     local op = t1.ops[1]
     local res = assert(steps:undo(docs, "t1", op, mongotx.core.Date(now - 60000)))
