@@ -137,14 +137,14 @@ local function guards_passed(e)
   return true
 end
 
--- Step 2: every op of every created transaction.  In a batch of several
--- transactions the guarded ops go first, and the others only for the
--- transactions whose guarded ops all applied: so no guard reads a
--- batch-mate's uncommitted credit (floor guards over the same accounts
--- stack instead of waiting for each other; csrc/txn.h, "Guards"), and a
--- transaction whose guard fails has nothing to undo.  One more round trip
--- when a batch has both kinds of ops; a batch of one, or one without
--- guards, sends all at once.
+-- Step 2: every op of every created transaction.  The guarded ops go
+-- first, and the others only for the transactions whose guarded ops all
+-- applied: so no credit shows (in `txPending` or in place) whose guarded
+-- debit did not apply, no guard reads a batch-mate's uncommitted credit
+-- (floor guards over the same accounts stack instead of waiting for each
+-- other; csrc/txn.h, "Guards"), and a transaction whose guard fails has
+-- nothing to undo.  One more round trip when a batch has both kinds of
+-- ops; a batch without guards sends all at once.
 local function apply(eng, entries, deadline, versions)
   local guards = false
   for t, e in ipairs(entries) do
@@ -184,7 +184,7 @@ local function apply(eng, entries, deadline, versions)
     end
     apply_items(eng, by_coll, order, deadline)
   end
-  if guards and #entries > 1 then
+  if guards then
     phase(true)
     phase(false)
   else
