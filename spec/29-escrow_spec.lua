@@ -183,7 +183,9 @@ local function pick()
   repeat to = names[math.random(3)] until to ~= from
   return from, to, math.random(1, 9)
 end
-local function report(t, err) print(t and "done" or "failed " .. tostring(err and err.code)) end
+local function report(t, err)
+  print(t and "done" or ("failed %s: %s"):format(tostring(err and err.code), tostring(err and err.message)))
+end
 for _ = 1, n do
   local from, to, amount = pick()
   if mode == "transfer" then
