@@ -40,7 +40,8 @@ local _M = {}
 
 -- Entries: { T = <the transaction, ops as tables>, doc = <its own fields
 -- as stored: _id, ops (core.stored_ops), meta and the caller's extra>,
--- err = <why it failed>, slow = <needs the one-at-a-time steps>, key =
+-- err = <why it failed>, slow = <needs the one-at-a-time steps>,
+-- applied[i], sent[i] = <op i applied, sent by the batch's apply>, key =
 -- <its id's key while the engine holds it (Engine:hold)> }.  The fields
 -- all transactions of a batch share are sent once (`common`).
 
@@ -148,7 +149,7 @@ end
 local function apply(eng, entries, deadline, versions)
   local guards = false
   for t, e in ipairs(entries) do
-    e.applied = {}
+    e.applied, e.sent = {}, {}
     for i, op in ipairs(e.T.ops) do
       local v = versions and versions[t][i]
       if v and v.marked then e.applied[i] = true end
@@ -176,6 +177,7 @@ local function apply(eng, entries, deadline, versions)
             -- tid: the mark (mongotx.stored).  A batch's transactions
             -- all have this manager's form: recovery drives the others
             -- alone (recovery.lua)
+            e.sent[i] = true
             items[#items + 1] = { tid = stored.mark(e.T), op = op, version = version, entry = e,
                                   i = i, stored = e.doc and e.doc.ops }
           end
@@ -313,7 +315,9 @@ local function settle(eng, e, deadline, versions)
     for i in ipairs(T.ops) do
       local version = false -- none read: fenced by the deadline alone
       if versions then version = versions[i].version end
-      vs[i] = { marked = e.applied[i] or false, deadline = deadline, version = version }
+      -- missed: the batch sent this apply and it did not match
+      vs[i] = { marked = e.applied[i] or false, deadline = deadline, version = version,
+                missed = e.sent[i] and not e.applied[i] }
     end
     local moved, err, failure = eng:apply_all(T, vs)
     if not moved then return fail(e, err) end
@@ -377,7 +381,7 @@ function _M.run(eng, specs)
     end
     -- every field an entry may get, so that none makes its table grow
     entries[i] = { T = T, doc = doc, err = not now and err or nil, slow = false,
-                   created = false, applied = false, key = false }
+                   created = false, applied = false, sent = false, key = false }
   end
   local versions
   if now and not deadline then

@@ -156,7 +156,7 @@ end
 function _M.commit(eng, items)
   local entries, ready, vs = {}, {}, {}
   for i, item in ipairs(items) do
-    local e = { T = item.T, err = false, slow = false, applied = false, key = false }
+    local e = { T = item.T, err = false, slow = false, applied = false, sent = false, key = false }
     entries[i] = e
     if item.ready then ready[#ready + 1] = e end
   end

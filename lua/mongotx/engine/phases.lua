@@ -67,15 +67,21 @@ end
 
 -- Applies op i, fenced by v.version (false: none read) and by v.deadline
 -- (this owner's, T's by default where deadlines fence); returns true, or
--- false and why it cannot, or nil, err.
+-- false and why it cannot, or nil, err.  v.missed: this very apply was
+-- just sent and did not match (a batch's), so the first try reads first.
 function Engine:apply_one(T, i, v)
   local op = T.ops[i]
   local coll = self:coll(op.collection)
   if v.deadline == nil and self:deadlines() then v.deadline = T.deadline end
   for _ = 1, MAX_CONTENTION do
-    local res, err = self:op_step(T, "apply", coll, op, v.version, v.deadline)
-    if not res then return nil, err end
-    if res.applied then return true end
+    local res, err
+    if v.missed then
+      v.missed = nil
+    else
+      res, err = self:op_step(T, "apply", coll, op, v.version, v.deadline)
+      if not res then return nil, err end
+      if res.applied then return true end
+    end
     -- Why not? Read the document, then (if its version moved) check
     -- that T is still ours before trying with the version just read.
     local doc
@@ -97,7 +103,10 @@ function Engine:apply_one(T, i, v)
         if finished == nil then return nil, open end
         if finished == 0 and open then return false, "busy" end
       end
-      if finished == 0 and op.where then
+      -- (a version that moved explains the miss: the guard is read on
+      -- the next miss, after a try with the version just read)
+      local moved = v.version ~= false and doc[self:form(T).version] ~= v.version
+      if finished == 0 and op.where and not moved then
         local filter = { _id = op.id }
         for k, x in pairs(op.where) do filter[k] = x end
         local n
