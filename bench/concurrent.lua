@@ -3,7 +3,8 @@
 -- accounts: 10 accounts is the hot case (every process fights over the
 -- same documents), 10 000 the cold one.  With ctx.min every transfer
 -- has that floor guard (the hot-account rows: 3 accounts against 1 000),
--- and the sample counts the calls answered `busy`.  Throughput is the completed
+-- and the sample counts the calls answered `busy` or `contention` (in
+-- `busy`).  ctx.fencing: the workers' managers' fencing.  Throughput is the completed
 -- transfers over the span from the first process's start to the last
 -- one's end; CPU, round trips and writes are the processes' sums.
 
@@ -37,7 +38,7 @@ function _M.run(ctx)
     -- MONGOC_DISABLE_SHM: libmongoc's shared-memory statistics, which
     -- warn when several processes start at once; nothing here reads them
     local cmd = table.concat({ "MONGOC_DISABLE_SHM=1", helpers.lua(), "bench/worker.lua", server.quote(ctx.uri),
-      db.name, ctx.accounts, each, math.random(1, 1e9) + p, go, ctx.min }, " ")
+      db.name, ctx.accounts, each, math.random(1, 1e9) + p, go, ctx.fencing or "auto", ctx.min }, " ")
     pipes[p] = assert(io.popen(cmd, "r"))
   end
   for p = 1, ctx.procs do
