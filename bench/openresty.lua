@@ -96,7 +96,7 @@ local function check(name)
     core.sleep(0.1)
   end
   local sum = 0
-  for _, d in ipairs(assert(coll:find_all({}))) do sum = sum + d.balance end
+  for _, d in ipairs(assert(coll:find_all({}, { sort = { _id = 1 } }))) do sum = sum + d.balance end
   local ok = open == 0 and marked == 0 and sum == BALANCE * accounts
   return ok, string.format("%d open, %d marked, sum %s", open, marked,
     sum == BALANCE * accounts and "unchanged" or "CHANGED")

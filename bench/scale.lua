@@ -140,7 +140,7 @@ local function templates()
   assert(gone:step("claim", t))
   assert(gone:step("apply", t, 1))
   local txs = db:collection("transactions")
-  for _, T in ipairs(assert(txs:find_all({}))) do
+  for _, T in ipairs(assert(txs:find_all({}, { sort = { _id = 1 } }))) do
     if T.state == "applied" then out.applied = T
     elseif T.state == "pending" then out.pending = T
     else out.initial = T end

@@ -89,7 +89,6 @@ end
 -- `$and`, `$or` and `$nor` a non-empty array of filters; `$in`, `$nin`
 -- and `$all` an array.
 function helpers.filter_refusal(filter, path)
-  local core = require("mongotx").core
   path = path or "filter"
   if core.type(filter) ~= "object" then return path .. " is no document" end
   local condition

@@ -115,7 +115,8 @@ local function apply_items(eng, by_coll, order, deadline)
       local ids = {}
       for k, item in ipairs(items) do ids[k] = item.op.id end
       local docs
-      docs, err = coll:find_all({ _id = { ["$in"] = ids } }, { projection = { [eng.marker] = 1 } })
+      docs, err = coll:find_all({ _id = { ["$in"] = ids } },
+        { projection = { [eng.marker] = 1 }, sort = { _id = 1 } })
       if not docs then err = errors.wrap(err, "apply") end
       local by_id = {}
       for _, doc in ipairs(docs or {}) do by_id[id_key(doc._id)] = doc end
@@ -214,7 +215,7 @@ local function commit(eng, entries)
     -- some did not move (taken over meanwhile?): look at each
     local docs
     if res then docs, err = eng.tx:find_all({ _id = { ["$in"] = ids } },
-      { projection = { state = 1, epoch = 1 } }) end
+      { projection = { state = 1, epoch = 1 }, sort = { _id = 1 } }) end
     local by_id = {}
     for _, doc in ipairs(docs or {}) do by_id[id_key(doc._id)] = doc end
     for _, e in ipairs(entries) do

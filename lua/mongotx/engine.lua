@@ -318,7 +318,7 @@ function Engine:versions_many(list)
   end
   for name, ids in pairs(by_coll) do
     local docs, err = self:coll(name):find_all({ _id = { ["$in"] = ids } },
-      { projection = projection })
+      { projection = projection, sort = { _id = 1 } })
     if not docs then return nil, errors.wrap(err, "versions", #list == 1 and list[1]._id or nil) end
     for _, doc in ipairs(docs) do found[name .. "\0" .. key(doc._id)] = doc end
   end
@@ -431,7 +431,7 @@ function Engine:claim_many(list, now, deadline)
   local by_id
   if not (res.ok and res.matched == #items) then
     local docs
-    docs, err = self.tx:find_all({ _id = { ["$in"] = ids } })
+    docs, err = self.tx:find_all({ _id = { ["$in"] = ids } }, { sort = { _id = 1 } })
     if not docs then return nil, errors.wrap(err, "claim") end
     by_id = {}
     for _, doc in ipairs(docs) do by_id[key(doc._id)] = doc end

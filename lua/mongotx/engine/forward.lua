@@ -131,7 +131,7 @@ function _M.load(eng, ids)
   -- (a reply of one more than the limit: FerretDB v1 closes the cursor
   -- in it, where a reply of exactly the limit costs a killCursors more)
   local docs, err = eng.tx:find_all({ _id = { ["$in"] = ids } },
-    { limit = #ids, batch_size = #ids + 1 })
+    { limit = #ids, batch_size = #ids + 1, sort = { _id = 1 } })
   if not docs then return nil, errors.wrap(err, "commit") end
   local found = {}
   for _, doc in ipairs(docs) do
