@@ -79,6 +79,7 @@ build = {
     ["mongotx.engine.forward"] = "lua/mongotx/engine/forward.lua",
     ["mongotx.engine.commands"] = "lua/mongotx/engine/commands.lua",
     ["mongotx.recovery"] = "lua/mongotx/recovery.lua",
+    ["mongotx.holds"] = "lua/mongotx/holds.lua",
     ["mongotx.stepwise"] = "lua/mongotx/stepwise.lua",
     ["mongotx.group"] = "lua/mongotx/group.lua",
     ["mongotx.group.queue"] = "lua/mongotx/group/queue.lua",

@@ -30,6 +30,7 @@ local cpath = os.getenv("MONGOTX_CPATH")
 if cpath then package.cpath = cpath .. ";" .. package.cpath end
 
 local modes = require "bench.modes"
+local holds = require "bench.holds"
 local concurrent = require "bench.concurrent"
 local stats = require "bench.stats"
 local server = require "spec.support.server"
@@ -85,6 +86,11 @@ plan[#plan + 1] = { key = "transfer_many100", mode = modes.transfer_many, batch 
 -- mongotx.ledger beside them (issue 12): one entry per transfer
 plan[#plan + 1] = { key = "ledger", mode = modes.ledger, n = 1000 }
 plan[#plan + 1] = { key = "ledger_many100", mode = modes.ledger_many, batch = 100, n = 3000 }
+-- holds (issue 44): a hold and its capture per transfer, on 10 000
+-- accounts and from one account that holds 10 000 open holds
+plan[#plan + 1] = { key = "hold_capture", mode = holds.hold_capture, n = 1000 }
+plan[#plan + 1] = { key = "hold_capture_open", mode = holds.hold_capture_open, n = 500,
+                    open = 10000, runs = 1 }
 -- guarded (min = 0): on 10 000 accounts, and hot: 10 accounts, each
 -- debited and credited about ten times within every batch of 100
 plan[#plan + 1] = { key = "transfer_many100_guarded", mode = modes.transfer_many_guarded,
@@ -148,7 +154,8 @@ print(("bench: %s cores (%s), load %s, %s, server %s"):format(machine.cpus, mach
 -- Runs plan entry e (n transfers a run) against the server of uri.
 local function run_row(e, n, runs, row_uri)
   local ctx = { uri = row_uri, n = n, accounts = e.accounts or opts.accounts or 10000, batch = e.batch or 1,
-                procs = e.procs, min = e.min, fencing = opts.fencing }
+                procs = e.procs, min = e.min, fencing = opts.fencing,
+                open = e.open and math.floor(e.open * opts.scale + 0.5) }
   io.write(("bench: %-24s %6d transfers x %d runs ..."):format(e.key, n, runs))
   io.flush()
   local t0 = os.time()
@@ -186,7 +193,8 @@ end
 local WARM_SECONDS = 15
 local function warm_up(e, n)
   local ctx = { uri = uri, n = math.max(math.floor(n / 5), min_n(e)), accounts = e.accounts
-                or opts.accounts or 10000, batch = e.batch or 1, procs = e.procs, min = e.min }
+                or opts.accounts or 10000, batch = e.batch or 1, procs = e.procs, min = e.min,
+                open = e.open and math.floor(e.open / 50) }
   pcall(e.mode.run, ctx) -- a failure shows in the timed runs
 end
 

@@ -86,7 +86,7 @@ MTX_HIDDEN void merge_update(lua_State *L, bson_t *out, const bson_t *update,
 	     const fields *f, const char *marker_op, const bson_t *tid_holder, int held,
 	     int escrow);
 MTX_HIDDEN void append_settle(lua_State *L, bson_t *out, const bson_t *update,
-	     const fields *f);
+	     const bson_t *settle, const fields *f);
 
 /* ---- writes: arguments, crash points, counters, results (txn.c) ---- */
 

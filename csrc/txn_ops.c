@@ -373,13 +373,16 @@ enum { OP_UPDATE, OP_DELETE, OP_UPSERT };
 
 /* The finish of op: filter {_id, marker: tid}; update $pull marker (and
  * `held`), $inc version and, for an escrowed op, its credits moved from
- * `pending` into their fields (append_settle), all in one write: OP_UPDATE
- * (a remove deletes the document: OP_DELETE). */
+ * `pending` into their fields, or for an op with `settle` (a hold's
+ * capture of part of it) settle's numbers added to them (append_settle),
+ * all in one write: OP_UPDATE (a remove deletes the document: OP_DELETE). */
 static int
 build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	     bson_t *filter, bson_t *update)
 {
-	int kind = op_kind(L, op);
+	int kind = op_kind(L, op), top = lua_gettop(L);
+	const bson_t *settle = NULL, *credits = NULL;
+	bson_t *inc;
 
 	lua_getfield(L, op, "id");
 	mtx_append_value(L, -1, filter, "_id");
@@ -387,17 +390,24 @@ build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	append_marker_eq(filter, f, tid);
 	if (kind == K_REMOVE)
 		return OP_DELETE;
-	if (kind == K_UPDATE && op_effect(L, op) == E_ESCROW) {
-		int top = lua_gettop(L);
-		bson_t *settle = mtx_scratch(L);
-
-		lua_getfield(L, op, "update");
-		append_settle(L, settle, mtx_check_document(L, -1), f);
-		merge_update(L, update, settle, f, "$pull", tid, 0, 0);
+	if (kind == K_UPDATE) {
+		lua_getfield(L, op, "settle");
+		if (!lua_isnil(L, -1))
+			settle = mtx_check_document(L, -1);
+		if (op_effect(L, op) == E_ESCROW) {
+			lua_getfield(L, op, "update");
+			credits = mtx_check_document(L, -1);
+		}
+	}
+	if (!settle && !credits) {
 		lua_settop(L, top);
+		merge_update(L, update, NULL, f, "$pull", tid, op_holds(L, op, kind), 0);
 		return OP_UPDATE;
 	}
-	merge_update(L, update, NULL, f, "$pull", tid, op_holds(L, op, kind), 0);
+	inc = mtx_scratch(L);
+	append_settle(L, inc, credits, settle, f);
+	merge_update(L, update, inc, f, "$pull", tid, credits ? 0 : op_holds(L, op, kind), 0);
+	lua_settop(L, top);
 	return OP_UPDATE;
 }
 

@@ -83,6 +83,7 @@ local function parser()
   list:option("--older-than", "Only last changed more than <sec> seconds ago.")
     :argname("<sec>"):convert(seconds)
   list:flag("--parked", "Only parked ones.")
+  list:flag("--holds", "Only holds (tm:hold), their status beside the state.")
   list:option("--limit", "At most <n> transactions.", "50"):argname("<n>"):convert(count)
 
   p:command("show", "A transaction, its ops and its documents' markers and versions.")

@@ -47,7 +47,8 @@ local FAMILIES = {
   { "mongotx_transactions_cancelled_total", "counter",
     "Transactions this manager moved to cancelled, by reason: an op that could not apply " ..
     "(guard, missing, conflict, busy, removing, contention), rollback (a caller or operator), " ..
-    "recovery (a stale pending one rolled back), expired (a stale initial one), unknown." },
+    "recovery (a stale pending one rolled back), expired (a stale initial one, or a hold past " ..
+    "its expiry), voided (a hold voided), unknown." },
   { "mongotx_transaction_seconds", "histogram",
     "Seconds from a transaction's create (or first claim) in this process to done or " ..
     "cancelled (outcome).", SECONDS },
@@ -67,6 +68,16 @@ local FAMILIES = {
     "Transactions recovery parked after max_attempts tries." },
   { "mongotx_unparked_total", "counter", "Transactions unparked (tm:unpark)." },
   { "mongotx_compensations_total", "counter", "Compensating transactions created." },
+  { "mongotx_holds_opened_total", "counter", "Holds opened (tm:hold) by this manager." },
+  { "mongotx_holds_decided_total", "counter",
+    "Holds this manager decided, by outcome: captured, voided, expired (by a capture or void " ..
+    "that met it past its expiry, or by recovery)." },
+  { "mongotx_holds_captured_amount_total", "counter",
+    "The sum of the amounts captured (the part posted to `to`)." },
+  { "mongotx_holds_amount", "gauge",
+    "The amount this manager's holds reserve: added when one opens, taken off when any " ..
+    "manager of this registry decides it (summed over the processes of an application, the " ..
+    "amount held)." },
   { "mongotx_group_size", "histogram",
     "Transactions per group-commit batch.", SIZES },
   { "mongotx_group_wait_seconds", "histogram",
@@ -289,6 +300,32 @@ end
 function ON.park(m, app) m:count("mongotx_parked_total", app) end
 function ON.unpark(m, app) m:count("mongotx_unparked_total", app) end
 function ON.compensate(m, app) m:count("mongotx_compensations_total", app) end
+
+local function amount(info, name)
+  local n = info[name or "amount"]
+  return type(n) == "number" and n or 0
+end
+
+function ON.hold(m, app, info)
+  m:count("mongotx_holds_opened_total", app)
+  m:count("mongotx_holds_amount", app, nil, nil, amount(info))
+end
+
+function ON.capture(m, app, info)
+  m:count("mongotx_holds_decided_total", app, "outcome", "captured")
+  m:count("mongotx_holds_captured_amount_total", app, nil, nil, amount(info))
+  m:count("mongotx_holds_amount", app, nil, nil, -amount(info, "held"))
+end
+
+function ON.void(m, app, info)
+  m:count("mongotx_holds_decided_total", app, "outcome", "voided")
+  m:count("mongotx_holds_amount", app, nil, nil, -amount(info))
+end
+
+function ON.expire(m, app, info)
+  m:count("mongotx_holds_decided_total", app, "outcome", "expired")
+  m:count("mongotx_holds_amount", app, nil, nil, -amount(info))
+end
 
 function ON.group(m, app, info)
   if type(info.size) == "number" then m:observe("mongotx_group_size", app, nil, nil, info.size) end

@@ -103,6 +103,9 @@ http {
       return 413 '{"error":"too_large","message":"the body is larger than 8 KiB"}\n';
     }
     location = /transfer { content_by_lua_block { require("bank").transfer() } }
+    location = /hold { content_by_lua_block { require("bank").hold() } }
+    location = /capture { content_by_lua_block { require("bank").capture() } }
+    location = /void { content_by_lua_block { require("bank").void() } }
     location = /direct/transfer { content_by_lua_block { require("bank").transfer{ offload = false } } }
     location ~ ^/tx/(?<txid>[^/]+)$ { content_by_lua_block { require("bank").get_tx(ngx.var.txid) } }
     location = /ping { content_by_lua_block { ngx.say("pong") } }

@@ -8,6 +8,7 @@ local core = require "mongotx.core"
 local output = require "mongotx.cli.output"
 local progress = require "mongotx.cli.progress"
 local gauges = require "mongotx.metrics.backlog"
+local holds = require "mongotx.holds"
 
 local json, id_text, cell = output.json, output.id_text, output.cell
 local record, add = output.record, output.add
@@ -92,6 +93,7 @@ function _M.list(tm, o, fail)
   if o.parked then -- unfinished ones, as status counts them
     filter.parked, filter.state = true, o.state or { ["$in"] = ACTIVE }
   end
+  if o.holds then filter.hold = { ["$exists"] = true } end
   if o.older_than then
     filter.lastModified = { ["$lt"] = core.Date(floor(now - o.older_than * 1000)) }
   end
@@ -108,7 +110,9 @@ function _M.list(tm, o, fail)
     if T and o.json then
       say(json(T))
     elseif T then
-      rows[#rows + 1] = { id_text(T._id), cell(T.state), cell(T.application),
+      local state = cell(T.state)
+      if type(T.hold) == "table" then state = state .. " (" .. holds.status(T, now) .. ")" end
+      rows[#rows + 1] = { id_text(T._id), state, cell(T.application),
         seconds_text(age(T.lastModified, now)), cell(T.attempts), T.parked and "yes" or "",
         tostring(type(T.ops) == "table" and #T.ops or "-"), shorten(cell(T.reason), 50) }
     end
@@ -126,6 +130,21 @@ end
 local TX_FIELDS = { "state", "application", "instance", "epoch", "attempts", "lease",
                     "deadline", "lastModified", "triedAt", "parked", "reason", "compensates",
                     "source", "destination", "value", "meta" }
+
+-- What `show` says of a hold: its status, amounts and expiry.
+local function hold_text(T, now)
+  local h, status = T.hold, holds.status(T, now)
+  local text = format("%s: %s", status, cell(h.amount))
+  if status == "captured" then
+    text = format("captured %s of %s", cell(h.captured or h.amount), cell(h.amount))
+  end
+  if core.type(h.expires) == "date" then
+    local left = (h.expires:value() - now) / 1000
+    text = text .. format(", expires %s (%s)", cell(h.expires),
+      left > 0 and "in " .. seconds_text(left) or seconds_text(-left) .. " ago")
+  end
+  return text
+end
 
 function _M.show(tm, o, fail)
   local T, docs, why = tm:inspect(o.id)
@@ -145,6 +164,9 @@ function _M.show(tm, o, fail)
       if f == "lastModified" then v = v .. format(" (%s ago)", seconds_text(age(T[f], now))) end
       list[#list + 1], list[#list + 2] = f, v
     end
+  end
+  if type(T.hold) == "table" and not why then
+    list[#list + 1], list[#list + 2] = "hold", hold_text(T, now)
   end
   if why then list[#list + 1], list[#list + 2] = "malformed", why end
   output.fields(stdout, list)

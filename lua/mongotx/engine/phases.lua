@@ -1,5 +1,5 @@
 -- mongotx.engine.phases: the phases of one transaction once claimed:
--- apply (apply_one, apply_all, with refence, renew and release for the
+-- apply (apply_one, apply_ops, apply_all, with refence, renew and release for the
 -- documents other transactions hold), the moves of its state (move,
 -- cancel, finish), the way back (undo_op, unwind) and drive, which runs
 -- them from whatever state T is in.  Methods of the Engine class
@@ -226,6 +226,17 @@ end
 -- Returns the transaction's next document and, after a cancel, the error
 -- that explains it.
 function Engine:apply_all(T, versions)
+  local ok, err, failure = self:apply_ops(T, versions)
+  if ok ~= true then return ok, err, failure end
+  return self:move(T, "commit", T.epoch)
+end
+
+-- Applies T's ops not yet applied (versions[i].marked), guarded ops
+-- first, under policy.on_op_failure.  Returns true when all applied (T
+-- still pending: apply_all commits it, mongotx.holds leaves it open),
+-- else what apply_all returns: T as now read (taken over), or cancelled
+-- and the failure, or nil, err.
+function Engine:apply_ops(T, versions)
   -- the guarded ops first: a transaction whose guard fails then has
   -- nothing else applied to undo, and holds no document meanwhile
   local order = {}
@@ -263,7 +274,7 @@ function Engine:apply_all(T, versions)
       end
     end
   end
-  return self:move(T, "commit", T.epoch)
+  return true
 end
 
 -- Runs the state-changing step `name` (commit, done, cancel, cancelled)
@@ -353,6 +364,11 @@ function Engine:drive(T, versions)
       if claimed == nil then return nil, err end
       if not claimed then versions = nil end
       T = claimed or self:get(T._id)
+    elseif state == "pending" and T.hold ~= nil then
+      -- a hold (mongotx.holds) is decided by capture, void or expiry,
+      -- never driven forward
+      return nil, errors.new("invalid", "a hold is decided by capture or void",
+        { id = T._id })
     elseif state == "pending" then
       if not self:holds(T) then
         -- another call runs it: its outcome is this call's (Engine:await)

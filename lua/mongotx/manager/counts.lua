@@ -8,6 +8,7 @@
 
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
+local holds = require "mongotx.holds"
 
 local ipairs = ipairs
 local format = string.format
@@ -69,6 +70,8 @@ end
 -- reads), `stale` (those of them last changed more than stale_after
 -- seconds ago), `oldest` (seconds since the last change of the oldest
 -- open transaction, parked ones included; nil when none) and `oldest_id`.
+-- A hold open and not past its expiry is active, but neither stale nor
+-- the oldest: it waits for its caller, not for recovery (mongotx.holds).
 
 --- What recovery has to do, by the server's clock.
 -- @syntax b, err = tm:backlog()
@@ -83,11 +86,13 @@ function _M.backlog(self)
   out.active, err = self.tx:count({ state = ACTIVE, parked = { ["$ne"] = true } })
   if not out.active then return nil, errors.wrap(err, "backlog") end
   local since = core.Date(math.floor(now - self.policy.stale_after * 1000))
+  local waiting = { holds.not_due(now) }
   out.stale, err = self.tx:count({ state = ACTIVE, parked = { ["$ne"] = true },
-                                   lastModified = { ["$lt"] = since } })
+                                   lastModified = { ["$lt"] = since }, ["$nor"] = waiting })
   if not out.stale then return nil, errors.wrap(err, "backlog") end
   local first
-  first, err = self.tx:find_all({ state = ACTIVE, lastModified = { ["$type"] = "date" } },
+  first, err = self.tx:find_all({ state = ACTIVE, lastModified = { ["$type"] = "date" },
+                                  ["$nor"] = waiting },
     { sort = { lastModified = 1 }, limit = 1, projection = { lastModified = 1 } })
   if not first then return nil, errors.wrap(err, "backlog") end
   if first[1] then
