@@ -134,8 +134,9 @@ end
 
 --- @type Manager
 
---- Makes this manager's calls use another client of the same deployment.
+--- Internal: makes this manager's calls use another client of the same deployment.
 -- Used by mongotx.pool to lend a client per call; handles made from the former client are dropped.
+-- @local
 -- @syntax tm:use(client)
 -- @tparam userdata client a client of `mongotx.core.connect`
 -- @usage tm:use(pool_client)
@@ -220,14 +221,20 @@ end
 -- @tparam table ops a list of ops `{ collection, id, kind?, update?, undo?, doc?, where? }`
 -- @tparam[opt] table opts `id`: an idempotency key (the same ops again return the existing transaction); `meta`:
 --   stored on it
--- @tparam[opt] table extra internal: fields `compensate` stores on the transaction
 -- @treturn table the transaction document
 -- @errors `invalid` (bad op, id or meta; nothing written), `idempotency` (the id was used for other ops), database
 --   errors
 -- @usage local t = assert(tm:begin({ { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -5 } }
 --   } }, { id = "o-1" }))
-function Manager:begin(ops, opts, extra)
-  local spec, err = checks.spec(self, ops, opts, extra, "begin", CALLER)
+function Manager:begin(ops, opts)
+  local t, err = self:_begin(ops, opts, nil, HELPER_CALLER) -- (not a tail call: a frame more)
+  return t, err
+end
+
+-- begin, with `extra` fields stored on the transaction (compensate's
+-- `compensates`); `level` for a raise.
+function Manager:_begin(ops, opts, extra, level)
+  local spec, err = checks.spec(self, ops, opts, extra, "begin", level or CALLER)
   if not spec then return nil, err end
   local id = spec.id
   if id == nil then id = core.ObjectId() end
@@ -284,12 +291,11 @@ end
 -- @syntax T, err = tm:run(ops [, { id, meta }])
 -- @tparam table ops the ops, as for `begin`
 -- @tparam[opt] table opts `id`, `meta`, as for `begin`
--- @tparam[opt] table extra internal, as for `begin`
 -- @treturn table the transaction: `done`, or `applied` with `finish = "deferred"`
 -- @errors as `begin` and `commit`
 -- @usage local T = assert(tm:run(ops, { id = "o-2" }))
-function Manager:run(ops, opts, extra)
-  local spec, err = checks.run_call(self, ops, opts, extra, CALLER)
+function Manager:run(ops, opts)
+  local spec, err = checks.run_call(self, ops, opts, nil, CALLER)
   if not spec then return nil, err end
   return batches.run_one(self, spec)
 end
@@ -368,6 +374,7 @@ end
 -- (group.run_calls), or nil, err when no client came free (a pool).
 
 --- Internal: the batch of mongotx.group's driver, concurrent `transfer`, `run` and `commit` calls run as one.
+-- @local
 -- @syntax out, order = tm:run_calls(calls, wait)
 -- @tparam table calls `{ method = "transfer" | "run" | "commit", n = <argument count>, <the arguments> }` each
 -- @number wait the seconds the driver waited for them

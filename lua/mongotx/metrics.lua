@@ -151,6 +151,7 @@ end
 --- @type Metrics
 
 --- Internal: the store key of a family's series (cached).
+-- @local
 -- @syntax k = m:key(family, app [, name2, value2 [, part]])
 -- @string family the metric's name
 -- @string app the application label
@@ -176,6 +177,7 @@ function Metrics:key(family, app, name2, value2, part)
 end
 
 --- Internal: adds n (default 1) to a counter's series.
+-- @local
 -- @syntax m:count(family, app [, name2, value2 [, n]])
 -- @string family the metric's name
 -- @string app the application label
@@ -190,6 +192,7 @@ end
 -- One observation v of a histogram: its bucket, its sum, its count.
 
 --- Internal: one observation of a histogram.
+-- @local
 -- @syntax m:observe(family, app, name2, value2, v)
 -- @string family the metric's name
 -- @string app the application label
@@ -212,6 +215,7 @@ end
 -- Timing: when this Lua state first saw a transaction (ms), by its key.
 
 --- Internal: starts timing a transaction (its create or first claim here).
+-- @local
 -- @syntax m:start(id)
 -- @param id the transaction's id
 -- @usage -- used by the create and claim events
@@ -225,6 +229,7 @@ function Metrics:start(id)
 end
 
 --- Internal: ends a transaction's timing and observes its seconds.
+-- @local
 -- @syntax m:stop(id, app, outcome)
 -- @param id the transaction's id
 -- @string app the application label

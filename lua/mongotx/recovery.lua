@@ -360,7 +360,8 @@ _M.MARGIN = 100
 -- undecoded and `size` decoded, whatever `limit` is.
 _M.READ = 1000
 
--- The cursor over the active transactions a pass may take: not parked,
+-- The cursor over the active transactions a pass may take: mongotx's own
+-- (stored.OWN: not another writer's), not parked,
 -- not tried in the last stale_after seconds (`triedAt`, set when a try
 -- fails: a failure is tried again no sooner than a stale transaction is
 -- first, so passes in quick succession, as a `mongotx recover` sweep runs
@@ -374,7 +375,7 @@ _M.READ = 1000
 -- be off; a write of the pass's own seen again is safely driven again.
 local SLACK_MS = 1000
 local function stale_cursor(eng, limit, size, now)
-  local filter = { state = { ["$in"] = ACTIVE }, parked = { ["$ne"] = true },
+  local filter = { state = { ["$in"] = ACTIVE }, parked = { ["$ne"] = true }, ops = stored.OWN,
                    lastModified = { ["$not"] = { ["$gt"] = Date(now + SLACK_MS) } },
                    ["$nor"] = { holds.not_due(now) } }
   if eng.policy.stale_after > 0 then

@@ -486,6 +486,9 @@ function _M.malformed(T, ctx)
   if type(T.state) ~= "string" or not states[T.state] then
     return "state is not a state name: " .. (core.type(T.state) or type(T.state))
   end
+  if T.ops == nil then -- (stored.OWN: recovery and the counts never read such a one)
+    return "no ops: another writer's document (foreign), which mongotx leaves alone"
+  end
   if core.type(T.ops) ~= "array" or #T.ops == 0 then
     return "ops is not a list of ops: " .. (core.type(T.ops) or type(T.ops))
   end

@@ -26,6 +26,7 @@
 --                  away ends its request's handler)
 --   metrics_dict   the size of lua_shared_dict mongotx_metrics ("1m"),
 --                  served at /metrics
+--   log_level      error_log's level ("notice")
 --
 -- The nginx master runs in the foreground of a shell that also watches the
 -- Lua process which started it: when that process is gone, nginx is
@@ -69,7 +70,7 @@ worker_processes %d;
 daemon off;
 master_process on;
 pid logs/nginx.pid;
-error_log logs/error.log notice;
+error_log logs/error.log %s;
 worker_shutdown_timeout 5s;
 env MONGOTX_URI;
 env MONGOTX_DATABASE;
@@ -113,7 +114,7 @@ http {
     %s
   }
 }
-]]):format(M.MODULES, M.MODULES, o.workers or 1, o.threads or 4, paths, CPATH, o.vms or 8,
+]]):format(M.MODULES, M.MODULES, o.workers or 1, o.log_level or "notice", o.threads or 4, paths, CPATH, o.vms or 8,
            o.metrics_dict or "1m", o.check_client_abort and "on" or "off", o.http or "", o.configure or "{}",
            recovery, o.init_worker or "", o.port, o.locations or "")
 end

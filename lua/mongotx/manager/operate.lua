@@ -162,7 +162,7 @@ function Manager:compensate(t, opts)
     C, err = self.engine:get(cid)
     if err then return nil, err end
     if not C then
-      C, err = self:begin(ops, { id = cid }, { compensates = T._id })
+      C, err = self:_begin(ops, { id = cid }, { compensates = T._id })
       if C then
         self.engine:event("compensate", { id = T._id, by = C._id })
         return self:commit(C)
@@ -191,6 +191,7 @@ end
 -- none: it counts them.  Returns how many.
 
 --- Deletes `done` and `cancelled` transactions older than the retention.
+-- mongotx's own only: a document without `ops` is another writer's and stays.
 -- @syntax n, err = tm:prune([{ older_than = seconds, limit = n, dry_run = bool }])
 -- @tparam[opt] table opts `older_than` (default the `retention` policy), `limit`, `dry_run`
 -- @treturn integer how many were (or would be) deleted
@@ -205,7 +206,7 @@ function Manager:prune(opts)
   if not now then return nil, err end
   local age = opts.older_than or self.policy.retention
   local filter = {
-    state = { ["$in"] = { "done", "cancelled" } },
+    state = { ["$in"] = { "done", "cancelled" } }, ops = stored.OWN,
     lastModified = { ["$lt"] = core.Date(math.floor(now - age * 1000)) },
   }
   if opts.dry_run then
