@@ -73,7 +73,7 @@ function Engine:apply_one(T, i, v)
   local op = T.ops[i]
   local coll = self:coll(op.collection)
   if v.deadline == nil and self:deadlines() then v.deadline = T.deadline end
-  for _ = 1, MAX_CONTENTION do
+  for try = 1, MAX_CONTENTION do
     local res, err
     if v.missed then
       v.missed = nil
@@ -103,9 +103,10 @@ function Engine:apply_one(T, i, v)
         if finished == nil then return nil, open end
         if finished == 0 and open then return false, "busy" end
       end
-      -- (a version that moved explains the miss: the guard is read on
-      -- the next miss, after a try with the version just read)
-      local moved = v.version ~= false and doc[self:form(T).version] ~= v.version
+      -- (on the first miss a version that moved explains it: the guard
+      -- is read on the next miss, after a try with the version just
+      -- read; so a false guard on a hot document is still found at once)
+      local moved = try == 1 and v.version ~= false and doc[self:form(T).version] ~= v.version
       if finished == 0 and op.where and not moved then
         local filter = { _id = op.id }
         for k, x in pairs(op.where) do filter[k] = x end
