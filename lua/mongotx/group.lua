@@ -180,15 +180,21 @@ local function held_info(tm, T)
   return { id = T._id, wait = tm.policy.holder_wait, lapse = lapse }
 end
 
--- await_held(held, get, sleep, now): the caller's side of a call the batch
--- answered `in_progress` at once (its `held`, held_info's), so that it
--- held none of the others: reads the transaction (get(id)) every
--- backoff (policy.backoff's default: the policy's own may not reach the
--- caller's side), sleep(seconds) between reads, until it left pending or
--- its owner's lease passed, for at most held.wait seconds.  True when
--- the call should now run alone (it answers the outcome, or takes the
--- transaction over), false when the holder kept it (the batch's answer
--- stands).
+-- The caller's side of a call the batch answered `in_progress` at once
+-- (its `held`, held_info's), so that it held none of the others: reads
+-- the transaction every backoff (policy.backoff's default: the policy's
+-- own may not reach the caller's side).
+
+--- Internal: the caller's wait for a held call of a batch (mongotx.group.wrap and mongotx.resty use it).
+-- @syntax again = group.await_held(held, get, sleep, now)
+-- @tparam table held the answer's `held`: `{ id, wait, lapse }`
+-- @func get `get(id)` reads the transaction
+-- @func sleep `sleep(seconds)` without blocking the scheduler
+-- @func now `now()` in seconds
+-- @treturn boolean true when the call should now run alone (the transaction left pending, or its owner's lease
+--   passed: it answers the outcome, or takes it over), false when its holder kept it `wait` seconds (the batch's
+--   `in_progress` stands)
+-- @usage if group.await_held(r.held, get, sleep, now) then return tm:transfer(...) end
 function _M.await_held(held, get, sleep, now)
   local start, attempt = now(), 0
   while true do
