@@ -98,6 +98,26 @@ describe("#server create events", function()
     assert.are.equal(2, count(assert_once_each()))
   end)
 
+  it("the same when the clock's estimate stepped back between the two calls", function()
+    -- the estimate of the server's clock can step back when it is measured
+    -- again; frozen here, both calls stamp the same estimate
+    local tm = manager { on_op_failure = function() return "fail" end }
+    local clock = tm.engine.server_clock
+    local frozen = assert(clock:now())
+    clock.now = function() return frozen end
+    local _, err = tm:transfer_many {
+      { collection = "accounts", from = "A1", to = "A2", amount = 5000, id = "p-1", min = 0 } }
+    assert.are.equal("guard", err[1].code)
+    local results, errs = tm:transfer_many {
+      { collection = "accounts", from = "A1", to = "A2", amount = 5000, id = "p-1", min = 0 },
+      { collection = "accounts", from = "A3", to = "A4", amount = 1, id = "p-2" },
+    }
+    assert.are.equal("guard", errs[1].code)
+    assert(results[2], tostring(errs[2]))
+    assert.are.equal("pending", assert(tm:get("p-1")).state)
+    assert.are.equal(2, count(assert_once_each()))
+  end)
+
   it("group commit (run_calls), each and recovery of a begun transaction", function()
     local tm = manager()
     assert(tm:transfer("accounts", "A1", "A2", 1, { id = "g-1" }))

@@ -359,8 +359,7 @@ function _M.run(eng, specs)
   local now, err = eng:clock()
   local deadline, stamp
   if now then
-    -- an insert cannot $currentDate: the server's clock as estimated
-    stamp = core.Date(floor(now))
+    stamp = eng:stamp(now)
     if eng:deadlines() then deadline = core.Date(floor(now + eng.policy.lease * 1000)) end
   end
   local common = { state = "pending", epoch = 1, attempts = 1, application = eng.application,

@@ -246,6 +246,19 @@ function Engine:clock()
   return self.server_clock:now()
 end
 
+-- The lastModified of the transactions a batch inserts (an insert cannot
+-- $currentDate): `now`, the server's clock as estimated, but later than
+-- any this engine stamped before, as the estimate can step back when the
+-- clock is measured again.  A batch tells its own inserts from an earlier
+-- call's by it (batch.lua, inserted_here).
+function Engine:stamp(now)
+  local ms = math.floor(now)
+  local last = self.last_stamp
+  if last and ms <= last then ms = last + 1 end
+  self.last_stamp = ms
+  return core.Date(ms)
+end
+
 -- Does the server evaluate $$NOW in a write's filter, as the applies and
 -- claims send it?  DocumentDB (FerretDB v2) evaluates it in reads but
 -- refuses it in update and findAndModify unless
