@@ -116,7 +116,8 @@ end
 -- Entry e driven on alone from where it stands now (read again), as
 -- Engine:drive drives it: e.T the final transaction, or e.err.
 function _M.again(eng, e)
-  local T, err, held = eng:get(e.T._id)
+  local T, err = eng:get(e.T._id)
+  local held
   if T then T, err, held = eng:drive(T, nil, e.later) end
   if held then e.held = held end
   if T then e.T = T else fail(e, err or errors.new("state", "no such transaction", { id = e.T._id })) end
