@@ -95,38 +95,30 @@ local function reraise(msg, level)
   error(msg, level + 1)
 end
 
--- The calls of this worker waiting for a VM, per thread pool, in line:
--- { sem = <ngx.semaphore>, waiting = <how many> }.  A call that finds
--- every VM busy waits on the semaphore (its waiters wake in their order)
--- and every call that ends wakes the first of them, whose VM just came
--- free; a call that finds others in line joins the line rather than
--- take that VM.  Polling instead (each caller sleeping 1 ms, doubling to
--- 50 ms) let a call that just came, or just woke, take the VM a longer
--- waiter was due: at 64 connections over 32 VMs some waited 3 s and more
--- (bench/README.md, "OpenResty: where the tail was").
+-- The calls of this worker waiting for a VM, per thread pool, in line
+-- on an ngx.semaphore (its waiters wake in their order; its count() is
+-- minus how many wait, and a request that ends while waiting leaves it).
+-- A call that finds every VM busy waits on it, every call that ends
+-- wakes the first waiter, whose VM just came free, and a call that finds
+-- others in line joins the line rather than take that VM.  Polling
+-- instead (each caller sleeping 1 ms, doubling to 50 ms) let a call that
+-- just came, or just woke, take the VM a longer waiter was due: at 64
+-- connections over 32 VMs some waited 3 s and more (bench/README.md,
+-- "OpenResty: where the tail was").
 local lines = {}
 
 -- How long a waiter sleeps at most before it tries again without being
 -- woken (a VM freed by a call of another module, or a full thread pool
--- queue, wakes no one).
-local RETRY = 0.5
+-- queue, wakes no one); it then waits again at the end of the line.
+local RETRY = 1
 
 local function line_of(thread_pool)
-  local l = lines[thread_pool]
-  if not l then
-    l = { sem = require("ngx.semaphore").new(), waiting = 0 }
-    lines[thread_pool] = l
+  local sem = lines[thread_pool]
+  if not sem then
+    sem = require("ngx.semaphore").new()
+    lines[thread_pool] = sem
   end
-  return l
-end
-
--- Waits in line for at most `seconds`; true when woken by a call that
--- ended (a VM came free).
-local function wait_in_line(l, seconds)
-  l.waiting = l.waiting + 1
-  local woken = l.sem:wait(seconds)
-  l.waiting = l.waiting - 1
-  return woken
+  return sem
 end
 
 -- Runs thread(kind, spec, method, args...) in a worker thread (or here,
@@ -156,11 +148,11 @@ local function call(self, up, kind, spec, method, ...)
     status, res = require("mongotx.resty").thread(kind, spec, method, args)
   else
     local ngx = ngx -- luacheck: ignore 113
-    local l = line_of(self.thread_pool)
+    local line = line_of(self.thread_pool)
     ngx.update_time()
     local started = ngx.now()
     -- others wait for a VM: behind them
-    if l.waiting > 0 then wait_in_line(l, min(self.wait, RETRY)) end
+    if line:count() < 0 then line:wait(min(self.wait, RETRY)) end
     while true do
       local done
       done, status, res = ngx.run_worker_thread(self.thread_pool, "mongotx.resty", "thread",
@@ -176,10 +168,10 @@ local function call(self, up, kind, spec, method, ...)
       ngx.update_time()
       local left = self.wait - (ngx.now() - started)
       if left <= 0 then return overloaded(self, status) end
-      wait_in_line(l, min(left, RETRY))
+      line:wait(min(left, RETRY))
     end
     -- this call's VM is free again: the first in line takes it
-    if l.waiting > 0 then l.sem:post(1) end
+    if line:count() < 0 then line:post(1) end
   end
   if status == "raise" then reraise(res, up + 1) end
   return unpack_all(res)
