@@ -45,7 +45,8 @@ build = {
         "csrc/client.c", "csrc/collection.c", "csrc/core.c", "csrc/cursor.c",
         "csrc/decode.c", "csrc/encode.c", "csrc/error.c", "csrc/fault.c",
         "csrc/ids.c", "csrc/options.c", "csrc/scratch.c", "csrc/signals.c", "csrc/storable.c",
-        "csrc/stored.c", "csrc/txn.c", "csrc/txn_ops.c", "csrc/txn_state.c", "csrc/value.c",
+        "csrc/stored.c", "csrc/txn.c", "csrc/txn_ops.c", "csrc/txn_state.c", "csrc/uri.c",
+        "csrc/value.c",
       },
       libraries = { "mongoc-1.0", "bson-1.0" },
       incdirs = {
@@ -79,6 +80,7 @@ build = {
     ["mongotx.engine.forward"] = "lua/mongotx/engine/forward.lua",
     ["mongotx.engine.commands"] = "lua/mongotx/engine/commands.lua",
     ["mongotx.recovery"] = "lua/mongotx/recovery.lua",
+    ["mongotx.holds"] = "lua/mongotx/holds.lua",
     ["mongotx.stepwise"] = "lua/mongotx/stepwise.lua",
     ["mongotx.group"] = "lua/mongotx/group.lua",
     ["mongotx.group.queue"] = "lua/mongotx/group/queue.lua",

@@ -27,6 +27,10 @@ local shapes = {
   { "update_one {_id}", function(c, i) return c:update_one({ _id = i }, inc, bank.WOPTS) end },
   { "update_one {_id, marker $ne}", function(c, i)
       return c:update_one({ _id = i, pendingTransactions = { ["$ne"] = "t" } }, inc, bank.WOPTS) end },
+  -- every apply's isolation condition (docs/guards.md, "Isolation")
+  { "update_one {_id, marker $ne, txHeld.0 absent}", function(c, i)
+      return c:update_one({ _id = i, pendingTransactions = { ["$ne"] = "t" },
+                            ["txHeld.0"] = { ["$exists"] = false } }, inc, bank.WOPTS) end },
   { "update_one {_id, balance $gte}", function(c, i)
       return c:update_one({ _id = i, balance = { ["$gte"] = 0 } }, inc, bank.WOPTS) end },
   { "find_and_modify {_id, marker $ne}", function(c, i)

@@ -27,6 +27,7 @@ local cpath = os.getenv("MONGOTX_CPATH")
 if cpath then package.cpath = cpath .. ";" .. package.cpath end
 
 local modes = require "bench.modes"
+local holds = require "bench.holds"
 local concurrent = require "bench.concurrent"
 local stats = require "bench.stats"
 local server = require "spec.support.server"
@@ -78,6 +79,11 @@ plan[#plan + 1] = { key = "transfer_many100", mode = modes.transfer_many, batch 
 -- mongotx.ledger beside them (issue 12): one entry per transfer
 plan[#plan + 1] = { key = "ledger", mode = modes.ledger, n = 1000 }
 plan[#plan + 1] = { key = "ledger_many100", mode = modes.ledger_many, batch = 100, n = 3000 }
+-- holds (issue 44): a hold and its capture per transfer, on 10 000
+-- accounts and from one account that holds 10 000 open holds
+plan[#plan + 1] = { key = "hold_capture", mode = holds.hold_capture, n = 1000 }
+plan[#plan + 1] = { key = "hold_capture_open", mode = holds.hold_capture_open, n = 500,
+                    open = 10000, runs = 1 }
 -- guarded (min = 0): on 10 000 accounts, and hot: 10 accounts, each
 -- debited and credited about ten times within every batch of 100
 plan[#plan + 1] = { key = "transfer_many100_guarded", mode = modes.transfer_many_guarded,
@@ -97,6 +103,13 @@ for _, procs in ipairs { 4, 8 } do
     plan[#plan + 1] = { key = ("procs%d_guarded_%d"):format(procs, accounts), mode = concurrent,
                         procs = procs, accounts = accounts, min = 0, n = 1600, runs = 3 }
   end
+end
+-- hot $set (issue 39): 4 processes, each transaction $sets two random
+-- documents of 5 (exclusive: they wait for each other) against 1 000,
+-- for `set` seconds (scaled like n)
+for _, accounts in ipairs { 5, 1000 } do
+  plan[#plan + 1] = { key = ("procs4_set_%d"):format(accounts), mode = concurrent,
+                      procs = 4, accounts = accounts, set = 20, n = 1000, runs = 3 }
 end
 -- recovery of each kind, batched and one at a time (batch 1), with
 -- their latency rows: what batching recovery is for
@@ -143,7 +156,8 @@ print(("bench: %s cores (%s), load %s, %s, server %s"):format(machine.cpus, mach
 -- Runs plan entry e (n transfers a run) against the server of uri.
 local function run_row(e, n, runs, row_uri)
   local ctx = { uri = row_uri, n = n, accounts = e.accounts or opts.accounts or 10000, batch = e.batch or 1,
-                procs = e.procs, min = e.min }
+                procs = e.procs, min = e.min, set = e.set and e.set * n / e.n,
+                open = e.open and math.floor(e.open * opts.scale + 0.5) }
   io.write(("bench: %-24s %6d transfers x %d runs ..."):format(e.key, n, runs))
   io.flush()
   local t0 = os.time()
@@ -181,7 +195,9 @@ end
 local WARM_SECONDS = 15
 local function warm_up(e, n)
   local ctx = { uri = uri, n = math.max(math.floor(n / 5), min_n(e)), accounts = e.accounts
-                or opts.accounts or 10000, batch = e.batch or 1, procs = e.procs, min = e.min }
+                or opts.accounts or 10000, batch = e.batch or 1, procs = e.procs, min = e.min,
+                open = e.open and math.floor(e.open / 50) }
+  ctx.set = e.set and e.set * ctx.n / e.n
   pcall(e.mode.run, ctx) -- a failure shows in the timed runs
 end
 
@@ -269,7 +285,9 @@ local function label(e)
   if e.batch and e.batch > 1 or e.key:match("^commit_many") or e.key:match("^recover_") then
     s = s .. " (batch " .. e.batch .. ")"
   end
-  if e.procs then
+  if e.set then
+    s = ("tm:run of $set pairs, processes %d on %d documents"):format(e.procs, e.accounts)
+  elseif e.procs then
     s = ("%s %d on %d accounts"):format(s, e.procs, e.accounts) .. (e.min and ", min = " .. e.min or "")
   elseif e.accounts then s = ("%s on %d accounts"):format(s, e.accounts) end
   if e.level then s = ("%s, +%s"):format(s, e.level.label) end
@@ -346,6 +364,13 @@ local function target_lines()
     not hot and "not measured" or hot.busy_max == 0 and "met" or "missed",
     hot and ("%d runs: at most %s busy; failed, median: %s of %d"):format(hot.runs,
       fmt(hot.busy_max), fmt(hot.failed), hot.n) or "not run")
+  -- hot $set (issue 39): every transaction ends (the run's check), the
+  -- share done and the rate on 5 documents against 1 000
+  local hs, cs = at("procs4_set_5"), at("procs4_set_1000")
+  out[#out + 1] = ("- `$set` pairs on 5 hot documents, 4 processes: %s"):format(hs and cs
+    and ("%s done/s (%s %% done, %s busy at most) against %s on 1 000 (%s %% done): %s×"):format(
+      fmt(hs.tps), fmt(100 * (hs.n - hs.failed) / hs.n), fmt(hs.busy_max), fmt(cs.tps),
+      fmt(100 * (cs.n - cs.failed) / cs.n), fmt(hs.tps / cs.tps, 2)) or "not run")
   local best, parts = nil, {}
   for _, key in ipairs { "transfer", "transfer_deferred", "begin_commit" } do
     local r = by_key[key]

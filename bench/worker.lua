@@ -1,11 +1,13 @@
 -- bench/worker.lua: one process of the concurrent mode (started by
 -- bench/concurrent.lua, not by hand).
 --
---   lua bench/worker.lua <uri> <db> <accounts> <n> <seed> <go-file> [<min>]
+--   lua bench/worker.lua <uri> <db> <accounts> <n> <seed> <go-file> [<min>|- [<seconds>]]
 --
 -- Connects, prints "ready", waits for <go-file> so that every process
 -- starts at once, makes n tm:transfer calls between random accounts (with
--- the floor guard `min` when given) and prints its measurements, one
+-- the floor guard `min` when given), or with <seconds> tm:run calls that
+-- `$set` a field of two random accounts for that long (exclusive ops:
+-- docs/guards.md, "Isolation"), and prints its measurements, one
 -- "key value..." line each:
 --   span <start ms> <end ms>        (CLOCK_MONOTONIC, shared by processes)
 --   counts <ok> <failed> <cpu s> <commands> <writes> <busy>
@@ -20,8 +22,9 @@ local mongotx = require "mongotx"
 local helpers = require "spec.helpers"
 local bank = require "bench.bank"
 
-local uri, dbname, accounts, n, seed, go, min =
-  arg[1], arg[2], tonumber(arg[3]), tonumber(arg[4]), tonumber(arg[5]), arg[6], tonumber(arg[7])
+local uri, dbname, accounts, n, seed, go, min, seconds =
+  arg[1], arg[2], tonumber(arg[3]), tonumber(arg[4]), tonumber(arg[5]), arg[6], tonumber(arg[7]),
+  tonumber(arg[8])
 local now = mongotx.core.monotonic_ms
 
 math.randomseed(seed)
@@ -36,14 +39,37 @@ local lat, moved, ok, busy = {}, {}, 0, 0
 local guard = min and { min = min }
 db.client:reset_counters()
 local cpu0, t0 = os.clock(), now()
-for i = 1, n do
+local stop = seconds and t0 + seconds * 1000
+
+-- A $set of field v on two random accounts (undone by a $set back to 0).
+local function set_pair(i)
+  local a = math.random(accounts)
+  local b
+  repeat b = math.random(accounts) until b ~= a
+  local function set(id)
+    return { collection = bank.COLLECTION, id = id, update = { ["$set"] = { v = seed * 1e6 + i } },
+             undo = { ["$set"] = { v = 0 } } }
+  end
+  return tm:run({ set(a), set(b) })
+end
+
+local i = 0
+while (stop and now() < stop) or (not stop and i < n) do
+  i = i + 1
   local t = now()
-  local res, err = tm:transfer(bank.COLLECTION, from[i], to[i], 1, guard)
+  local res, err
+  if stop then
+    res, err = set_pair(i)
+  else
+    res, err = tm:transfer(bank.COLLECTION, from[i], to[i], 1, guard)
+  end
   lat[i] = string.format("%.3f", now() - t)
   if res then
     ok = ok + 1
-    moved[from[i]] = (moved[from[i]] or 0) - 1
-    moved[to[i]] = (moved[to[i]] or 0) + 1
+    if not stop then
+      moved[from[i]] = (moved[from[i]] or 0) - 1
+      moved[to[i]] = (moved[to[i]] or 0) + 1
+    end
   elseif err.code == "busy" then
     busy = busy + 1
   end
@@ -52,7 +78,7 @@ local t1, cpu = now(), os.clock() - cpu0
 local c = db.client:counters()
 
 print(string.format("span %.3f %.3f", t0, t1))
-print(string.format("counts %d %d %.6f %d %d %d", ok, n - ok, cpu, c.commands, c.writes, busy))
+print(string.format("counts %d %d %.6f %d %d %d", ok, i - ok, cpu, c.commands, c.writes, busy))
 print("lat " .. table.concat(lat, " "))
 local m = {}
 for account, delta in pairs(moved) do m[#m + 1] = account .. " " .. delta end

@@ -296,7 +296,7 @@ new_pool(const char *uristr, char *key, const char *appname,
 	mtx_pool *p;
 	mongoc_uri_t *uri;
 
-	if (!(uri = mongoc_uri_new_with_error(uristr, err)))
+	if (!(uri = mtx_uri_new(uristr, err)))
 		return NULL;
 	p = (mtx_pool *)bson_malloc0(sizeof *p);
 	p->uri = uri;
@@ -517,7 +517,7 @@ l_connect(lua_State *L)
 		lua_settop(L, 7);
 		return 1;
 	}
-	if (!(uri = mongoc_uri_new_with_error(uristr, &err)))
+	if (!(uri = mtx_uri_new(uristr, &err)))
 		return mtx_push_error(L, &err, NULL);
 	c->client = mongoc_client_new_from_uri_with_error(uri, &err);
 	mongoc_uri_destroy(uri);

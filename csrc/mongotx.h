@@ -183,6 +183,12 @@ MTX_HIDDEN void mtx_opt_write_concern(lua_State *L, int idx, bson_t *opts);
  * or NULL when absent (pushes nothing). */
 MTX_HIDDEN mongoc_read_prefs_t *mtx_opt_read_prefs(lua_State *L, int idx);
 
+/* ---- uri.c ---- */
+
+/* mongoc_uri_new_with_error, but an integer option that does not parse is
+ * refused here, without libmongoc's warning on stderr. */
+MTX_HIDDEN mongoc_uri_t *mtx_uri_new(const char *uristr, bson_error_t *err);
+
 /* ---- client.c ---- */
 
 typedef struct mtx_cursor mtx_cursor;

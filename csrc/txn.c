@@ -288,35 +288,53 @@ merge_update(lua_State *L, bson_t *out, const bson_t *update, const fields *f,
 	}
 }
 
-/* The finish of an escrowed op moves its credits from the escrow
- * subdocument into their fields: into out (empty), {$inc: {path: n,
- * "<pending>.path": -n}} for each positive n of update's $inc. */
+/* The number at it appended to sub under `key`, negated. */
+static void
+append_negated(bson_t *sub, const char *key, const bson_iter_t *it)
+{
+	switch (bson_iter_type(it)) {
+	case BSON_TYPE_INT32:
+		BSON_APPEND_INT32(sub, key, -bson_iter_int32(it));
+		break;
+	case BSON_TYPE_INT64:
+		BSON_APPEND_INT64(sub, key, -bson_iter_int64(it));
+		break;
+	default:
+		BSON_APPEND_DOUBLE(sub, key, -bson_iter_double(it));
+	}
+}
+
+/* The $inc of an op's finish, into out (empty): for an escrowed op
+ * (update, else NULL) its credits moved from the escrow subdocument into
+ * their fields, {path: n, "<pending>.path": -n} for each positive n of
+ * update's $inc; with `settle` (the op's, else NULL: a capture of part of
+ * a hold, lua/mongotx/holds.lua) the fields get settle's numbers instead
+ * of those credits (the escrow is emptied all the same), and an op that
+ * is not escrowed gets them too (the remainder of a hold back to where it
+ * was debited). */
 void
-append_settle(lua_State *L, bson_t *out, const bson_t *update, const fields *f)
+append_settle(lua_State *L, bson_t *out, const bson_t *update, const bson_t *settle,
+	      const fields *f)
 {
 	bson_iter_t it, inner;
 	bson_t sub;
 
 	bson_append_document_begin(out, "$inc", 4, &sub);
-	if (bson_iter_init_find(&it, update, "$inc") && bson_iter_recurse(&it, &inner)) {
+	if (update && bson_iter_init_find(&it, update, "$inc") && bson_iter_recurse(&it, &inner)) {
 		while (bson_iter_next(&inner)) {
 			if (number_sign(&inner) != 1)
 				continue;
-			bson_append_iter(&sub, NULL, 0, &inner);
+			if (!settle)
+				bson_append_iter(&sub, NULL, 0, &inner);
 			lua_pushfstring(L, "%s.%s", f->pending, bson_iter_key(&inner));
-			switch (bson_iter_type(&inner)) {
-			case BSON_TYPE_INT32:
-				BSON_APPEND_INT32(&sub, lua_tostring(L, -1), -bson_iter_int32(&inner));
-				break;
-			case BSON_TYPE_INT64:
-				BSON_APPEND_INT64(&sub, lua_tostring(L, -1), -bson_iter_int64(&inner));
-				break;
-			default:
-				BSON_APPEND_DOUBLE(&sub, lua_tostring(L, -1), -bson_iter_double(&inner));
-			}
+			append_negated(&sub, lua_tostring(L, -1), &inner);
 			lua_pop(L, 1);
 		}
 	}
+	if (settle && bson_iter_init(&it, settle))
+		while (bson_iter_next(&it))
+			if (number_sign(&it) != 0)
+				bson_append_iter(&sub, NULL, 0, &it);
 	bson_append_document_end(out, &sub);
 }
 

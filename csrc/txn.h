@@ -50,7 +50,17 @@ typedef struct {
  * lowered values; any other guard only where no transaction holds the
  * document at all (its marker array is empty).  Other effects take place
  * at the apply, as in the tutorial, so that a marker means "applied" to
- * any writer that follows the tutorial's recipe. */
+ * any writer that follows the tutorial's recipe.
+ *
+ * Isolation (docs/guards.md, "Isolation").  The ops that commute with
+ * each other (debits, escrowed credits: $inc only; asserts, which write
+ * nothing) share a document; every other op (held, or a remove) is
+ * exclusive.  So every apply requires `held` empty (no exclusive
+ * holder, whatever its marker field), and an exclusive op's apply the
+ * marker array empty too (no op of another transaction in flight there);
+ * a remove is kept exclusive by `removing` as before.  An insert's new
+ * document carries `held`.  The Lua layer finishes committed holders and
+ * waits for open ones (phases.lua, release). */
 enum { E_RAISES, E_LOWERS, E_ESCROW };
 
 
@@ -86,7 +96,7 @@ MTX_HIDDEN void merge_update(lua_State *L, bson_t *out, const bson_t *update,
 	     const fields *f, const char *marker_op, const bson_t *tid_holder, int held,
 	     int escrow);
 MTX_HIDDEN void append_settle(lua_State *L, bson_t *out, const bson_t *update,
-	     const fields *f);
+	     const bson_t *settle, const fields *f);
 
 /* ---- writes: arguments, crash points, counters, results (txn.c) ---- */
 

@@ -167,7 +167,9 @@ op_parts_stored(lua_State *L, int op, int kind, const bson_value_t *ops, int i,
 }
 
 /* The apply of an update/remove/assert op: filter {_id, where...,
- * marker: {$ne: tid}} fenced by the version the owner read (stack index
+ * "held.0" absent (and "marker.0" for an exclusive op or a guard other
+ * than a floor: "Isolation" in txn.h), marker: {$ne: tid}} fenced by the
+ * version the owner read (stack index
  * `version`; nil means the document had none, false that the owner read
  * none) and, when `before` (deadline_condition) is given, by the server's
  * clock being before the deadline; update: op.update (update kind only;
@@ -183,8 +185,11 @@ build_apply(lua_State *L, const op_parts *p, const bson_t *tid, int version,
 	else
 		bson_append_iter(filter, "_id", 3, &p->id_it);
 	append_conditions(p->where, before, filter);
-	if (p->where)
-		append_unheld(L, filter, p->floor ? f->held : f->marker);
+	/* Isolation (txn.h): no exclusive holder for anyone; no holder at
+	 * all for an exclusive op or a guard other than a floor */
+	if (p->holds || p->kind == K_REMOVE || (p->where && !p->floor))
+		append_unheld(L, filter, f->marker);
+	append_unheld(L, filter, f->held);
 	append_marker_ne(filter, f, tid);
 	bson_append_null(filter, f->removing, -1); /* absent: nobody removes it */
 	if (lua_isnil(L, version))
@@ -373,13 +378,16 @@ enum { OP_UPDATE, OP_DELETE, OP_UPSERT };
 
 /* The finish of op: filter {_id, marker: tid}; update $pull marker (and
  * `held`), $inc version and, for an escrowed op, its credits moved from
- * `pending` into their fields (append_settle), all in one write: OP_UPDATE
- * (a remove deletes the document: OP_DELETE). */
+ * `pending` into their fields, or for an op with `settle` (a hold's
+ * capture of part of it) settle's numbers added to them (append_settle),
+ * all in one write: OP_UPDATE (a remove deletes the document: OP_DELETE). */
 static int
 build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	     bson_t *filter, bson_t *update)
 {
-	int kind = op_kind(L, op);
+	int kind = op_kind(L, op), top = lua_gettop(L);
+	const bson_t *settle = NULL, *credits = NULL;
+	bson_t *inc;
 
 	lua_getfield(L, op, "id");
 	mtx_append_value(L, -1, filter, "_id");
@@ -387,17 +395,24 @@ build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	append_marker_eq(filter, f, tid);
 	if (kind == K_REMOVE)
 		return OP_DELETE;
-	if (kind == K_UPDATE && op_effect(L, op) == E_ESCROW) {
-		int top = lua_gettop(L);
-		bson_t *settle = mtx_scratch(L);
-
-		lua_getfield(L, op, "update");
-		append_settle(L, settle, mtx_check_document(L, -1), f);
-		merge_update(L, update, settle, f, "$pull", tid, 0, 0);
+	if (kind == K_UPDATE) {
+		lua_getfield(L, op, "settle");
+		if (!lua_isnil(L, -1))
+			settle = mtx_check_document(L, -1);
+		if (op_effect(L, op) == E_ESCROW) {
+			lua_getfield(L, op, "update");
+			credits = mtx_check_document(L, -1);
+		}
+	}
+	if (!settle && !credits) {
 		lua_settop(L, top);
+		merge_update(L, update, NULL, f, "$pull", tid, op_holds(L, op, kind), 0);
 		return OP_UPDATE;
 	}
-	merge_update(L, update, NULL, f, "$pull", tid, op_holds(L, op, kind), 0);
+	inc = mtx_scratch(L);
+	append_settle(L, inc, credits, settle, f);
+	merge_update(L, update, inc, f, "$pull", tid, credits ? 0 : op_holds(L, op, kind), 0);
+	lua_settop(L, top);
 	return OP_UPDATE;
 }
 
@@ -406,21 +421,30 @@ build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 typedef int (*op_builder)(lua_State *L, int op, const bson_t *tid, const fields *f,
 			  bson_t *filter, bson_t *update);
 
-/* The single-op steps (finish, undo, fence): steps:<point>(coll, tid, op)
- * runs the write `build` makes of op and returns { [result] = whether it
- * matched a document }. */
+/* The single-op steps (finish, undo, fence): steps:<point>(coll, tid, op
+ * [, deadline]) runs the write `build` makes of op and returns { [result]
+ * = whether it matched a document }.  With `fenced` a deadline (a date,
+ * or nil) adds the apply's fence to the filter: the server's clock before
+ * it (an owner giving back what a pending transaction applied, which a
+ * new owner may drive forward once the deadline passed). */
 static int
-op_step_run(lua_State *L, op_builder build, const char *point, const char *result)
+op_step_run(lua_State *L, op_builder build, const char *point, const char *result,
+	    int fenced)
 {
 	mongoc_collection_t *coll;
-	bson_t *tid, *filter, *update, *opts;
+	bson_t *tid, *filter, *update, *opts, cond;
+	const bson_t *before = NULL;
 	fields f;
 	int64_t n = 0;
 	int how, rc;
 
+	if (fenced && !lua_isnoneornil(L, OP_ARG + 1))
+		before = deadline_condition(L, OP_ARG + 1, &cond);
 	coll = op_step_args(L, &tid, &f, &opts);
 	scratch_pair(L, &filter, &update);
 	how = build(L, OP_ARG, tid, &f, filter, update);
+	if (before)
+		bson_concat(filter, before);
 	if (how == OP_DELETE) {
 		/* (a delete takes no validate option: libmongoc would send it on) */
 		rc = run_delete(L, point, coll, filter, check_steps(L)->wopts, &n);
@@ -440,7 +464,7 @@ op_step_run(lua_State *L, op_builder build, const char *point, const char *resul
 static int
 l_finish(lua_State *L)
 {
-	return op_step_run(L, build_finish, "finish", "finished");
+	return op_step_run(L, build_finish, "finish", "finished", 0);
 }
 
 /* Adds the write `build` makes of op (stack index) to b's bulk as its
@@ -563,13 +587,15 @@ build_undo(lua_State *L, int op, const bson_t *tid, const fields *f,
 	return OP_UPDATE;
 }
 
-/* steps:undo(coll, tid, op) -> { undone = bool }
+/* steps:undo(coll, tid, op [, deadline]) -> { undone = bool }
  * Only where the marker shows the op was applied: insert deletes the
- * document, update applies op.undo, all others just pull the marker. */
+ * document, update applies op.undo, all others just pull the marker;
+ * with a deadline, only before it by the server's clock (a pending
+ * transaction's owner giving a document back). */
 static int
 l_undo(lua_State *L)
 {
-	return op_step_run(L, build_undo, "undo", "undone");
+	return op_step_run(L, build_undo, "undo", "undone", 1);
 }
 
 /* steps:undo_many(coll, items) -> bulk result or nil, err.
@@ -618,7 +644,7 @@ build_fence(lua_State *L, int op, const bson_t *tid, const fields *f,
 static int
 l_fence(lua_State *L)
 {
-	return op_step_run(L, build_fence, "fence", "fenced");
+	return op_step_run(L, build_fence, "fence", "fenced", 0);
 }
 
 /* steps:fence_many(coll, items) -> bulk result or nil, err.

@@ -41,6 +41,55 @@ describe("#server handles", function()
       assert.matches("^mongotx: ", tostring(err))
     end)
 
+    -- libmongoc logs why it refuses these on stderr (its process-wide log
+    -- handler) and answers a vaguer error: the caller gets the why, and
+    -- nothing is printed, pooled or not.
+    it("says why it refuses a URI, with nothing on stderr", function()
+      local cases = {
+        { "mongodb://127.0.0.1/?serverSelectionTimeoutMS=abc",
+          'Unsupported value for "serverSelectionTimeoutMS": "abc"' },
+        { "mongodb://127.0.0.1/?maxPoolSize=9999999999", 'Unsupported value for "maxPoolSize"' },
+        { "mongodb://", "Empty hostname in URI host list" },
+        { "mongodb://u:pw@/db", "Empty hostname in URI host list" },
+        { "mongodb://a,,b/", "Empty hostname in URI host list" },
+        { "mongodb://h:99999/", 'Port could not be parsed in host "h:99999"' },
+        { "mongodb://h:27x/", 'Port could not be parsed in host "h:27x"' },
+        { "mongodb://h?w=1", "A '/' is required between the host list and any options" },
+      }
+      local lines = {}
+      for _, c in ipairs(cases) do
+        for _, pool in ipairs { "false", "true" } do
+          lines[#lines + 1] = string.format(
+            "do local c, e = core.connect(%q, { pool = %s }) print(c == nil and e.code .. ': ' .. e.message) end",
+            c[1], pool)
+        end
+      end
+      -- URIs the checks must leave to libmongoc, which takes them
+      for _, uri in ipairs { "mongodb://[::1]:27017/?wtimeoutMS=99999999999",
+                             "mongodb://u:p%3Fx@h:1,h2/?serverSelectionTimeoutMS=-1",
+                             "mongodb://%2Ftmp%2Fm.sock/?connectTimeoutMS=10" } do
+        lines[#lines + 1] = string.format(
+          "do local c, e = core.connect(%q) print(c and 'taken' or tostring(e)) end", uri)
+      end
+      local pid, out, script = helpers.spawn_script(
+        'package.cpath = os.getenv("MONGOTX_CPATH") .. ";" .. package.cpath\n' ..
+        'local core = require "mongotx.core"\n' .. table.concat(lines, "\n") .. "\n")
+      local said = helpers.script_output(pid, out, script)
+      local got = {}
+      for line in said:gmatch("[^\n]+") do
+        -- (libmongoc's word on the machine, not on a URI: no shared memory to spare)
+        if not line:find("mongoc: Falling back to malloc for counters", 1, true) then got[#got + 1] = line end
+      end
+      assert.are.equal(#lines, #got, said) -- one line each: nothing else on stderr
+      for i, c in ipairs(cases) do
+        for j = 0, 1 do
+          local line = got[2 * i - 1 + j]
+          assert.truthy(line:find(": " .. c[2], 1, true), c[1] .. " -> " .. line)
+        end
+      end
+      for i = 2 * #cases + 1, #got do assert.are.equal("taken", got[i]) end
+    end)
+
     it("raises for unknown options and options of the wrong type", function()
       local uri = helpers.uri()
       assert.has_error(function() core.connect(uri, { bogus = 1 }) end,

@@ -42,7 +42,7 @@ describe("#server operator calls", function()
 
   it("backlog counts active and stale ones and ages the oldest by the server's clock", function()
     local empty = assert(tm:backlog())
-    assert.are.same({ active = 0, stale = 0 }, empty)
+    assert.are.same({ active = 0, stale = 0, foreign = 0 }, empty)
     local old = transfer(1, "old")
     age(1.2)
     transfer(2, "new")

@@ -227,21 +227,25 @@ describe("#server tm:stats()", function()
     local function add(state, n, parked)
       for _ = 1, n do
         i = i + 1
-        docs[#docs + 1] = { _id = "t" .. i, state = state, parked = parked }
+        docs[#docs + 1] = { _id = "t" .. i, state = state, parked = parked, ops = core.array() }
       end
     end
     add("initial", 3); add("pending", 2, true); add("applied", 4); add("applied", 1, true)
     add("done", 5); add("done", 2, true); add("canceling", 1, "yes"); add("cancelled", 6)
     add("odd", 2); add(7, 1)
+    -- another writer's (no ops): not counted
+    docs[#docs + 1] = { _id = "foreign-1", state = "pending" }
+    docs[#docs + 1] = { _id = "foreign-2", state = "done", parked = true }
     assert(txs:insert_many(docs, {}))
     local before = helpers.db_dump(db.client, db.name)
     db.client:reset_counters()
     local stats = assert(tm:stats())
     assert.are.equal(1, db.client:counters().commands)
-    local want = { parked = assert(txs:count({ parked = true,
+    local own = { ["$exists"] = true }
+    local want = { parked = assert(txs:count({ parked = true, ops = own,
       state = { ["$in"] = { "initial", "pending", "applied", "canceling" } } })) }
     for _, state in ipairs { "initial", "pending", "applied", "done", "canceling", "cancelled" } do
-      want[state] = assert(txs:count({ state = state }))
+      want[state] = assert(txs:count({ state = state, ops = own }))
     end
     assert.are.same({ initial = 3, pending = 2, applied = 5, done = 7, canceling = 1,
                       cancelled = 6, parked = 3 }, want)
@@ -252,7 +256,7 @@ describe("#server tm:stats()", function()
   it("says so when the documents carry more kinds of `parked` than one reply holds", function()
     local tm = assert(db:manager {})
     local docs = {}
-    for i = 1, 1000 do docs[i] = { _id = i, state = "done", parked = i } end
+    for i = 1, 1000 do docs[i] = { _id = i, state = "done", parked = i, ops = core.array() } end
     assert(txs:insert_many(docs, {}))
     local stats, err = tm:stats()
     assert.is_nil(stats)

@@ -1518,7 +1518,6 @@ end
 
 local malformed = {
   { "ops is a string", "ops is not a list", { ops = "x" } },
-  { "ops is missing", "ops is not a list", { ops = false } },
   { "ops is an empty list", "ops is not a list", { ops = mongotx.array() } },
   { "ops is a document", "ops is not a list", { ops = { first = good_op() } } },
   { "ops is raw garbage binary", "ops is not a list", { ops = mongotx.Binary("\1\2\3garbage") } },
@@ -1623,6 +1622,20 @@ describe("#server recovery with malformed transaction documents", function()
     local r = assert(rec:recover())
     assert.are.equal(0, r.malformed + r.examined)
     assert.are.same(before, bytes({ "odd" }))
+  end)
+
+  -- (spec/54: another writer's documents, such as the tutorial's recipe's)
+  it("ops missing is another writer's document: recovery does not look at it", function()
+    assert(txs:insert_one(tx_doc("foreign", { ops = false }), {}))
+    local before = bytes({ "foreign" })
+    local t = good()
+    local r = assert(rec:recover())
+    assert.are.equal(0, r.malformed)
+    assert.are.equal(1, r.examined)
+    assert.are.equal(1, r.done)
+    assert.are.equal("done", assert(e.tm:get(t._id)).state)
+    assert.are.same(before, bytes({ "foreign" }))
+    assert.are.equal(1, assert(rec:backlog()).foreign)
   end)
 
   it("many malformed documents older than a good one do not starve it", function()

@@ -115,7 +115,7 @@ describe("#server compensate", function()
     tm.engine.get = function(self, id)
       local found, err = get(self, id)
       if id == cid and not found and not err then
-        assert(other:begin(ops, { id = cid }, { compensates = "pay" }))
+        assert(other:_begin(ops, { id = cid }, { compensates = "pay" }))
       end
       return found, err
     end

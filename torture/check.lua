@@ -15,13 +15,17 @@
 --      torture/observer.lua, watches them while a section runs);
 --   5. what callers were told holds: a transaction reported done is done,
 --      one reported cancelled (code cancelled/guard/missing/conflict) is
---      cancelled; and optional per-id allowed final states.
+--      cancelled; and optional per-id allowed final states;
+--   6. one serial order on the shared logs of torture/serial.lua (no
+--      cycle, no entry twice, none lost, none of a transaction not done),
+--      which the model leaves to it.
 --
 --   local r = check.database(db, fixture, { allowed = {...}, reported = {...} })
 --   r.violations (list of messages), r.states (id -> state), r.counts
 
 local mongotx = require "mongotx"
 local validate = require "mongotx.validate"
+local serial = require "torture.serial"
 
 -- Ids as map keys and in messages: strings as they are (every id the
 -- suite makes is one), anything else in the engine's canonical form.
@@ -74,6 +78,7 @@ end
 -- Applies one op of a done transaction to the model; a message when it
 -- cannot (then the database cannot be right either).
 local function replay(model, op, tid)
+  if op.collection == serial.COLLECTION then return end -- serial.final's
   local coll = model.docs[op.collection] or {}
   model.docs[op.collection] = coll
   local k = canon(op.id)
@@ -241,15 +246,23 @@ function M.database(db, fixture, opts)
       end
       if d and name == "accounts" then sum_after = sum_after + (d.balance or 0) end
     end
-    for k, want in pairs(expected) do
-      if not actual[k] then
-        violation("%s/%s is missing (expected %s)", name, k, show(want))
-      elseif not equal(want, actual[k]) then
-        violation("%s/%s is %s, expected %s", name, k, show(actual[k]), show(want))
+    if name == serial.COLLECTION then
+      local docs = {}
+      for _, d in pairs(actual) do docs[#docs + 1] = d end
+      for _, why in ipairs(serial.final(docs, txs, function(T) return T.key or canon(T._id) end)) do
+        violation("%s", why)
       end
-    end
-    for k, got in pairs(actual) do
-      if not expected[k] then violation("%s/%s should not exist: %s", name, k, show(got)) end
+    else
+      for k, want in pairs(expected) do
+        if not actual[k] then
+          violation("%s/%s is missing (expected %s)", name, k, show(want))
+        elseif not equal(want, actual[k]) then
+          violation("%s/%s is %s, expected %s", name, k, show(actual[k]), show(want))
+        end
+      end
+      for k, got in pairs(actual) do
+        if not expected[k] then violation("%s/%s should not exist: %s", name, k, show(got)) end
+      end
     end
   end
   if sum_before ~= sum_after then

@@ -5,7 +5,9 @@
 -- amount`, tm:transfer's `min`) promise that no balance ever goes below
 -- its floor, at any moment, not only at the end (DESIGN.md section 3: a
 -- guard must never pass on the effects of a transaction that later ends
--- cancelled); the checks of torture/check.lua only see the end.
+-- cancelled); the checks of torture/check.lua only see the end.  It
+-- also reads the shared logs of torture/serial.lua at each poll: a cycle
+-- or an entry twice is a serial-order violation, counted once.
 --
 -- The floored documents are those of `accounts` with a `floor` field
 -- (torture/workload.lua gives every guarded account one; accounts without
@@ -60,14 +62,16 @@ function Obs:stop()
   os.remove(self.stopfile)
   local o = { polls = 0, readings = 0, sightings = 0, errors = 0, gap = 0, first = {},
               problem = self.problem }
+  o.serial, o.serial_first = 0, {}
   for line in out:gmatch("[^\n]+") do
     if line:match("^below ") then o.first[#o.first + 1] = line:sub(7) end
-    local p, rd, s, e, low, gap = line:match("^polls (%d+) readings (%d+) sightings (%d+) "
-      .. "errors (%d+) lowest (%S+) gap (%d+)")
+    if line:match("^serial ") then o.serial_first[#o.serial_first + 1] = line:sub(8) end
+    local p, rd, s, e, low, gap, ser = line:match("^polls (%d+) readings (%d+) sightings (%d+) "
+      .. "errors (%d+) lowest (%S+) gap (%d+) serial (%d+)")
     if p then
       o.polls, o.readings, o.sightings, o.errors = tonumber(p), tonumber(rd), tonumber(s),
         tonumber(e)
-      o.lowest, o.gap = tonumber(low), tonumber(gap)
+      o.lowest, o.gap, o.serial = tonumber(low), tonumber(gap), tonumber(ser)
     end
   end
   if rc ~= 0 or o.polls == 0 then
@@ -82,7 +86,10 @@ end
 -- are printed; an observer that did not run is a crash (the section
 -- proved nothing about floors).
 function M.add(r, o, label)
-  r.violations = r.violations + o.sightings
+  r.violations = r.violations + o.sightings + (o.serial or 0)
+  for i = 1, math.min(#(o.serial_first or {}), M.SHOW) do
+    r.failures[#r.failures + 1] = ("%s: serial order at %s"):format(label, o.serial_first[i])
+  end
   for i = 1, math.min(#o.first, M.SHOW) do
     r.failures[#r.failures + 1] = ("%s: below its floor at %s"):format(label, o.first[i])
   end
@@ -98,8 +105,8 @@ end
 
 -- The observer's figures for a section's notes.
 function M.notes(o)
-  return ("observer: %d polls (longest gap %d ms), %d below-floor sightings"):format(o.polls,
-    o.gap or 0, o.sightings)
+  return ("observer: %d polls (longest gap %d ms), %d below-floor sightings, %d serial-order "
+    .. "violations"):format(o.polls, o.gap or 0, o.sightings, o.serial or 0)
 end
 
 return M

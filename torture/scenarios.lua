@@ -28,6 +28,8 @@
 --                 or "back" (stale pending transactions rolled back)
 -- Add scenarios at the end (tm:commit_many, tm:transfer_many, ...).
 
+local serial = require "torture.serial"
+
 local M = {}
 
 M.KINDS = { "update", "insert", "remove", "assert" }
@@ -38,7 +40,7 @@ M.AMOUNT = 100
 -- some accounts' 1000 (a scenario's `balances` field).  Every account has
 -- floor 0: check.lua fails a case that ends with a balance below it.
 function M.fixture(kind, failing, balances)
-  local f = { accounts = {} }
+  local f = { accounts = {}, [serial.COLLECTION] = serial.fixture() }
   for i, id in ipairs { "A", "B", "C", "D" } do
     f.accounts[i] = { _id = id, balance = balances and balances[id] or 1000, floor = 0 }
   end
@@ -385,6 +387,35 @@ for _, s in ipairs {
     manager = with_fields { stale_pending = function() return "back" end }, recover = "back",
     allowed = { cancelled = true }, ci_kinds = { "update", "remove" },
     run = recover_after_lease },
+} do M.list[#M.list + 1] = s end
+
+-- One serial order (issue 39; torture/serial.lua): U, of an owner gone,
+-- pushed its entry onto s1 and not yet onto s2; T pushes onto s2 and s1
+-- (exclusive ops: T waits for U, then cancels busy) and the final
+-- recovery rolls U forward (T may then be rolled forward after it; U
+-- cancels busy where T crashed holding s2) or back (its $pop undo must
+-- pop its own entry).  Without isolation T's
+-- entry lands after U's on s1 and before it on s2 (a cycle), or U's undo
+-- pops T's entry (lost).  In every document's log in the fixture, and
+-- checked at the end of every case (torture/check.lua).
+local function serial_hold(tm)
+  local U = assert(tm:begin({ serial.push(M.OTHER, "s1"), serial.push(M.OTHER, "s2") },
+    { id = M.OTHER }))
+  assert(tm:step("claim", U))
+  return tm:step("apply", U, 1)
+end
+
+local function serial_T(tm)
+  return tm:run({ serial.push(M.ID, "s2"), serial.push(M.ID, "s1") }, { id = M.ID })
+end
+
+for _, s in ipairs {
+  { name = "serial-held-open", kinds = { "update" }, prepare = serial_hold,
+    prepare_manager = SHORT, allowed = ALL, other = { done = true, cancelled = true },
+    manager = BUSY, run = serial_T },
+  { name = "serial-held-open-back", kinds = { "update" }, prepare = serial_hold,
+    prepare_manager = SHORT, recover = "back", allowed = CANCELLED,
+    other = { cancelled = true }, manager = BUSY, run = serial_T },
 } do M.list[#M.list + 1] = s end
 
 function M.find(name)

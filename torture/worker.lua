@@ -22,8 +22,10 @@
 --   worker.lua observe <uri> <db> <stop-file> <interval-ms>
 --       the floor observer (torture/observer.lua): reads the accounts
 --       that have a floor every <interval-ms> until the stop file exists
---       (then once more), prints "ready" after its first poll, "below
---       ..." for the first sightings and a "polls ..." summary line
+--       (then once more), and the shared logs of torture/serial.lua;
+--       prints "ready" after its first poll, "below ..." for the first
+--       sightings, "serial ..." for the first serial-order violations and
+--       a "polls ..." summary line
 --   worker.lua hold <uri> <db> <event> <ready-file> <go-file>
 --       one transaction that, after its <event>th step event, writes the
 --       ready file and waits for the go file, then times how long the rest
@@ -39,6 +41,7 @@ if cpath then package.cpath = cpath .. ";" .. package.cpath end
 local mongotx = require "mongotx"
 local scenarios = require "torture.scenarios"
 local workload = require "torture.workload"
+local serial = require "torture.serial"
 local core = mongotx.core
 
 local function say(...)
@@ -144,6 +147,8 @@ elseif mode == "acked" then
 elseif mode == "observe" then
   local dbname, stopfile, interval = arg[3], arg[4], tonumber(arg[5]) / 1000
   local coll = connect(dbname):collection("accounts")
+  local scoll = connect(dbname):collection(serial.COLLECTION)
+  local found = {} -- serial-order violations seen, each counted once
   local filter = { floor = { ["$exists"] = true } }
   local opts = { projection = { balance = 1, floor = 1, pendingTransactions = 1 } }
   local polls, readings, sightings, errors, printed = 0, 0, 0, 0, 0
@@ -185,6 +190,14 @@ elseif mode == "observe" then
         below[id] = nil
       end
     end
+    -- the serial-order check (torture/serial.lua) on the shared logs
+    local sdocs = scoll:find_all({}, { projection = { log = 1 } })
+    for _, why in ipairs(sdocs and serial.poll(sdocs) or {}) do
+      if not found[why] then
+        found[why], found[1] = true, (found[1] or 0) + 1
+        if found[1] <= 50 then say(("serial %.0f ms: %s"):format(now - t0, why)) end
+      end
+    end
     if polls == 1 then say("ready") end
   end
   while not exists(stopfile) do
@@ -192,8 +205,8 @@ elseif mode == "observe" then
     core.sleep(interval)
   end
   poll()
-  say(("polls %d readings %d sightings %d errors %d lowest %s gap %.0f"):format(polls, readings,
-    sightings, errors, tostring(lowest or "none"), gap))
+  say(("polls %d readings %d sightings %d errors %d lowest %s gap %.0f serial %d"):format(polls,
+    readings, sightings, errors, tostring(lowest or "none"), gap, found[1] or 0))
 elseif mode == "hold" then
   local dbname, at, ready, go = arg[3], tonumber(arg[4]), arg[5], arg[6]
   local events, t0 = 0, nil

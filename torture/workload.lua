@@ -22,6 +22,9 @@
 -- stale_pending = "back" and some finish = "deferred" (committed
 -- transactions keep their markers until finished).
 --
+-- One step in eight is a transaction of the serial-order check
+-- (serial_step).
+--
 -- Every transaction has a caller-supplied id "<worker>-<n>" (batch items
 -- "<worker>-<n>.<k>"), logged by the worker before it begins and with its
 -- outcome after, so the audit (torture/check.lua) can tell what each
@@ -29,6 +32,7 @@
 
 local manager = require "mongotx.manager"
 local core = require "mongotx.core"
+local serial = require "torture.serial"
 
 local M = {}
 
@@ -50,6 +54,7 @@ function M.fixture(accounts, tokens)
   end
   for i = 1, tokens do f.tokens[i] = { _id = "tok" .. i } end
   for i = 1, 3 do f.counters[i] = { _id = "c" .. i, n = 0 } end
+  f[serial.COLLECTION] = serial.fixture()
   return f
 end
 
@@ -144,6 +149,7 @@ function M.step(tm, id, sizes, log, done)
   local r = math.random(100)
   local n = sizes.accounts
   local from, to = pick_two(n)
+  if math.random(100) <= 12 then return M.serial_step(tm, id, log) end
   if r <= 6 and #done > 0 then
     local orig = table.remove(done, math.random(#done))
     local cid = manager.compensation_id(orig)
@@ -214,6 +220,34 @@ function M.step(tm, id, sizes, log, done)
     else
       outcome(log, id, tm:commit(T))
     end
+  end
+end
+
+-- A transaction (or a batch of them) of the serial-order check
+-- (torture/serial.lua): each pushes its name (its id, and the collection
+-- of its manager when not the default: ids repeat across collections in
+-- a mixed fleet) onto two shared documents, by run, begin+commit or
+-- commit_many.
+function M.serial_step(tm, id, log)
+  local coll = tm.tx:name()
+  local function name(x) return coll == "transactions" and x or coll .. ":" .. x end
+  local r = math.random(4)
+  if r <= 2 then
+    log("begin " .. id)
+    outcome(log, id, tm:run(serial.ops(name(id)), { id = id }))
+  elseif r == 3 then
+    log("begin " .. id)
+    local T, err = tm:begin(serial.ops(name(id)), { id = id })
+    if T then outcome(log, id, tm:commit(T)) else outcome(log, id, nil, err) end
+  else
+    local list = {}
+    for k = 1, 2 do
+      local kid = id .. "." .. k
+      list[k] = { ops = serial.ops(name(kid)), id = kid }
+      log("begin " .. kid)
+    end
+    local res, errs = tm:commit_many(list)
+    for k, item in ipairs(list) do outcome(log, item.id, res[k], errs[k]) end
   end
 end
 

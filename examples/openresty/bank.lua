@@ -7,6 +7,14 @@
 --                    returns the same transaction instead of a second one.
 --                    200 {"id", "state", "from", "to", "amount"}; 4xx/5xx
 --                    {"error": <name>, "message": <what>}.
+--   POST /hold       {"from", "to", "amount", "expires"?}, header
+--                    Idempotency-Key (required: the hold's id): reserves
+--                    the amount (docs/holds.md); expires in seconds
+--                    (default 3600).  200 {"id", "status": "held", ...}.
+--   POST /capture    {"id", "amount"?}: all of the hold or part of it;
+--                    200 {"id", "status": "captured", "captured", ...}.
+--   POST /void       {"id"}: everything back; 200 {"id", "status"}.
+--                    A hold decided otherwise answers 409 hold_<status>.
 --   GET /tx/<id>     the transaction: 200 {...} or 404.
 --   GET /metrics     mongotx's counters of every worker (Prometheus text).
 --   init_worker()    the recovery timer (mongotx.resty.recovery): one
@@ -148,20 +156,27 @@ local function id_json(id)
 end
 
 local function tx_json(T)
-  return {
+  local out = {
     id = id_json(T._id), state = T.state, from = T.source, to = T.destination,
     amount = T.value, reason = T.reason, lastModified = jsonable(T.lastModified),
   }
+  if type(T.hold) == "table" then
+    out.status, out.captured, out.expires = T.hold.status, T.hold.captured,
+      jsonable(T.hold.expires)
+  end
+  return out
 end
 
 local ACCOUNT = "^[%w%-_.]+$"
 local KEY = "^[%w%-_]+$"
 local FIELDS = { from = true, to = true, amount = true }
 
--- The request's transfer, or nil, status, error name, message.
-local function parse_request()
+-- The request's body, a JSON object POSTed to `path` with only the
+-- fields of `fields` (their names in `names`), or nil, status, error
+-- name, message.
+local function read_object(path, fields, names)
   if ngx.req.get_method() ~= "POST" then
-    return nil, 405, "method", "POST a JSON object to /transfer"
+    return nil, 405, "method", "POST a JSON object to " .. path
   end
   ngx.req.read_body()
   local body = ngx.req.get_body_data()
@@ -169,18 +184,41 @@ local function parse_request()
     if ngx.req.get_body_file() then
       return nil, 413, "too_large", "the body is larger than client_body_buffer_size"
     end
-    return nil, 400, "no_body", 'the body must be a JSON object {"from", "to", "amount"}'
+    return nil, 400, "no_body", "the body must be a JSON object {" .. names .. "}"
   end
   local req, jerr = cjson.decode(body)
   if req == nil then return nil, 400, "malformed_json", "the body is not JSON: " .. tostring(jerr) end
   if type(req) ~= "table" or req[1] ~= nil then
-    return nil, 400, "not_an_object", 'the body must be a JSON object {"from", "to", "amount"}'
+    return nil, 400, "not_an_object", "the body must be a JSON object {" .. names .. "}"
   end
   for k in pairs(req) do
-    if not FIELDS[k] then
-      return nil, 400, "unknown_field", "unknown field " .. tostring(k) .. " (from, to, amount)"
+    if not fields[k] then
+      return nil, 400, "unknown_field", "unknown field " .. tostring(k) .. " (" .. names .. ")"
     end
   end
+  return req
+end
+
+-- Is amount a whole number from 1 to config.max_amount?  nil, or the
+-- status, error name and message.
+local function bad_amount(amount)
+  if amount == nil then return 400, "missing_field", "field amount is missing" end
+  if type(amount) ~= "number" then
+    return 400, "bad_amount", "field amount must be a number, not a " ..
+      (amount == cjson.null and "null" or type(amount))
+  end
+  if amount ~= amount or amount <= 0 or amount > config.max_amount or floor(amount) ~= amount then
+    return 400, "bad_amount", "field amount must be a whole number from 1 to " ..
+      string.format("%.0f", config.max_amount) .. ", not " .. tostring(amount)
+  end
+end
+
+-- The request's transfer (or hold: `path`, `fields`), or nil, status,
+-- error name, message.
+local function parse_request(path, fields)
+  local req, status, name, message = read_object(path or "/transfer", fields or FIELDS,
+    fields and "from, to, amount, expires" or "from, to, amount")
+  if not req then return nil, status, name, message end
   for _, f in ipairs { "from", "to" } do
     local v = req[f]
     if v == nil then return nil, 400, "missing_field", "field " .. f .. " is missing" end
@@ -191,21 +229,14 @@ local function parse_request()
   end
   if req.from == req.to then return nil, 400, "same_account", "from and to are the same account" end
   local amount = req.amount
-  if amount == nil then return nil, 400, "missing_field", "field amount is missing" end
-  if type(amount) ~= "number" then
-    return nil, 400, "bad_amount", "field amount must be a number, not a " ..
-      (amount == cjson.null and "null" or type(amount))
-  end
-  if amount ~= amount or amount <= 0 or amount > config.max_amount or floor(amount) ~= amount then
-    return nil, 400, "bad_amount", "field amount must be a whole number from 1 to " ..
-      string.format("%.0f", config.max_amount) .. ", not " .. tostring(amount)
-  end
+  status, name, message = bad_amount(amount)
+  if status then return nil, status, name, message end
   local key = ngx.var.http_idempotency_key
   if key ~= nil and (#key > 128 or not key:find(KEY)) then
     return nil, 400, "bad_idempotency_key", "the Idempotency-Key header must be 1 to 128 " ..
       "letters, digits, '-' or '_'"
   end
-  return { from = req.from, to = req.to, amount = amount, key = key }
+  return { from = req.from, to = req.to, amount = amount, key = key, expires = req.expires }
 end
 
 -- The HTTP answer to a transfer's error.
@@ -292,6 +323,92 @@ function _M.transfer(opts)
     if known then known:delete(missing) end
     return fail(404, "unknown_account", "no account " .. missing, { account = missing })
   end
+  return reply(200, tx_json(T))
+end
+
+-- Holds ---------------------------------------------------------------------
+
+local HOLD_FIELDS = { from = true, to = true, amount = true, expires = true }
+local DECIDE_FIELDS = { id = true, amount = true }
+
+-- The answer to a hold's error: one decided otherwise is a 409
+-- hold_<status> (voided, expired, captured with another amount, opening).
+local function hold_error(err, req)
+  if type(err) == "table" and err.code == "state" and err.status then
+    return fail(409, "hold_" .. err.status, err.message, { captured = err.captured })
+  end
+  if type(err) == "table" and err.code == "state" then
+    return fail(404, "unknown_hold", err.message)
+  end
+  if type(err) == "table" and err.code == "in_progress" then
+    return fail(409, "in_progress", err.message) -- another request is opening it
+  end
+  return transfer_error(err, req)
+end
+
+-- POST /hold: reserves the amount under the Idempotency-Key.
+function _M.hold()
+  local req, status, name, message = parse_request("/hold", HOLD_FIELDS)
+  if not req then return fail(status, name, message) end
+  if not req.key then
+    return fail(400, "missing_idempotency_key", "a hold is named by its Idempotency-Key header")
+  end
+  local e = req.expires
+  if e ~= nil and (type(e) ~= "number" or e ~= e or e <= 0 or e > 10 * 365 * 24 * 3600) then
+    return fail(400, "bad_expires", "field expires must be seconds, more than 0")
+  end
+  local db, tm, err = manager(true)
+  if not db then return transfer_error(err) end
+  local exist, missing = accounts_exist(db, req)
+  if exist == nil then return transfer_error(missing) end
+  if not exist then
+    return fail(404, "unknown_account", "no account " .. missing, { account = missing })
+  end
+  local T
+  T, err = tm:hold(config.accounts, req.from, req.to, req.amount,
+                   { min = 0, id = req.key, expires = e })
+  if not T then return hold_error(err, req) end
+  return reply(200, tx_json(T))
+end
+
+-- The body of /capture and /void: { id, amount }, or nil, status, name,
+-- message.
+local function decision(path, with_amount)
+  local req, status, name, message = read_object(path, DECIDE_FIELDS,
+    with_amount and "id, amount" or "id")
+  if not req then return nil, status, name, message end
+  if type(req.id) ~= "string" or #req.id > 128 or not req.id:find(KEY) then
+    return nil, 400, "bad_id", "field id must be the hold's Idempotency-Key"
+  end
+  if req.amount ~= nil then
+    if not with_amount then return nil, 400, "unknown_field", "unknown field amount (id)" end
+    status, name, message = bad_amount(req.amount)
+    if status then return nil, status, name, message end
+  end
+  return req
+end
+
+-- POST /capture: all of the hold, or `amount` of it.
+function _M.capture()
+  local req, status, name, message = decision("/capture", true)
+  if not req then return fail(status, name, message) end
+  local _, tm, err = manager(true)
+  if not tm then return transfer_error(err) end
+  local T
+  T, err = tm:capture(req.id, req.amount)
+  if not T then return hold_error(err) end
+  return reply(200, tx_json(T))
+end
+
+-- POST /void: everything back.
+function _M.void()
+  local req, status, name, message = decision("/void", false)
+  if not req then return fail(status, name, message) end
+  local _, tm, err = manager(true)
+  if not tm then return transfer_error(err) end
+  local T
+  T, err = tm:void(req.id)
+  if not T then return hold_error(err) end
   return reply(200, tx_json(T))
 end
 

@@ -137,6 +137,16 @@ local function guards_passed(e)
   return true
 end
 
+-- A transaction of a batch that could not take all its documents gives
+-- back those it took before it is settled alone: two batch-mates that
+-- each took one the other needs would otherwise wait for each other
+-- (settle runs them one after the other; docs/guards.md, "Isolation").
+-- Only where the batch's deadline fences (Engine:give_back).
+local function give_back(eng, e, deadline)
+  local _, err = eng:give_back(e.T, e.applied, deadline)
+  if err then fail(e, err) end
+end
+
 -- Step 2: every op of every created transaction.  In a batch of several
 -- transactions the guarded ops go first, and the others only for the
 -- transactions whose guarded ops all applied: so no guard reads a
@@ -197,6 +207,7 @@ local function apply(eng, entries, deadline, versions)
         if not e.applied[i] then e.slow = "apply" end
       end
       if loud and not e.slow then eng:event_id("apply", e.T._id) end
+      if e.slow and #entries > 1 then guarded(give_back, eng, e, deadline) end
     end
   end
 end

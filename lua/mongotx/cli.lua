@@ -41,6 +41,13 @@ _M.OK, _M.FAILED, _M.USAGE = OK, FAILED, USAGE
 -- How long a server that does not answer is waited for, unless the URI
 -- says otherwise: the command fails in seconds instead of libmongoc's 30.
 local TIMEOUT_MS = 5000
+-- How long one reply is waited for, unless the URI says otherwise: a
+-- server that stops answering mid-command (stopped, or a network that
+-- drops packets) fails the command in a minute instead of libmongoc's
+-- five, so that a recovery worker says so (and its last pass's time
+-- stops moving).  A minute leaves room for status's aggregation over a
+-- large collection.
+local SOCKET_TIMEOUT_MS = 60000
 
 local STATES = { "initial", "pending", "applied", "done", "canceling", "cancelled" }
 
@@ -83,6 +90,7 @@ local function parser()
   list:option("--older-than", "Only last changed more than <sec> seconds ago.")
     :argname("<sec>"):convert(seconds)
   list:flag("--parked", "Only parked ones.")
+  list:flag("--holds", "Only holds (tm:hold), their status beside the state.")
   list:option("--limit", "At most <n> transactions.", "50"):argname("<n>"):convert(count)
 
   p:command("show", "A transaction, its ops and its documents' markers and versions.")
@@ -148,13 +156,15 @@ end
 
 -- The URI with the timeouts this command wants, unless it sets them.
 local function with_timeouts(uri)
-  for _, name in ipairs { "serverSelectionTimeoutMS", "connectTimeoutMS" } do
+  for _, t in ipairs { { "serverSelectionTimeoutMS", TIMEOUT_MS },
+                       { "connectTimeoutMS", TIMEOUT_MS }, { "socketTimeoutMS", SOCKET_TIMEOUT_MS } } do
+    local name, ms = t[1], t[2]
     if not uri:lower():find("[?&]" .. name:lower() .. "=") then
       local sep = "&"
       if not uri:find("?", 1, true) then
         sep = uri:find("^mongodb[^:]*://[^/]*/") and "?" or "/?"
       end
-      uri = uri .. sep .. name .. "=" .. TIMEOUT_MS
+      uri = uri .. sep .. name .. "=" .. ms
     end
   end
   return uri

@@ -114,7 +114,7 @@ end
 -- the ungrouped call's is when it runs under pcall.
 local CHECK = {
   transfer = function(tm, c) return pcall(checks.transfer_call, tm, c[1], c[2], c[3], c[4], c[5], 1) end,
-  run = function(tm, c) return pcall(checks.run_call, tm, c[1], c[2], c[3], 1) end,
+  run = function(tm, c) return pcall(checks.run_call, tm, c[1], c[2], nil, 1) end,
   commit = function(_, c) return pcall(checks.tx_ref, c[1], "commit", 1) end,
 }
 

@@ -27,6 +27,7 @@ local batches = require "mongotx.manager.batches"
 local counts = require "mongotx.manager.counts"
 local operate = require "mongotx.manager.operate"
 local commands = require "mongotx.engine.commands"
+local holds = require "mongotx.holds"
 
 local canon = validate.canon
 local live = stored.live
@@ -129,8 +130,9 @@ end
 
 --- @type Manager
 
---- Makes this manager's calls use another client of the same deployment.
+--- Internal: makes this manager's calls use another client of the same deployment.
 -- Used by mongotx.pool to lend a client per call; handles made from the former client are dropped.
+-- @local
 -- @syntax tm:use(client)
 -- @tparam userdata client a client of `mongotx.core.connect`
 -- @usage tm:use(pool_client)
@@ -159,7 +161,9 @@ end
 -- @errors nil, err: a database error (the C core's codes); an id that is not one raises
 -- @usage local T = tm:get("o-1")
 function Manager:get(id)
-  return self:_get(id, "get", CALLER)
+  local T, err = self:_get(id, "get", CALLER)
+  if T then holds.view(self.engine, T) end
+  return T, err
 end
 
 function Manager:_load(t, step)
@@ -213,14 +217,20 @@ end
 -- @tparam table ops a list of ops `{ collection, id, kind?, update?, undo?, doc?, where? }`
 -- @tparam[opt] table opts `id`: an idempotency key (the same ops again return the existing transaction); `meta`:
 --   stored on it
--- @tparam[opt] table extra internal: fields `compensate` stores on the transaction
 -- @treturn table the transaction document
 -- @errors `invalid` (bad op, id or meta; nothing written), `idempotency` (the id was used for other ops), database
 --   errors
 -- @usage local t = assert(tm:begin({ { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -5 } }
 --   } }, { id = "o-1" }))
-function Manager:begin(ops, opts, extra)
-  local spec, err = checks.spec(self, ops, opts, extra, "begin", CALLER)
+function Manager:begin(ops, opts)
+  local t, err = self:_begin(ops, opts, nil, HELPER_CALLER) -- (not a tail call: a frame more)
+  return t, err
+end
+
+-- begin, with `extra` fields stored on the transaction (compensate's
+-- `compensates`); `level` for a raise.
+function Manager:_begin(ops, opts, extra, level)
+  local spec, err = checks.spec(self, ops, opts, extra, "begin", level or CALLER)
   if not spec then return nil, err end
   local id = spec.id
   if id == nil then id = core.ObjectId() end
@@ -262,6 +272,10 @@ end
 function Manager:commit(t)
   local T, err = self:_load(t, "commit")
   if not T then return nil, err end
+  if type(T.hold) == "table" then
+    return nil, errors.new("invalid", "a hold is decided by capture or void, not commit",
+      { step = "commit", id = T._id })
+  end
   return self.engine:drive(T, nil)
 end
 
@@ -273,12 +287,11 @@ end
 -- @syntax T, err = tm:run(ops [, { id, meta }])
 -- @tparam table ops the ops, as for `begin`
 -- @tparam[opt] table opts `id`, `meta`, as for `begin`
--- @tparam[opt] table extra internal, as for `begin`
 -- @treturn table the transaction: `done`, or `applied` with `finish = "deferred"`
 -- @errors as `begin` and `commit`
 -- @usage local T = assert(tm:run(ops, { id = "o-2" }))
-function Manager:run(ops, opts, extra)
-  local spec, err = checks.run_call(self, ops, opts, extra, CALLER)
+function Manager:run(ops, opts)
+  local spec, err = checks.run_call(self, ops, opts, nil, CALLER)
   if not spec then return nil, err end
   return batches.run_one(self, spec)
 end
@@ -301,6 +314,53 @@ function Manager:transfer(collection, from, to, amount, opts)
   return batches.run_one(self, spec)
 end
 
+--- Reserves `amount`: `from` is debited at once (its floor checked now), `to` credited only in escrow.
+-- The hold is decided later by `capture` (all or part) or `void`, or expires by the server's clock
+-- ([holds](../docs/holds.md)).
+-- @syntax T, err = tm:hold(collection, from, to, amount [, { field = "balance", min, id, expires = 3600, meta }])
+-- @string collection the accounts' collection
+-- @param from the debited document's id
+-- @param to the document credited once captured
+-- @number amount finite and positive
+-- @tparam[opt] table opts `field`, `min`, `id`, `meta` as for `transfer`; `expires`: seconds until it expires
+--   (default 3600)
+-- @treturn table the hold's transaction, `hold = { amount, expires, ready, status = "held" }` on it
+-- @errors `guard` (below `min`: nothing stays applied), `missing`, `invalid` (also on a manager with
+--   `escrow = false`), `idempotency`, `state` (it did not open: `err.status`), database errors
+-- @usage local H = assert(tm:hold("accounts", "buyer", "shop", 100, { min = 0, id = "cart-7", expires = 900 }))
+function Manager:hold(collection, from, to, amount, opts)
+  local T, err = holds.hold(self, collection, from, to, amount, opts, CALLER)
+  return T, err
+end
+
+--- Captures a hold: `amount` (default all of it) to `to`, the rest back to `from`, in the finish's writes.
+-- A capture repeated with the same amount returns the first one's result.
+-- @syntax T, err = tm:capture(id [, amount])
+-- @param id the hold's id
+-- @number[opt] amount at most what is held
+-- @treturn table the hold's transaction, `done`, `hold.captured` the amount
+-- @errors `invalid` (more than held, not a hold: nothing changed), `state` (`err.status`: "voided",
+--   "expired", "captured" with another amount, "opening"), database errors (retry: it returns the outcome)
+-- @usage local T, err = tm:capture("cart-7", 60)
+function Manager:capture(id, amount)
+  if amount ~= nil and type(amount) ~= "number" then
+    error("capture: amount must be a number", CALLER)
+  end
+  local T, err = holds.capture(self, id, amount, CALLER)
+  return T, err
+end
+
+--- Voids a hold: everything back to `from`.  A hold past its expiry ends "expired" instead.
+-- @syntax T, err = tm:void(id)
+-- @param id the hold's id
+-- @treturn table the hold's transaction, `cancelled`, `hold.status` "voided" or "expired"
+-- @errors `invalid` (not a hold), `state` (`err.status` "captured" or "opening"), database errors
+-- @usage assert(tm:void("cart-7"))
+function Manager:void(id)
+  local T, err = holds.void(self, id, CALLER)
+  return T, err
+end
+
 -- Runs calls of tm:transfer, tm:run and tm:commit that concurrent
 -- callers made as one batch, each answered as its call alone would be:
 -- the batch of mongotx.group's driver (group.wrap; through mongotx.pool
@@ -310,6 +370,7 @@ end
 -- (group.run_calls), or nil, err when no client came free (a pool).
 
 --- Internal: the batch of mongotx.group's driver, concurrent `transfer`, `run` and `commit` calls run as one.
+-- @local
 -- @syntax out, order = tm:run_calls(calls, wait)
 -- @tparam table calls `{ method = "transfer" | "run" | "commit", n = <argument count>, <the arguments> }` each
 -- @number wait the seconds the driver waited for them

@@ -47,7 +47,8 @@ local FAMILIES = {
   { "mongotx_transactions_cancelled_total", "counter",
     "Transactions this manager moved to cancelled, by reason: an op that could not apply " ..
     "(guard, missing, conflict, busy, removing, contention), rollback (a caller or operator), " ..
-    "recovery (a stale pending one rolled back), expired (a stale initial one), unknown." },
+    "recovery (a stale pending one rolled back), expired (a stale initial one, or a hold past " ..
+    "its expiry), voided (a hold voided), unknown." },
   { "mongotx_transaction_seconds", "histogram",
     "Seconds from a transaction's create (or first claim) in this process to done or " ..
     "cancelled (outcome).", SECONDS },
@@ -67,6 +68,16 @@ local FAMILIES = {
     "Transactions recovery parked after max_attempts tries." },
   { "mongotx_unparked_total", "counter", "Transactions unparked (tm:unpark)." },
   { "mongotx_compensations_total", "counter", "Compensating transactions created." },
+  { "mongotx_holds_opened_total", "counter", "Holds opened (tm:hold) by this manager." },
+  { "mongotx_holds_decided_total", "counter",
+    "Holds this manager decided, by outcome: captured, voided, expired (by a capture or void " ..
+    "that met it past its expiry, or by recovery)." },
+  { "mongotx_holds_captured_amount_total", "counter",
+    "The sum of the amounts captured (the part posted to `to`)." },
+  { "mongotx_holds_amount", "gauge",
+    "The amount this manager's holds reserve: added when one opens, taken off when any " ..
+    "manager of this registry decides it (summed over the processes of an application, the " ..
+    "amount held)." },
   { "mongotx_group_size", "histogram",
     "Transactions per group-commit batch.", SIZES },
   { "mongotx_group_wait_seconds", "histogram",
@@ -140,6 +151,7 @@ end
 --- @type Metrics
 
 --- Internal: the store key of a family's series (cached).
+-- @local
 -- @syntax k = m:key(family, app [, name2, value2 [, part]])
 -- @string family the metric's name
 -- @string app the application label
@@ -165,6 +177,7 @@ function Metrics:key(family, app, name2, value2, part)
 end
 
 --- Internal: adds n (default 1) to a counter's series.
+-- @local
 -- @syntax m:count(family, app [, name2, value2 [, n]])
 -- @string family the metric's name
 -- @string app the application label
@@ -179,6 +192,7 @@ end
 -- One observation v of a histogram: its bucket, its sum, its count.
 
 --- Internal: one observation of a histogram.
+-- @local
 -- @syntax m:observe(family, app, name2, value2, v)
 -- @string family the metric's name
 -- @string app the application label
@@ -201,6 +215,7 @@ end
 -- Timing: when this Lua state first saw a transaction (ms), by its key.
 
 --- Internal: starts timing a transaction (its create or first claim here).
+-- @local
 -- @syntax m:start(id)
 -- @param id the transaction's id
 -- @usage -- used by the create and claim events
@@ -214,6 +229,7 @@ function Metrics:start(id)
 end
 
 --- Internal: ends a transaction's timing and observes its seconds.
+-- @local
 -- @syntax m:stop(id, app, outcome)
 -- @param id the transaction's id
 -- @string app the application label
@@ -289,6 +305,32 @@ end
 function ON.park(m, app) m:count("mongotx_parked_total", app) end
 function ON.unpark(m, app) m:count("mongotx_unparked_total", app) end
 function ON.compensate(m, app) m:count("mongotx_compensations_total", app) end
+
+local function amount(info, name)
+  local n = info[name or "amount"]
+  return type(n) == "number" and n or 0
+end
+
+function ON.hold(m, app, info)
+  m:count("mongotx_holds_opened_total", app)
+  m:count("mongotx_holds_amount", app, nil, nil, amount(info))
+end
+
+function ON.capture(m, app, info)
+  m:count("mongotx_holds_decided_total", app, "outcome", "captured")
+  m:count("mongotx_holds_captured_amount_total", app, nil, nil, amount(info))
+  m:count("mongotx_holds_amount", app, nil, nil, -amount(info, "held"))
+end
+
+function ON.void(m, app, info)
+  m:count("mongotx_holds_decided_total", app, "outcome", "voided")
+  m:count("mongotx_holds_amount", app, nil, nil, -amount(info))
+end
+
+function ON.expire(m, app, info)
+  m:count("mongotx_holds_decided_total", app, "outcome", "expired")
+  m:count("mongotx_holds_amount", app, nil, nil, -amount(info))
+end
 
 function ON.group(m, app, info)
   if type(info.size) == "number" then m:observe("mongotx_group_size", app, nil, nil, info.size) end

@@ -152,6 +152,7 @@ local checks = {
   meta = typed("table"),
   field = typed("string"),
   min = typed("number"),
+  expires = typed("number", "a number of seconds from 0 to " .. MAX_SECONDS, seconds),
   -- db:sync and db:versioned (mongotx.sync, mongotx.versioned)
   propagate = typed("function"),
   -- recover, prune, and the repairs of the modules beside transactions

@@ -35,9 +35,10 @@ end
 -- What to do when op i cannot apply. reason: "missing" (no document),
 -- "guard" (its `where` is false), "conflict" (insert: _id taken),
 -- "removing" (another open transaction removes the document),
--- "contention" (the document kept changing), "busy" (the op has a guard
--- and another transaction that has not committed holds the document:
--- the guard may not read its effects, which may still be undone).
+-- "contention" (the document kept changing), "busy" (another
+-- transaction that has not committed holds the document: a guard may not
+-- read its effects, which may still be undone, and an exclusive op waits
+-- for it; docs/guards.md, "Isolation").
 -- Returns "cancel" (roll back, end cancelled), "retry" (try again after a
 -- backoff, up to `retries` times, then cancel) or "fail" (stop and leave
 -- the transaction pending for recovery).  A busy document is usually
@@ -59,7 +60,10 @@ function _M.stale_initial(tx) -- luacheck: no unused args
 end
 
 -- Transient errors (network, failover) are retried this many times, with
--- backoff(attempt) seconds of sleep() between tries.
+-- backoff(attempt) seconds of sleep() between tries; so is an op that
+-- finds its document held by another open transaction (`busy`, with the
+-- default on_op_failure): the bound of that wait, 0.35 s in all by
+-- default (docs/guards.md, "Isolation").
 _M.retries = 3
 
 function _M.backoff(attempt)

@@ -124,6 +124,7 @@ end
 --- @type Queue
 
 --- Internal: the server's time `seconds` from now, as a Date.
+-- @local
 -- @syntax date, err = q:at(seconds)
 -- @number seconds from now
 -- @treturn userdata a Date
@@ -139,6 +140,7 @@ end
 -- before and after), with the step named in its error.
 
 --- Internal: one write on the jobs between its crash points.
+-- @local
 -- @syntax ... = q:write(step, fn, ...)
 -- @string step the step's name (`push`, `claim`, ...)
 -- @func fn the write
@@ -180,6 +182,7 @@ end
 -- (fenced, or a caller's edited attempts), or nil, err.
 
 --- Internal: the write of heartbeat, done or fail on the job held at `epoch`.
+-- @local
 -- @syntax ok, err = q:held_write(step, id, epoch, update [, attempts])
 -- @string step the step
 -- @param id the job's id
@@ -200,6 +203,7 @@ end
 -- what became of it.
 
 --- Internal: the `fenced` error of a job no longer held at `epoch`.
+-- @local
 -- @syntax err = q:fenced(step, id, epoch)
 -- @string step the step
 -- @param id the job's id

@@ -32,8 +32,9 @@ local forward = require "mongotx.engine.forward"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local stored = require "mongotx.stored"
+local holds = require "mongotx.holds"
 
-local ipairs, tostring, pcall = ipairs, tostring, pcall
+local ipairs, tostring, pcall, type = ipairs, tostring, pcall, type
 local Date = require("mongotx.core").Date
 local live, has_marker, id_key = stored.live, stored.has_marker, validate.id_key
 
@@ -56,6 +57,8 @@ local function triage(eng, T, now, me)
     return park(eng, T, T.reason or "recovery failed too many times")
   end
   local age = T.lastModified and (now - T.lastModified:value()) / 1000 or math.huge
+  -- a hold: by its expiry, and never forward (mongotx.holds)
+  if type(T.hold) == "table" then return holds.triage(eng, T, now, age, me) end
   if not eng.policy.may_recover(T, age, me) then return "skipped" end
   -- the owner (this engine holds T at its epoch) drives it at once: a
   -- claim would wait for its own deadline (policy.may_recover)
@@ -67,6 +70,23 @@ local function triage(eng, T, now, me)
     return moved and "cancelled" or "skipped"
   end
   return "claim"
+end
+
+-- How recovery ends the stale pending T it claimed: "forward" or "back"
+-- (policy.stale_pending; a hold always back), and the reason and cause
+-- of the cancel.
+local function stale_way(eng, T)
+  if type(T.hold) == "table" then return holds.stale_way(T) end
+  return eng.policy.stale_pending(T), "rolled back by recovery", "recovery"
+end
+
+-- The expire event of a hold this recovery's cancel (at `epoch`, which a
+-- cancel keeps and a decision moves on) expired.
+local function expired(eng, T, epoch)
+  if type(T.hold) == "table" and T.state == "canceling" and T.cause == "expired"
+      and T.epoch == epoch then
+    eng:event("expire", { id = T._id, amount = T.hold.amount })
+  end
 end
 
 -- Why an op could not apply (Engine's op failures) and so T was cancelled.
@@ -106,10 +126,15 @@ local function recover_one(eng, T, now, me)
   if not claimed then return "skipped" end
   T = claimed
   -- a stale initial one was never started: stale_initial decided it
-  if was == "pending" and eng.policy.stale_pending(T) == "back" then
-    T, err = eng:cancel(T, "rolled back by recovery", "recovery")
-    if not T then return nil, err end
-    versions = nil
+  if was == "pending" then
+    local way, reason, cause = stale_way(eng, T)
+    if way == "back" then
+      local epoch = T.epoch
+      T, err = eng:cancel(T, reason, cause)
+      if not T then return nil, err end
+      expired(eng, T, epoch)
+      versions = nil
+    end
   end
   local final
   final, err = eng:drive(T, versions)
@@ -254,11 +279,13 @@ local function claim(eng, entries, now)
     else
       e.T = claimed[i]
       if e.was == "pending" then
-        local ok, way = pcall(eng.policy.stale_pending, e.T)
+        local ok, way, reason, cause = pcall(stale_way, eng, e.T)
         if not ok then
           raised_in(e, way)
         elseif way == "back" then
-          local T, err = eng:cancel(e.T, "rolled back by recovery", "recovery")
+          local epoch = e.T.epoch
+          local T, err = eng:cancel(e.T, reason, cause)
+          if T then expired(eng, T, epoch) end
           if T then e.T = T else fail(e, err) end
         end
       end
@@ -333,7 +360,8 @@ _M.MARGIN = 100
 -- undecoded and `size` decoded, whatever `limit` is.
 _M.READ = 1000
 
--- The cursor over the active transactions a pass may take: not parked,
+-- The cursor over the active transactions a pass may take: mongotx's own
+-- (stored.OWN: not another writer's), not parked,
 -- not tried in the last stale_after seconds (`triedAt`, set when a try
 -- fails: a failure is tried again no sooner than a stale transaction is
 -- first, so passes in quick succession, as a `mongotx recover` sweep runs
@@ -347,8 +375,9 @@ _M.READ = 1000
 -- be off; a write of the pass's own seen again is safely driven again.
 local SLACK_MS = 1000
 local function stale_cursor(eng, limit, size, now)
-  local filter = { state = { ["$in"] = ACTIVE }, parked = { ["$ne"] = true },
-                   lastModified = { ["$not"] = { ["$gt"] = Date(now + SLACK_MS) } } }
+  local filter = { state = { ["$in"] = ACTIVE }, parked = { ["$ne"] = true }, ops = stored.OWN,
+                   lastModified = { ["$not"] = { ["$gt"] = Date(now + SLACK_MS) } },
+                   ["$nor"] = { holds.not_due(now) } }
   if eng.policy.stale_after > 0 then
     filter["$or"] = { { triedAt = { ["$exists"] = false } },
       { triedAt = { ["$lt"] = Date(math.floor(now - eng.policy.stale_after * 1000)) } } }

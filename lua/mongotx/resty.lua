@@ -208,6 +208,7 @@ end
 -- option).
 
 --- Internal: what `ngx.run_worker_thread` runs in a worker-thread VM.
+-- @local
 -- @syntax status, results = resty.thread(kind, spec, method, args)
 -- @string kind "call", "db" or the like
 -- @tparam table spec the handle's description
@@ -471,7 +472,7 @@ function _M.recovery(opts)
   end
   local key = opts.key or ("mongotx:recovery:" .. tostring(mopts.application or "mongotx"))
   local me = tostring(ngx.worker.pid())
-  local tm, running, stopped
+  local tm, running, stopped, told
 
   -- Is this worker the one (adding the key, or renewing its own)?
   local function elected()
@@ -492,8 +493,10 @@ function _M.recovery(opts)
 
   -- The manager, made once its transactions collection is there: one
   -- made for a mistyped name would create that collection (and sweep it
-  -- for ever, finding nothing), so until then each pass is an error
-  -- naming the database and collection, and creates nothing.
+  -- for ever, finding nothing), so until then each pass answers an error
+  -- naming the database and collection, and creates nothing.  A fresh
+  -- deploy is so until its first transaction begins: that error is
+  -- logged at info, once a worker (on_report still gets it every pass).
   local function pass()
     if not tm then
       local db, err = _M.connect(opts.uri, opts.connect)
@@ -504,8 +507,9 @@ function _M.recovery(opts)
       if exists == nil then return nil, err end
       if not exists then
         return nil, core.error({ code = "invalid", step = "recovery", message = format(
-          "database %s has no collection %s: nothing to recover, nothing created (wrong " ..
-          "database in uri or connect, or collection in manager?)", name, collection) })
+          "database %s has no collection %s: nothing to recover, nothing created (no " ..
+          "transaction begun yet, or a wrong database in uri or connect, or collection in " ..
+          "manager?)", name, collection) }), "absent"
       end
       tm, err = db:manager(mopts)
       if not tm then return nil, err end
@@ -517,13 +521,16 @@ function _M.recovery(opts)
     if premature or stopped then return resign() end
     if running or not elected() then return end
     running = true
-    local ok, report, err = pcall(pass)
+    local ok, report, err, absent = pcall(pass)
     running = false
     if stopped then return resign() end
     if dict:get(key) == me then dict:set(key, me, ttl) end -- a long pass keeps its turn
     if not ok then
       report, err = nil, report
       ngx.log(ngx.ERR, "mongotx recovery: ", tostring(err))
+    elseif absent then
+      if not told then ngx.log(ngx.INFO, "mongotx recovery: ", tostring(err)) end
+      told = true
     elseif not report then
       ngx.log(ngx.ERR, "mongotx recovery: ", tostring(err))
     elseif report.done + report.cancelled + report.failed + report.parked > 0 then

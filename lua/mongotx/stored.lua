@@ -22,6 +22,13 @@ local core_id_key = core.id_key
 
 local _M = {}
 
+-- The condition on `ops` of the documents mongotx wrote: every
+-- transaction it creates has its ops.  A document without (one of another
+-- writer sharing the collection, such as a service following the
+-- tutorial's recipe with its default names) is foreign: recovery, the
+-- counts and prune leave it alone, and tm:backlog() counts it apart.
+_M.OWN = { ["$exists"] = true }
+
 -- The key of an id read back from the database (a marker, a stored op's
 -- id), or nil when it is no valid id: equal to validate.check_id's for
 -- the same _id.  (Here rather than in mongotx.validate, which sits above

@@ -124,6 +124,7 @@ end
 --- @type Sync
 
 --- Internal (used by change and repair): runs propagate(master) and clears the flag.
+-- @local
 -- @syntax ok, err = s:settle(master [, reruns])
 -- @tparam table master the master as read
 -- @int[opt] reruns rounds of rerun so far
@@ -169,6 +170,7 @@ end
 -- flagged for repair or a later change; nil, err as settle.
 
 --- Internal: flags a master that changed during its propagation again and settles it.
+-- @local
 -- @syntax ok, err = s:rerun(id, round)
 -- @param id the master's id
 -- @int round the round

@@ -69,7 +69,7 @@ function M.start(args, opts)
     if pid then break end
     require("mongotx").core.sleep(0.01)
   end
-  local h = { pid = pid }
+  local h = { pid = pid, files = files } -- files.err: its stderr so far
   function h.wait(seconds)
     if not helpers.wait_file(files.rc, seconds) then return nil end
     local code

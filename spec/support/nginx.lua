@@ -26,6 +26,7 @@
 --                  away ends its request's handler)
 --   metrics_dict   the size of lua_shared_dict mongotx_metrics ("1m"),
 --                  served at /metrics
+--   log_level      error_log's level ("notice")
 --   reuseport      a listening socket per worker (the kernel spreads new
 --                  connections evenly over the workers)
 --
@@ -71,7 +72,7 @@ worker_processes %d;
 daemon off;
 master_process on;
 pid logs/nginx.pid;
-error_log logs/error.log notice;
+error_log logs/error.log %s;
 worker_shutdown_timeout 5s;
 env MONGOTX_URI;
 env MONGOTX_DATABASE;
@@ -105,6 +106,9 @@ http {
       return 413 '{"error":"too_large","message":"the body is larger than 8 KiB"}\n';
     }
     location = /transfer { content_by_lua_block { require("bank").transfer() } }
+    location = /hold { content_by_lua_block { require("bank").hold() } }
+    location = /capture { content_by_lua_block { require("bank").capture() } }
+    location = /void { content_by_lua_block { require("bank").void() } }
     location = /direct/transfer { content_by_lua_block { require("bank").transfer{ offload = false } } }
     location ~ ^/tx/(?<txid>[^/]+)$ { content_by_lua_block { require("bank").get_tx(ngx.var.txid) } }
     location = /ping { content_by_lua_block { ngx.say("pong") } }
@@ -112,7 +116,7 @@ http {
     %s
   }
 }
-]]):format(M.MODULES, M.MODULES, o.workers or 1, o.threads or 4, paths, CPATH, o.vms or 8,
+]]):format(M.MODULES, M.MODULES, o.workers or 1, o.log_level or "notice", o.threads or 4, paths, CPATH, o.vms or 8,
            o.metrics_dict or "1m", o.check_client_abort and "on" or "off", o.http or "", o.configure or "{}",
            recovery, o.init_worker or "", o.port, o.reuseport and " reuseport" or "", o.locations or "")
 end

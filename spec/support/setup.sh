@@ -12,16 +12,17 @@
 #               OpenResty's LuaJIT (luajit2) for make test-openresty
 #     toxiproxy toxiproxy v2.12.0 (server and cli) built with Go, and curl,
 #               for make bench's runs at a network's latency (bench/latency.lua)
-#     prometheus Python's prometheus_client (PyPI, pinned) in a venv: the
-#               independent parser spec/70-metrics_spec.lua checks the
-#               exposition format with (spec/support/promparse.py)
+#     prometheus Python's prometheus_client and pymongo (PyPI, pinned) in a
+#               venv: the independent parser spec/70-metrics_spec.lua checks
+#               the exposition format with (spec/support/promparse.py), and
+#               the tutorial's recipe of spec/54 (spec/support/recipe_writer.py)
 #   default: deps java prometheus, and ferretdb where a Go toolchain is
 #            found (what `make test` runs: spec/32 needs FerretDB v1; without
 #            Go it says so and that spec is pending with the reason)
 #
 # Artifacts go to $MONGOTX_CACHE (default ~/.cache/mongotx):
 #   server.classpath  classes/  bin/ferretdb  bin/toxiproxy-server  bin/toxiproxy-cli
-#   venv/ (prometheus_client)
+#   venv/ (prometheus_client, pymongo)
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -29,6 +30,7 @@ CACHE=${MONGOTX_CACHE:-$HOME/.cache/mongotx}
 FERRETDB_VERSION=v1.24.0
 TOXIPROXY_VERSION=v2.12.0
 PROMETHEUS_CLIENT_VERSION=0.21.1
+PYMONGO_VERSION=4.10.1
 
 say() { printf 'setup: %s\n' "$*"; }
 die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
@@ -238,22 +240,31 @@ do_toxiproxy() {
   say "toxiproxy $TOXIPROXY_VERSION: ready ($CACHE/bin/toxiproxy-server, toxiproxy-cli)"
 }
 
-# prometheus_client from PyPI in a venv of Debian's python3 (python3-venv),
-# so that neither the system's Python nor pip's --user site changes.
+# The Python packages the specs use, from PyPI in a venv of Debian's
+# python3 (python3-venv), so that neither the system's Python nor pip's
+# --user site changes: prometheus_client (spec/70's parser) and pymongo
+# (spec/54: the tutorial's recipe as a writer that knows nothing of
+# mongotx).  A package missing or at another version is installed into
+# the venv there is (specs may be using it meanwhile).
 do_prometheus() {
   apt_install python3 python3-venv
-  local venv=$CACHE/venv
-  if [[ -x $venv/bin/python ]] && [[ $("$venv/bin/python" -c 'import importlib.metadata as m
-print(m.version("prometheus_client"))' 2>/dev/null) == "$PROMETHEUS_CLIENT_VERSION" ]]; then
-    say "prometheus_client $PROMETHEUS_CLIENT_VERSION: present ($venv)"
-    return
+  local venv=$CACHE/venv pkg want have
+  if [[ ! -x $venv/bin/python ]]; then
+    rm -rf "$venv"
+    /usr/bin/python3 -m venv "$venv" || die "python3 -m venv $venv failed"
   fi
-  rm -rf "$venv"
-  /usr/bin/python3 -m venv "$venv" || die "python3 -m venv $venv failed"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check \
-    "prometheus_client==$PROMETHEUS_CLIENT_VERSION" \
-    || die "pip install prometheus_client==$PROMETHEUS_CLIENT_VERSION failed (PyPI)"
-  say "prometheus_client $PROMETHEUS_CLIENT_VERSION: ready ($venv)"
+  for pkg in "prometheus_client==$PROMETHEUS_CLIENT_VERSION" "pymongo==$PYMONGO_VERSION"; do
+    want=${pkg#*==}
+    have=$("$venv/bin/python" -c "import importlib.metadata as m
+print(m.version('${pkg%%==*}'))" 2>/dev/null || true)
+    if [[ $have == "$want" ]]; then
+      say "${pkg%%==*} $want: present ($venv)"
+      continue
+    fi
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "$pkg" \
+      || die "pip install $pkg failed (PyPI)"
+    say "${pkg%%==*} $want: ready ($venv)"
+  done
 }
 
 # Is a Go toolchain there to build FerretDB with?

@@ -3,8 +3,9 @@
 --   worker.lua stall <uri> <db> <ready-file> <seconds> <from> <to> <amount>
 --     one transfer (begin + commit) that pauses <seconds> right after its first apply,
 --     having written <ready-file>, so the spec can SIGSTOP it there
---   worker.lua transfers <uri> <db> <n> <accounts> <seed>
---     n random transfers among the accounts (comma separated)
+--   worker.lua transfers <uri> <db> <n> <accounts> <seed> [<collection> <marker>]
+--     n random transfers among the accounts (comma separated), with the
+--     manager's transactions collection and marker when given
 --   worker.lua recoverer <uri> <db> <seconds>
 --     recover() over and over for <seconds>, taking over everything at once
 --
@@ -52,7 +53,8 @@ elseif mode == "transfers" then
   local accounts = {}
   for a in arg[5]:gmatch("[^,]+") do accounts[#accounts + 1] = a end
   math.randomseed(seed)
-  local tm = assert(db:manager { application = "worker-" .. seed })
+  local tm = assert(db:manager { application = "worker-" .. seed, collection = arg[7],
+                                 marker = arg[8] })
   for _ = 1, n do
     local from = accounts[math.random(#accounts)]
     local to

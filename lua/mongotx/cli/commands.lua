@@ -8,6 +8,7 @@ local core = require "mongotx.core"
 local output = require "mongotx.cli.output"
 local progress = require "mongotx.cli.progress"
 local gauges = require "mongotx.metrics.backlog"
+local holds = require "mongotx.holds"
 
 local json, id_text, cell = output.json, output.id_text, output.cell
 local record, add = output.record, output.add
@@ -48,7 +49,9 @@ function _M.status(tm, o, fail)
   if o.json then
     local rec = record()
     for _, s in ipairs(STATES) do add(rec, s, stats[s]) end
-    for _, k in ipairs { "active", "stale", "oldest", "oldest_id" } do add(rec, k, backlog[k]) end
+    for _, k in ipairs { "active", "stale", "oldest", "oldest_id", "foreign" } do
+      add(rec, k, backlog[k])
+    end
     add(rec, "parked", stats.parked)
     add(rec, "stale_after", tm.policy.stale_after)
     say(json(rec))
@@ -68,6 +71,8 @@ function _M.status(tm, o, fail)
     { "stale", format("%d (unchanged for more than %s)", backlog.stale,
       seconds_text(tm.policy.stale_after)) },
     { "oldest open", oldest },
+    { "foreign", format("%d (documents without ops, another writer's: left alone)",
+      backlog.foreign) },
   } do
     list[#list + 1], list[#list + 2] = pair[1], pair[2]
   end
@@ -92,6 +97,7 @@ function _M.list(tm, o, fail)
   if o.parked then -- unfinished ones, as status counts them
     filter.parked, filter.state = true, o.state or { ["$in"] = ACTIVE }
   end
+  if o.holds then filter.hold = { ["$exists"] = true } end
   if o.older_than then
     filter.lastModified = { ["$lt"] = core.Date(floor(now - o.older_than * 1000)) }
   end
@@ -108,7 +114,9 @@ function _M.list(tm, o, fail)
     if T and o.json then
       say(json(T))
     elseif T then
-      rows[#rows + 1] = { id_text(T._id), cell(T.state), cell(T.application),
+      local state = cell(T.state)
+      if type(T.hold) == "table" then state = state .. " (" .. holds.status(T, now) .. ")" end
+      rows[#rows + 1] = { id_text(T._id), state, cell(T.application),
         seconds_text(age(T.lastModified, now)), cell(T.attempts), T.parked and "yes" or "",
         tostring(type(T.ops) == "table" and #T.ops or "-"), shorten(cell(T.reason), 50) }
     end
@@ -126,6 +134,21 @@ end
 local TX_FIELDS = { "state", "application", "instance", "epoch", "attempts", "lease",
                     "deadline", "lastModified", "triedAt", "parked", "reason", "compensates",
                     "source", "destination", "value", "meta" }
+
+-- What `show` says of a hold: its status, amounts and expiry.
+local function hold_text(T, now)
+  local h, status = T.hold, holds.status(T, now)
+  local text = format("%s: %s", status, cell(h.amount))
+  if status == "captured" then
+    text = format("captured %s of %s", cell(h.captured or h.amount), cell(h.amount))
+  end
+  if core.type(h.expires) == "date" then
+    local left = (h.expires:value() - now) / 1000
+    text = text .. format(", expires %s (%s)", cell(h.expires),
+      left > 0 and "in " .. seconds_text(left) or seconds_text(-left) .. " ago")
+  end
+  return text
+end
 
 function _M.show(tm, o, fail)
   local T, docs, why = tm:inspect(o.id)
@@ -145,6 +168,9 @@ function _M.show(tm, o, fail)
       if f == "lastModified" then v = v .. format(" (%s ago)", seconds_text(age(T[f], now))) end
       list[#list + 1], list[#list + 2] = f, v
     end
+  end
+  if type(T.hold) == "table" and not why then
+    list[#list + 1], list[#list + 2] = "hold", hold_text(T, now)
   end
   if why then list[#list + 1], list[#list + 2] = "malformed", why end
   output.fields(stdout, list)
@@ -213,6 +239,7 @@ local function sweep(tm, o, bar)
     if n <= 0 then break end
     local report, err = tm:recover { limit = n }
     if not report then return nil, err end
+    o.last_pass = os.time() -- a finished pass (mongotx_recovery_last_pass_timestamp_seconds)
     total.passes = total.passes + 1
     for _, k in ipairs(COUNTS) do
       if k ~= "failed" and k ~= "malformed" then total[k] = total[k] + report[k] end
@@ -259,6 +286,25 @@ local function stopped(tm, o, fail, total, secs)
   return fail(128 + select(2, core.signal_caught()), text)
 end
 
+-- A sweep that failed (the server does not answer, say): said on stderr
+-- at once, then, under --loop while the sweeps go on failing, at most once
+-- a minute, so that a server away for a while does not fill the log; the
+-- first sweep that works again says so (recover_once).
+local SAY_AGAIN_MS = 60000
+local function failed_sweep(o, fail, err)
+  local now = core.monotonic_ms()
+  local f = o.failing
+  if not f then
+    if o.loop then o.failing = { since = now, said = now, n = 1 } end
+    return fail(FAILED, err)
+  end
+  f.n = f.n + 1
+  if now - f.said < SAY_AGAIN_MS then return FAILED end
+  f.said = now
+  return fail(FAILED, format("%s (still: %d failed sweeps in %.0f s)",
+    output.error_text(err):gsub("^mongotx: ", ""), f.n, (now - f.since) / 1000))
+end
+
 local function recover_once(tm, o, fail)
   -- the bar's total is counted only for a bar drawn (four round trips)
   local drawn, todo = not o.json and progress.is_terminal(), 0
@@ -272,7 +318,12 @@ local function recover_once(tm, o, fail)
   local total, err = sweep(tm, o, bar)
   if not total then
     bar:finish(0)
-    return fail(FAILED, err)
+    return failed_sweep(o, fail, err)
+  end
+  if o.failing then
+    fail(OK, format("recover --loop: the server answers again, after %d failed sweep%s in %.0f s",
+      o.failing.n, o.failing.n == 1 and "" or "s", (core.monotonic_ms() - o.failing.since) / 1000))
+    o.failing = nil
   end
   local moved = total.done + total.cancelled + total.parked
   bar:finish(moved + total.failed)
@@ -310,16 +361,24 @@ local function recover_once(tm, o, fail)
   return OK
 end
 
--- A sweep, then with --metrics-file the backlog gauges and the worker's
--- counters since it started (o.metrics) written there (a failure to is
--- named on stderr; the next sweep tries again).
+-- A sweep, then with --metrics-file the backlog gauges, the time of the
+-- worker's last finished pass and its counters since it started
+-- (o.metrics) written there.  When the backlog cannot be read (the server
+-- does not answer) the file is written without it: its age says the
+-- worker lives, the last pass's time that it gets nothing done.  A failure
+-- to write is named on stderr; the next sweep tries again.
 local function sweep_and_write(tm, o, fail)
   local code = recover_once(tm, o, fail)
   if not o.metrics_file then return code end
-  local text, err = gauges.render(tm, o.database_name, o.collection)
-  if text then text, err = gauges.write(o.metrics_file, text .. o.metrics:render()) end
-  if not text then return fail(FAILED, "--metrics-file: " .. tostring(err)) end
-  return code
+  local backlog, err = gauges.render(tm, o.database_name, o.collection)
+  if not backlog and not o.failing then -- (a failed sweep said why)
+    fail(FAILED, "--metrics-file: the backlog gauges are left out: " .. tostring(err))
+  end
+  local written
+  written, err = gauges.write(o.metrics_file, (backlog or "") ..
+    gauges.last_pass(o.database_name, o.collection, o.last_pass) .. o.metrics:render())
+  if not written then return fail(FAILED, "--metrics-file: " .. tostring(err)) end
+  return backlog and code or FAILED
 end
 
 -- recover, or with --loop a worker that sweeps every o.loop seconds until

@@ -1,5 +1,5 @@
 -- mongotx.engine.phases: the phases of one transaction once claimed:
--- apply (apply_one, apply_all, with refence, renew and release for the
+-- apply (apply_one, apply_ops, apply_all, with refence, renew and release for the
 -- documents other transactions hold), the moves of its state (move,
 -- cancel, finish), the way back (undo_op, unwind) and drive, which runs
 -- them from whatever state T is in.  Methods of the Engine class
@@ -12,7 +12,7 @@ local stored = require "mongotx.stored"
 local key, id_key = validate.tid_key, validate.id_key
 local live, has_marker, mark = stored.live, stored.has_marker, stored.mark
 local REMOVING, HELD = stored.REMOVING, stored.HELD
-local ipairs, pairs, tostring = ipairs, pairs, tostring
+local ipairs, pairs, tostring, next = ipairs, pairs, tostring, next
 local format = string.format
 
 local _M = {}
@@ -37,7 +37,7 @@ local failure_text = {
   conflict = "another document has its _id",
   contention = "the document kept changing",
   removing = "another transaction is removing the document",
-  busy = "another open transaction holds the document its guard reads",
+  busy = "another open transaction holds the document",
 }
 
 local function op_failure(T, i, reason)
@@ -50,7 +50,7 @@ end
 -- were stored has only its reason's text, read as the metrics read it
 -- then: an op failure's text, recovery's and expiry's words, any other
 -- text a caller's rollback.
-local OP_FAILURE = {}
+local OP_FAILURE = { ["another open transaction holds the document its guard reads"] = "busy" }
 for code, text in pairs(failure_text) do OP_FAILURE[text] = code end
 
 local function cause_of(reason, cause)
@@ -67,7 +67,8 @@ end
 
 -- Applies op i, fenced by v.version (false: none read) and by v.deadline
 -- (this owner's, T's by default where deadlines fence); returns true, or
--- false and why it cannot, or nil, err.
+-- false and why it cannot (for "busy", and whether an open holder
+-- outranks T: Engine:apply_all), or nil, err.
 function Engine:apply_one(T, i, v)
   local op = T.ops[i]
   local coll = self:coll(op.collection)
@@ -88,14 +89,15 @@ function Engine:apply_one(T, i, v)
     elseif not doc then
       return false, "missing"
     else
-      -- a guard reads no effect that may still be undone (csrc/txn.c):
+      -- a guard reads no effect that may still be undone, an exclusive
+      -- op follows no effect that may still be undone (csrc/txn.h):
       -- committed holders are finished first, open ones make it wait
       local finished = 0
-      if op.where then
-        local open
-        finished, open = self:release(T, op, doc)
+      if op.where or #self:blockers(T, op, doc) > 0 then
+        local open, outranked
+        finished, open, outranked = self:release(T, op, doc)
         if finished == nil then return nil, open end
-        if finished == 0 and open then return false, "busy" end
+        if finished == 0 and open then return false, "busy", outranked end
       end
       if finished == 0 and op.where then
         local filter = { _id = op.id }
@@ -169,28 +171,46 @@ function Engine:holder(holder)
   if H and key(mark(H)) == key(holder) then return H end
 end
 
+-- The marks of other transactions on doc that keep op of T from
+-- applying (docs/guards.md, "Isolation"; csrc/txn.h): every exclusive
+-- holder (in `held`, whatever its marker); for an exclusive op (anything
+-- but a debit, an escrowed credit or an assert) or a guard other than a
+-- floor, every holder in T's marker array too.  A list, empty when none.
+function Engine:blockers(T, op, doc)
+  local tm, marker = mark(T), self:form(T).marker
+  local out, seen = {}, {}
+  local function add(x)
+    if not seen[key(x)] then seen[key(x)], out[#out + 1] = true, x end
+  end
+  for _, x in ipairs(stored.holders(doc, HELD, tm)) do add(x) end
+  local exclusive = op.kind == "remove" or op.kind == "insert"
+    or (op.kind == "update" and op.effect ~= "lowers" and op.effect ~= "escrow")
+  if exclusive or (op.where and not op.floor) then
+    for _, x in ipairs(stored.holders(doc, marker, tm)) do add(x) end
+  end
+  return out
+end
+
 -- The document of op carries the marks of other transactions (in T's
 -- marker array, or in `held`).  Those of this collection that have
 -- committed (applied or done) are final: this finishes them on the
 -- document (any manager may help a committed transaction along), so that
--- the guard reads their effect.  The others a guard may not read past:
--- all of them for most guards, for a floor guard those in the `held`
--- array (their effect may have raised a value; see csrc/txn.c).  Returns
--- how many were finished and whether an open one that matters is left,
--- or nil, err.
+-- the op reads (a guard) or follows (an exclusive op) their effect.  The
+-- others hold it: those blockers names (their effect may still be
+-- undone).  Returns how many were finished, whether an open one that
+-- matters is left and whether one of those outranks T (an older mark:
+-- Engine:apply_all), or nil, err.
 function Engine:release(T, op, doc)
   local coll, k, tm = self:coll(op.collection), id_key(op.id), mark(T)
   local marker = self:form(T).marker
   local matters, seen, all = {}, {}, {}
-  for _, x in ipairs(stored.holders(doc, op.floor and HELD or marker, tm)) do
-    matters[key(x)] = true
-  end
+  for _, x in ipairs(self:blockers(T, op, doc)) do matters[key(x)] = true end
   for _, field in ipairs { marker, HELD } do
     for _, x in ipairs(stored.holders(doc, field, tm)) do
       if not seen[key(x)] then seen[key(x)], all[#all + 1] = true, x end
     end
   end
-  local finished, open = 0, false
+  local finished, open, outranked, mine = 0, false, false, key(tm)
   for _, holder in ipairs(all) do
     local H, err = self:holder(holder)
     if err then return nil, err end
@@ -208,15 +228,47 @@ function Engine:release(T, op, doc)
       if res.finished then finished = finished + 1 end
     elseif matters[key(holder)] then
       open = true
+      if key(holder) < mine then outranked = true end
     end
   end
-  return finished, open
+  return finished, open, outranked
+end
+
+-- Undoes the ops of pending T that `applied` lists (i -> true), which
+-- T holds and gives back to wait without holding them (apply_all, and a
+-- batch's transaction that could not take all its documents); each one
+-- undone leaves the list.  Each undo is fenced by this owner's deadline
+-- as the applies are: a new owner may drive T forward once it passed,
+-- and a late undo would then take a committed effect back.  Without a
+-- deadline (fencing by versions alone) nothing is given back: false.
+-- Returns true, false, or nil, err.
+function Engine:give_back(T, applied, deadline)
+  if not deadline then return false end
+  for i, op in ipairs(T.ops) do
+    if applied[i] then
+      local res, err = self:op_step(T, "undo", self:coll(op.collection), op, deadline)
+      if not res then return nil, err end
+      if res.undone then applied[i] = nil end
+    end
+  end
+  return true
 end
 
 -- pending (held) -> applied, or -> canceling when an op cannot apply.
 -- Returns the transaction's next document and, after a cancel, the error
 -- that explains it.
 function Engine:apply_all(T, versions)
+  local ok, err, failure = self:apply_ops(T, versions)
+  if ok ~= true then return ok, err, failure end
+  return self:move(T, "commit", T.epoch)
+end
+
+-- Applies T's ops not yet applied (versions[i].marked), guarded ops
+-- first, under policy.on_op_failure.  Returns true when all applied (T
+-- still pending: apply_all commits it, mongotx.holds leaves it open),
+-- else what apply_all returns: T as now read (taken over), or cancelled
+-- and the failure, or nil, err.
+function Engine:apply_ops(T, versions)
   -- the guarded ops first: a transaction whose guard fails then has
   -- nothing else applied to undo, and holds no document meanwhile
   local order = {}
@@ -226,22 +278,37 @@ function Engine:apply_all(T, versions)
   for i, op in ipairs(T.ops) do
     if not op.where then order[#order + 1] = i end
   end
-  for _, i in ipairs(order) do
-    local v = versions[i]
-    if not v.marked then
-      local tries = 0
-      while true do
-        local ok, why = self:apply_one(T, i, v)
-        if ok then break end
-        if ok == nil then
-          if why.code == "fenced" then return self:get(T._id) end
-          return nil, why
-        end
+  -- No cycle of waits (docs/guards.md, "Isolation"): a T that holds
+  -- documents and meets an open holder with an older mark gives its
+  -- documents back (undoes its applies, still pending, fenced by its
+  -- deadline: give_back) before it waits, then applies them again.  So a
+  -- T waits holding documents only for younger holders.
+  local held, tries, k = {}, {}, 1
+  for i, v in ipairs(versions) do
+    if v.marked then held[i] = true end
+  end
+  while k <= #order do
+    local i = order[k]
+    if held[i] then
+      k = k + 1
+    else
+      local ok, why, outranked = self:apply_one(T, i, versions[i])
+      if ok then
+        held[i], k = true, k + 1
+      elseif ok == nil then
+        if why.code == "fenced" then return self:get(T._id) end
+        return nil, why
+      else
         local decision = self.policy.on_op_failure(T, i, why)
-        tries = tries + 1
-        if decision == "retry" and tries <= self.policy.retries then
+        tries[i] = (tries[i] or 0) + 1
+        if decision == "retry" and tries[i] <= self.policy.retries then
+          if outranked and next(held) then
+            local gave, err = self:give_back(T, held, versions[i].deadline)
+            if gave == nil then return nil, err end
+            if gave then k = 1 end
+          end
           self:event("retry", { id = T._id, step = "apply", reason = why })
-          self.policy.sleep(self.policy.backoff(tries))
+          self.policy.sleep(self.policy.backoff(tries[i]))
         elseif decision == "fail" then
           return nil, op_failure(T, i, why)
         else
@@ -254,7 +321,7 @@ function Engine:apply_all(T, versions)
       end
     end
   end
-  return self:move(T, "commit", T.epoch)
+  return true
 end
 
 -- Runs the state-changing step `name` (commit, done, cancel, cancelled)
@@ -348,6 +415,11 @@ function Engine:drive(T, versions, later)
       if claimed == nil then return nil, err end
       if not claimed then versions = nil end
       T = claimed or self:get(T._id)
+    elseif state == "pending" and T.hold ~= nil then
+      -- a hold (mongotx.holds) is decided by capture, void or expiry,
+      -- never driven forward
+      return nil, errors.new("invalid", "a hold is decided by capture or void",
+        { id = T._id })
     elseif state == "pending" then
       if not self:holds(T) then
         -- another owner holds it: past its lease, taken over as recovery

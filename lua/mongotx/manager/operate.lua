@@ -13,6 +13,7 @@ local validate = require "mongotx.validate"
 local options = require "mongotx.options"
 local stored = require "mongotx.stored"
 local counts = require "mongotx.manager.counts"
+local holds = require "mongotx.holds"
 
 local key = validate.tid_key
 local ipairs, pairs, type, tostring = ipairs, pairs, type, tostring
@@ -53,6 +54,10 @@ function Manager:rollback(t, reason)
       { step = "rollback", id = T._id })
   end
   reason = reason or "rolled back"
+  if type(T.hold) == "table" then
+    return nil, errors.new("invalid", "a hold is voided with void, not rolled back",
+      { step = "rollback", id = T._id })
+  end
   if T.state == "initial" then
     T, err = self.engine:move(T, "cancelled", "initial", T.epoch, reason, "rollback")
     if not T then return nil, err end
@@ -144,7 +149,9 @@ function Manager:compensate(t, opts)
     return nil, errors.new("state", "only a committed transaction can be compensated",
       { step = "compensate", id = T._id })
   end
-  local ops, why = self.policy.compensation(T, { floors = opts.floors ~= false })
+  -- a hold: what it captured (mongotx.holds)
+  local effect = type(T.hold) == "table" and holds.as_captured(T) or T
+  local ops, why = self.policy.compensation(effect, { floors = opts.floors ~= false })
   if not ops then
     return nil, errors.new("invalid", why, { step = "compensate", id = T._id })
   end
@@ -155,7 +162,7 @@ function Manager:compensate(t, opts)
     C, err = self.engine:get(cid)
     if err then return nil, err end
     if not C then
-      C, err = self:begin(ops, { id = cid }, { compensates = T._id })
+      C, err = self:_begin(ops, { id = cid }, { compensates = T._id })
       if C then
         self.engine:event("compensate", { id = T._id, by = C._id })
         return self:commit(C)
@@ -184,6 +191,7 @@ end
 -- none: it counts them.  Returns how many.
 
 --- Deletes `done` and `cancelled` transactions older than the retention.
+-- mongotx's own only: a document without `ops` is another writer's and stays.
 -- @syntax n, err = tm:prune([{ older_than = seconds, limit = n, dry_run = bool }])
 -- @tparam[opt] table opts `older_than` (default the `retention` policy), `limit`, `dry_run`
 -- @treturn integer how many were (or would be) deleted
@@ -198,7 +206,7 @@ function Manager:prune(opts)
   if not now then return nil, err end
   local age = opts.older_than or self.policy.retention
   local filter = {
-    state = { ["$in"] = { "done", "cancelled" } },
+    state = { ["$in"] = { "done", "cancelled" } }, ops = stored.OWN,
     lastModified = { ["$lt"] = core.Date(math.floor(now - age * 1000)) },
   }
   if opts.dry_run then

@@ -20,6 +20,8 @@ local GAUGES = {
   { "mongotx_parked_transactions", "Open transactions recovery parked for an operator." },
   { "mongotx_oldest_open_seconds",
     "Seconds since the last change of the oldest open transaction (0: none is open)." },
+  { "mongotx_foreign_documents",
+    "Documents of the collection mongotx did not write (no ops): another writer's, left alone." },
   { "mongotx_lease_seconds", "The lease policy: seconds before another owner may take over." },
   { "mongotx_stale_after_seconds", "The stale_after policy the stale count used." },
 }
@@ -36,6 +38,7 @@ function _M.render(tm, database, collection)
     mongotx_stale_transactions = backlog.stale,
     mongotx_parked_transactions = stats.parked,
     mongotx_oldest_open_seconds = backlog.oldest or 0,
+    mongotx_foreign_documents = backlog.foreign,
     mongotx_lease_seconds = tm.policy.lease,
     mongotx_stale_after_seconds = tm.policy.stale_after,
   }
@@ -54,6 +57,18 @@ function _M.render(tm, database, collection)
       exposition.sample(out, name, labels, value[name])
     end
   end
+  return table.concat(out, "\n") .. "\n"
+end
+
+-- The time the recovery worker last finished a pass (Unix seconds, the
+-- worker's clock; 0: none yet) as exposition text: what an alert on a
+-- dead or stuck worker compares with time() (docs/metrics.md, "Alerts").
+function _M.last_pass(database, collection, time)
+  local out, name = {}, "mongotx_recovery_last_pass_timestamp_seconds"
+  exposition.header(out, name, "gauge",
+    "When the recovery worker last finished a pass, in Unix seconds (0: not yet).")
+  exposition.sample(out, name, exposition.labels { "database", database, "collection", collection },
+    time or 0)
   return table.concat(out, "\n") .. "\n"
 end
 

@@ -58,6 +58,7 @@ end
 -- its job table cannot finish another job (or break the loop).
 
 --- Internal (used by `work`): runs a handler on a claimed job and records the outcome.
+-- @local
 -- @syntax outcome, err = q:run_one(handler, job)
 -- @func handler `handler(job, queue)`
 -- @tparam table job the claimed job

@@ -1,0 +1,498 @@
+-- mongotx.holds: money reserved now and captured (all or part), voided
+-- or expired later (docs/holds.md).  A hold is a transfer's transaction
+-- applied and left pending: the debit of `from` in place (its floor
+-- guard checked at once), the credit of `to` in escrow (`txPending`), so
+-- neither document waits for it (no `txHeld`).  Its outcome is decided by
+-- one conditioned write on the transaction document, which moves it out
+-- of `pending` and so can be won once:
+--
+--   capture  pending -> applied (the commit point), with what each op's
+--            finish adds (`settle`: the captured part to `to`, the rest
+--            back to `from`; csrc/txn_ops.c build_finish) when it is
+--            part; only while `hold.expires` is ahead of the server's
+--            clock ($$NOW);
+--   void     pending -> canceling, cause "voided", the same condition;
+--   expire   pending -> canceling, cause "expired", once it passed (a
+--            capture or void that meets it, or recovery: recovery.lua
+--            asks `triage` and `stale_way` here).
+--
+-- Opening: the create (pending, owned, the creator's short deadline
+-- fencing its applies as for a transfer), the applies, then `ready`: the
+-- owner's deadline moved to the expiry and `hold.ready` set, by the
+-- owner at its epoch.  Only a ready hold is decided; one whose opener
+-- died before `ready` is rolled back by recovery after the opener's
+-- lease, like any transaction, never forward.  After `ready` nobody owns
+-- the hold: the decisions are conditioned on its state and epoch, not on
+-- an owner, and recovery cannot claim it before its deadline, the expiry.
+-- Writes issued here pass the crash points hold.<step> (mongotx.points).
+
+local core = require "mongotx.core"
+local errors = require "mongotx.errors"
+local validate = require "mongotx.validate"
+local stored = require "mongotx.stored"
+local batch = require "mongotx.batch"
+local points = require "mongotx.points"
+local checks = require "mongotx.manager.checks"
+
+local live, canon = stored.live, validate.canon
+local Date = core.Date
+local pairs, ipairs, type, tostring = pairs, ipairs, type, tostring
+local floor, format = math.floor, string.format
+
+local _M = {}
+
+-- Seconds a hold lasts when `expires` is not given.
+_M.EXPIRES = 3600
+
+-- How many times a decision is tried again after it lost to a write that
+-- did not settle the hold (a recovery claim of an expired one).
+local MAX_ROUNDS = 10
+
+local hold_options = { field = true, min = true, id = true, meta = true, expires = true }
+
+local function state_error(T, step, status, message)
+  return errors.new("state", message, { step = step, id = T._id, status = status,
+    captured = T.hold and T.hold.captured })
+end
+
+-- What a hold is: "opening" (not ready yet), "held", "captured",
+-- "voided", "expired" (decided, or past its expiry and not yet voided:
+-- `now`, the server's ms, says), or "failed" (it never opened: a guard
+-- refused its debit, or recovery rolled an unfinished opening back).
+function _M.status(T, now)
+  local h, state = T.hold, T.state
+  if state == "applied" or state == "done" then return "captured" end
+  if state == "canceling" or state == "cancelled" then
+    if T.cause == "voided" or T.cause == "expired" then return T.cause end
+    return "failed"
+  end
+  if not h.ready then return "opening" end
+  if now and core.type(h.expires) == "date" and h.expires:value() <= now then
+    return "expired"
+  end
+  return "held"
+end
+
+-- T (a transaction document) with hold.status set, when it is a hold.
+function _M.view(eng, T)
+  if type(T) == "table" and type(T.hold) == "table" then
+    T.hold.status = _M.status(T, eng:clock())
+  end
+  return T
+end
+
+-- The condition on hold.expires of a decision: ahead of the server's
+-- clock (past = false) or not (past = true), by $$NOW where the server
+-- evaluates it in a write, else by its clock read now (the engine's
+-- claims do the same there).
+local function expiry(eng, past)
+  local op = past and "$lte" or "$gt"
+  if eng:server_deadlines() then
+    return { ["$expr"] = { [op] = { "$hold.expires", "$$NOW" } } }
+  end
+  local now, err = eng:server_now()
+  if not now then return nil, err end
+  return { ["hold.expires"] = { [op] = Date(floor(now)) } }
+end
+
+-- The decision `step` (capture, void, expire) on the ready hold T as
+-- read: one findAndModify conditioned on its state and epoch and on
+-- `cond`, setting `set` (and this manager as the one that drives it on).
+-- Returns T as the write left it, false when the condition did not hold,
+-- or nil, err.
+local function decide(eng, T, step, cond, set)
+  local query = { _id = T._id, state = "pending", epoch = T.epoch, ["hold.ready"] = true }
+  for k, v in pairs(cond) do query[k] = v end
+  set.application, set.instance, set.lease = eng.application, eng.instance, eng.policy.lease
+  local update = { ["$set"] = set, ["$inc"] = { epoch = 1 },
+                   ["$currentDate"] = { lastModified = true } }
+  local res, err = eng:retry(step, T._id, points.write, "hold", step, eng.tx.find_and_modify,
+    eng.tx, query, { update = update, new = true, write_concern = eng.wopts.write_concern })
+  if not res then return nil, err end
+  if not res.value then return false end
+  return live(res.value)
+end
+
+-- canceling -> cancelled: both undos in one bulk write (a hold's ops are
+-- on one collection), then cancelled; when an undo matched nothing (done
+-- already, by another that drives it too) the engine's way, which fences.
+local function unwind(eng, T)
+  if eng:form(T) == eng.own and T.ops[1].collection == T.ops[2].collection then
+    local tid = stored.mark(T)
+    local items = { { tid = tid, op = T.ops[1] }, { tid = tid, op = T.ops[2] } }
+    local res = eng:many("undo", eng:coll(T.ops[1].collection), items)
+    if res and res.ok and res.matched == #items then
+      eng:event("undo", { id = T._id })
+      return eng:move(T, "cancelled")
+    end
+  end
+  return eng:unwind(T)
+end
+
+-- Drives a decided T to its final state (done, or cancelled); T as it
+-- ends, or nil, err (then recovery finishes it: it is decided).
+local function settle(eng, T)
+  if T.state == "applied" then
+    if eng:form(T) ~= eng.own then return eng:finish(T) end
+    local n, err = batch.finish(eng, { T })
+    if not n then return nil, err end
+    return T
+  end
+  if T.state == "canceling" then return unwind(eng, T) end
+  return T
+end
+
+-- The expiry decision on T (ready and pending): true when T is now
+-- decided (by this call or another), or nil, err.
+local function expire(eng, T)
+  local cond, err = expiry(eng, true)
+  if not cond then return nil, err end
+  local won
+  won, err = decide(eng, T, "expire", cond,
+    { state = "canceling", reason = "expired", cause = "expired" })
+  if won == nil then return nil, err end
+  if won then
+    eng:event("expire", { id = T._id, amount = T.hold.amount })
+    local _
+    _, err = settle(eng, won)
+    if err then return nil, err end
+  end
+  return true
+end
+
+-- Reads the hold `id` for `step`: T, or nil, err (`state` when there is
+-- none, `invalid` when it is no hold).
+local function load(tm, id, step, level)
+  local T, err = tm:_get(id, step, level + 1)
+  if err then return nil, err end
+  if not T then
+    return nil, errors.new("state", "no such hold", { step = step, id = id })
+  end
+  if type(T.hold) ~= "table" then
+    return nil, errors.new("invalid", "transaction " .. tostring(T._id) ..
+      " is not a hold", { step = step, id = T._id })
+  end
+  return T
+end
+
+-- The settle fields of a capture of `amount` of T: the part to `to` (op
+-- 2), the rest back to `from` (op 1); none for all of it.
+local function settles(T, amount, set)
+  local held = T.hold.amount
+  if amount == held then return set end
+  local field = next(T.ops[2].update["$inc"])
+  set["ops.0.settle"] = { [field] = held - amount }
+  set["ops.1.settle"] = { [field] = amount }
+  return set
+end
+
+-- hold(tm, collection, from, to, amount, opts): see Manager:hold.
+function _M.hold(tm, collection, from, to, amount, opts, level)
+  local err
+  opts, err = validate.options(opts, hold_options, "hold", level + 1)
+  if not opts then return nil, err end
+  local expires = opts.expires or _M.EXPIRES
+  if expires <= 0 then
+    return nil, errors.new("invalid", "option expires of hold must be more than 0 seconds",
+      { step = "hold" })
+  end
+  local spec
+  spec, err = checks.transfer_spec(tm, collection, from, to, amount,
+    { field = opts.field, min = opts.min, id = opts.id, meta = opts.meta }, level + 1)
+  if not spec then return nil, errors.wrap(err, "hold", nil) end
+  if spec.ops[2].effect ~= "escrow" then
+    return nil, errors.new("invalid", "a hold's credit must wait in escrow: a manager made " ..
+      "with escrow = false cannot hold (its credit would hold the document)", { step = "hold" })
+  end
+  local eng = tm.engine
+  local now
+  now, err = eng:clock()
+  if not now then return nil, err end
+  local deadline
+  deadline, err = eng:new_deadline()
+  if err then return nil, err end
+  local id = spec.id
+  if id == nil then id = core.ObjectId() end
+  local T = { _id = id, state = "pending", ops = spec.ops, epoch = 1, attempts = 1,
+              application = eng.application, instance = eng.instance,
+              lease = eng.policy.lease, deadline = deadline, meta = spec.meta,
+              markerField = eng.marker, versionField = eng.version_field,
+              mark = stored.new_mark(eng.vctx.collection, id),
+              source = from, destination = to, value = amount,
+              hold = { amount = amount, expires = Date(floor(now + expires * 1000)),
+                       ready = false } }
+  local versions
+  if not deadline then
+    -- fenced by versions, read before the create, which is the claim
+    versions, err = eng:versions_many({ T })
+    if not versions then return nil, err end
+  end
+  local doc = {}
+  for k, v in pairs(T) do doc[k] = v end
+  doc.ops = spec.stored
+  local res
+  res, err = eng:step("create", id, eng.tx, doc)
+  if not res then return nil, err end
+  if not res.created then return _M.again(tm, T, spec) end
+  eng:hold(id, 1)
+  local e = { T = T, doc = doc, err = false, slow = false, applied = false }
+  batch.apply(eng, { e }, deadline, versions)
+  if e.err then
+    eng:hold(id, nil)
+    return nil, e.err -- pending: recovery rolls it back after the lease
+  end
+  if e.slow then
+    local vs = {}
+    for i in ipairs(T.ops) do
+      vs[i] = { marked = e.applied[i] or false, deadline = deadline,
+                version = versions and versions[1][i].version or false }
+    end
+    local ok, why, failure = eng:apply_ops(T, vs)
+    if ok ~= true then
+      eng:hold(id, nil)
+      if ok and ok.state == "canceling" then
+        local _, e2 = eng:drive(ok, nil)
+        return nil, (not e2 or e2.code == "cancelled") and failure or e2
+      end
+      return nil, why or errors.new("fenced", "another owner took the hold over while it " ..
+        "opened", { step = "hold", id = id })
+    end
+  end
+  return _M.ready(eng, T)
+end
+
+-- The opener's last write: T (applied, pending, this engine's at epoch 1)
+-- becomes ready, its deadline moved to its expiry.
+function _M.ready(eng, T)
+  local update = { ["$set"] = { ["hold.ready"] = true, deadline = T.hold.expires },
+                   ["$inc"] = { epoch = 1 }, ["$currentDate"] = { lastModified = true } }
+  local res, err = eng:retry("ready", T._id, points.write, "hold", "ready",
+    eng.tx.find_and_modify, eng.tx, { _id = T._id, state = "pending", epoch = T.epoch,
+      instance = eng.instance }, { update = update, new = true,
+      write_concern = eng.wopts.write_concern })
+  eng:hold(T._id, nil)
+  if not res then return nil, err end
+  if not res.value then
+    -- taken over (the opener outlived its lease): where does it stand?
+    local now
+    now, err = eng:get(T._id)
+    if not now then return nil, err or errors.new("state", "the hold disappeared", { id = T._id }) end
+    _M.view(eng, now)
+    return nil, state_error(now, "hold", now.hold.status, "the hold did not open: " ..
+      tostring(now.reason or now.hold.status))
+  end
+  eng:event("hold", { id = T._id, amount = T.hold.amount })
+  return _M.view(eng, live(res.value))
+end
+
+-- A hold whose id exists already: the same hold (ops and amount) is
+-- answered as it stands now (one still opening is `in_progress`, one
+-- that never opened `cancelled`, as a transfer's key answers); anything
+-- else is an idempotency error.
+function _M.again(tm, T, spec)
+  local existing, err = tm.engine:get(T._id)
+  if err then return nil, err end
+  local same = existing and type(existing.hold) == "table"
+    and existing.hold.amount == T.hold.amount
+  if same then
+    local ops = {}
+    for i, op in ipairs(existing.ops) do
+      local o = {}
+      for k, v in pairs(op) do o[k] = v end
+      o.settle = nil
+      ops[i] = o
+    end
+    same = canon(ops) == canon(spec.ops)
+  end
+  if not same then
+    return nil, errors.new("idempotency", "this id was used for another transaction",
+      { step = "hold", id = T._id })
+  end
+  _M.view(tm.engine, existing)
+  local status = existing.hold.status
+  if status == "opening" then
+    return nil, errors.new("in_progress", "another call is opening this hold: ask again " ..
+      "later (recovery rolls it back if that call died)", { step = "hold", id = T._id,
+      status = status })
+  elseif status == "failed" then
+    return nil, errors.new("cancelled", "the hold did not open: " ..
+      tostring(existing.reason or "no reason recorded"), { step = "hold", id = T._id,
+      status = status, reason = existing.reason, cause = existing.cause })
+  end
+  return existing
+end
+
+-- capture(tm, id, amount): see Manager:capture.
+function _M.capture(tm, id, amount, level)
+  local T, err = load(tm, id, "capture", level + 1)
+  if not T then return nil, err end
+  if amount ~= nil then
+    local ok
+    ok, err = validate.amount(amount)
+    if not ok then
+      err.step, err.id = "capture", T._id
+      return nil, err
+    end
+    if amount > T.hold.amount then
+      return nil, errors.new("invalid", format("capture of %s is more than the %s held",
+        tostring(amount), tostring(T.hold.amount)), { step = "capture", id = T._id })
+    end
+  else
+    amount = T.hold.amount
+  end
+  local eng = tm.engine
+  for _ = 1, MAX_ROUNDS do
+    local state = T.state
+    if state == "applied" or state == "done" then
+      if T.hold.captured ~= amount and not (T.hold.captured == nil and amount == T.hold.amount) then
+        return nil, state_error(T, "capture", "captured", format("the hold was captured " ..
+          "with %s", tostring(T.hold.captured or T.hold.amount)))
+      end
+      T, err = settle(eng, T)
+      if not T then return nil, err end
+      return _M.view(eng, T)
+    elseif state == "canceling" or state == "cancelled" then
+      local _
+      _, err = settle(eng, T)
+      if err and err.code ~= "cancelled" then return nil, err end
+      local status = _M.status(T)
+      return nil, state_error(T, "capture", status, "the hold was " .. status)
+    elseif not T.hold.ready then
+      return nil, state_error(T, "capture", "opening", "the hold is not open yet")
+    end
+    local cond
+    cond, err = expiry(eng, false)
+    if not cond then return nil, err end
+    local won
+    won, err = decide(eng, T, "capture", cond,
+      settles(T, amount, { state = "applied", ["hold.captured"] = amount }))
+    if won == nil then return nil, err end
+    if won then
+      eng:event("capture", { id = T._id, amount = amount, held = T.hold.amount })
+      T, err = settle(eng, won)
+      if not T then return nil, err end
+      return _M.view(eng, T)
+    end
+    local now
+    now, err = eng:get(T._id)
+    if err then return nil, err end
+    if now.state == "pending" and now.epoch == T.epoch then
+      -- not decided and still as read: it is past its expiry
+      local ok
+      ok, err = expire(eng, now)
+      if not ok then return nil, err end
+      now, err = eng:get(T._id)
+      if err then return nil, err end
+    end
+    T = now
+  end
+  return nil, errors.new("state", "the hold did not settle", { step = "capture", id = T._id })
+end
+
+-- void(tm, id): see Manager:void.
+function _M.void(tm, id, level)
+  local T, err = load(tm, id, "void", level + 1)
+  if not T then return nil, err end
+  local eng = tm.engine
+  for _ = 1, MAX_ROUNDS do
+    local state = T.state
+    if state == "applied" or state == "done" then
+      local _
+      _, err = settle(eng, T)
+      if err then return nil, err end
+      return nil, state_error(T, "void", "captured", format("the hold was captured with %s",
+        tostring(T.hold.captured or T.hold.amount)))
+    elseif state == "canceling" or state == "cancelled" then
+      local final
+      final, err = settle(eng, T)
+      if err and err.code ~= "cancelled" then return nil, err end
+      T = final or eng:get(T._id) or T
+      return _M.view(eng, T)
+    elseif not T.hold.ready then
+      return nil, state_error(T, "void", "opening", "the hold is not open yet")
+    end
+    local cond
+    cond, err = expiry(eng, false)
+    if not cond then return nil, err end
+    local won
+    won, err = decide(eng, T, "void", cond,
+      { state = "canceling", reason = "voided", cause = "voided" })
+    if won == nil then return nil, err end
+    if won then
+      eng:event("void", { id = T._id, amount = T.hold.amount })
+      T = won
+    else
+      local now
+      now, err = eng:get(T._id)
+      if err then return nil, err end
+      if now.state == "pending" and now.epoch == T.epoch then
+        local ok
+        ok, err = expire(eng, now)
+        if not ok then return nil, err end
+        now, err = eng:get(T._id)
+        if err then return nil, err end
+      end
+      T = now
+    end
+  end
+  return nil, errors.new("state", "the hold did not settle", { step = "void", id = T._id })
+end
+
+-- The captured hold T as the transfer it amounts to (a copy): each op
+-- moves the captured amount, the debit's floor guard what it was, so
+-- that its compensation (policy.compensation) gives back what was
+-- captured, keeping the floors (tm:compensate).
+function _M.as_captured(T)
+  local c, held = T.hold.captured or T.hold.amount, T.hold.amount
+  local out, ops = {}, {}
+  for k, v in pairs(T) do out[k] = v end
+  for i, op in ipairs(T.ops) do
+    local o = {}
+    for k, v in pairs(op) do o[k] = v end
+    local sign = i == 1 and -1 or 1
+    local field = next(op.update["$inc"])
+    o.update = { ["$inc"] = { [field] = sign * c } }
+    o.undo = { ["$inc"] = { [field] = -sign * c } }
+    o.settle = nil
+    local floor_ = type(op.where) == "table" and type(op.where[field]) == "table"
+      and op.where[field]["$gte"]
+    if type(floor_) == "number" then o.where = { [field] = { ["$gte"] = floor_ - held + c } } end
+    ops[i] = o
+  end
+  out.ops = ops
+  return out
+end
+
+-- Recovery -------------------------------------------------------------------
+
+-- What recovery does with the hold T (mongotx.recovery's triage): a
+-- ready one is claimed once past its expiry by `now` (the claim itself
+-- waits for its deadline, the expiry, by the server's clock), whoever
+-- holds it; an opening one as any transaction (may_recover), but never
+-- driven forward by its own opener's recovery ("own"): the claim waits
+-- for the opener's deadline.
+function _M.triage(eng, T, now, age, me)
+  if T.state ~= "pending" then
+    return eng.policy.may_recover(T, age, me) and "claim" or "skipped"
+  end
+  if T.hold.ready then
+    local at = core.type(T.hold.expires) == "date" and T.hold.expires:value()
+    return at and at <= now and "claim" or "skipped"
+  end
+  return eng.policy.may_recover(T, age, me) and "claim" or "skipped"
+end
+
+-- How recovery ends a pending hold it claimed: always back (forward
+-- would capture it); the reason and cause of the cancel.
+function _M.stale_way(T)
+  if T.hold.ready then return "back", "expired", "expired" end
+  return "back", "rolled back by recovery", "recovery"
+end
+
+-- The part of recovery's filter that leaves out the ready holds not yet
+-- past their expiry at `now` (the server's ms): no pass reads them.
+function _M.not_due(now)
+  return { ["hold.ready"] = true, state = "pending", deadline = { ["$gt"] = Date(floor(now)) } }
+end
+
+return _M
