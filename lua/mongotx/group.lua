@@ -186,6 +186,7 @@ end
 -- own may not reach the caller's side).
 
 --- Internal: the caller's wait for a held call of a batch (mongotx.group.wrap and mongotx.resty use it).
+-- @local
 -- @syntax again = group.await_held(held, get, sleep, now)
 -- @tparam table held the answer's `held`: `{ id, wait, lapse }`
 -- @func get `get(id)` reads the transaction
