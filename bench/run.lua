@@ -103,11 +103,13 @@ for _, accounts in ipairs { 10, 10000 } do
                         procs = procs, accounts = accounts, n = 800, runs = 3 }
   end
 end
--- hot accounts (issue 33): 4 processes, every transfer guarded (min = 0),
--- on 3 accounts against the same load on 1 000
-for _, accounts in ipairs { 3, 1000 } do
-  plan[#plan + 1] = { key = ("procs4_guarded_%d"):format(accounts), mode = concurrent,
-                      procs = 4, accounts = accounts, min = 0, n = 1600, runs = 3 }
+-- hot accounts (issue 33): 4 and 8 processes, every transfer guarded
+-- (min = 0), on 3 accounts against the same load on 1 000
+for _, procs in ipairs { 4, 8 } do
+  for _, accounts in ipairs { 3, 1000 } do
+    plan[#plan + 1] = { key = ("procs%d_guarded_%d"):format(procs, accounts), mode = concurrent,
+                        procs = procs, accounts = accounts, min = 0, n = 1600, runs = 3 }
+  end
 end
 -- hot $set (issue 39): 4 processes, each transaction $sets two random
 -- documents of 5 (exclusive: they wait for each other) against 1 000,

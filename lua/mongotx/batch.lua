@@ -344,7 +344,10 @@ local function settle(eng, e, deadline, versions)
     e.T = T -- committed: finished with the others, inline or deferred
     return
   end
-  local final, err = eng:drive(T, nil)
+  local final, err, held = eng:drive(T, nil, e.later)
+  -- held by another owner within its lease (with e.later): not waited for
+  -- here, so that it holds none of the others (e.held: its caller waits)
+  if held then e.held = held end
   -- the op failure explains a cancel; when the cancel did not happen (the
   -- transaction was taken over meanwhile) the caller learns what did
   if not final then return fail(e, (not err or err.code == "cancelled") and e.failure or err) end
@@ -359,10 +362,14 @@ end
 -- errs[i] why not (a policy that raised while one was settled: the
 -- raise, code "policy"; errors.is_policy tells it), the committed
 -- transactions left to finish (the
--- caller finishes them at once or later: policy.finish), and late[i] =
+-- caller finishes them at once or later: policy.finish), late[i] =
 -- true for those settled one at a time after the others had committed
 -- (their effects, and what their guards read, come after the others':
--- mongotx.group reports that order).
+-- mongotx.group reports that order), and held[i] = <the transaction as
+-- read> for those another call holds within its lease: not waited for
+-- (errs[i] is `in_progress`; mongotx.manager.batches waits for them all
+-- at once after the others finished, mongotx.group has their callers
+-- wait).
 function _M.run(eng, specs)
   local entries, results, errs = {}, {}, {}
   local now, err = eng:clock()
@@ -392,7 +399,8 @@ function _M.run(eng, specs)
     end
     -- every field an entry may get, so that none makes its table grow
     entries[i] = { T = T, doc = doc, err = not now and err or nil, slow = false,
-                   created = false, applied = false, sent = false, key = false }
+                   created = false, applied = false, sent = false, key = false, later = true,
+                   held = false }
   end
   local versions
   if now and not deadline then
@@ -430,12 +438,12 @@ function _M.run(eng, specs)
       guarded(settle, eng, e, deadline, versions and versions[t])
     end
   end
-  local committed = {}
+  local committed, held = {}, {}
   for i, e in ipairs(entries) do
-    results[i], errs[i] = not e.err and e.T, e.err or false
+    results[i], errs[i], held[i] = not e.err and e.T, e.err or false, e.held or nil
     if not e.err and e.T.state == "applied" then committed[#committed + 1] = e.T end
   end
-  return results, errs, committed, late
+  return results, errs, committed, late, held
 end
 
 -- Batched recovery and the grouped tm:commit (mongotx.engine.forward)

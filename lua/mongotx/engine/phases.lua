@@ -403,8 +403,12 @@ local function cancelled_error(T)
 end
 
 -- Drives T to done or cancelled from whatever state it is in.  `versions`
--- are those read before this manager claimed T, when it just did.
-function Engine:drive(T, versions)
+-- are those read before this manager claimed T, when it just did.  With
+-- `later`, a T another owner holds within its lease is not waited for:
+-- nil, held_error, and T as read (a batch waits for its held ones after
+-- the others answered, or has its callers wait: mongotx.manager.batches,
+-- mongotx.group).
+function Engine:drive(T, versions, later)
   local failure, err = self:fields_error(T)
   if failure then return nil, failure end
   for _ = 1, MAX_ROUNDS do
@@ -429,10 +433,21 @@ function Engine:drive(T, versions)
         { id = T._id })
     elseif state == "pending" then
       if not self:holds(T) then
-        -- another call runs it: its outcome is this call's (Engine:await)
-        T, err = self:await(T)
+        -- another owner holds it: past its lease, taken over as recovery
+        -- would (Engine:take_over); within it, its outcome is this
+        -- call's (Engine:await), or with `later` an answer at once
+        local lapsed
+        lapsed, err = self:lapsed(T)
+        if lapsed == nil then return nil, err end
+        if lapsed then
+          T, versions, err = self:take_over(T)
+        elseif later then
+          return nil, self:held_error(T), T
+        else
+          T, err = self:await(T)
+          versions = nil
+        end
         if not T then return nil, err end
-        versions = nil
       elseif not versions then
         local now
         versions, now = self:confirmed_versions(T)
