@@ -96,7 +96,8 @@ end
 -- marker of an open transaction.
 function _M.check_accounts(db, accounts, moved)
   local coll = db:collection(_M.COLLECTION)
-  local docs = assert(coll:find_all({}, { projection = { balance = 1, pendingTransactions = 1 } }))
+  local docs = assert(coll:find_all({}, { projection = { balance = 1, pendingTransactions = 1 },
+                                          sort = { _id = 1 } }))
   assert(#docs == accounts, ("%d accounts, expected %d"):format(#docs, accounts))
   local total = 0
   for _, d in ipairs(docs) do

@@ -3,7 +3,8 @@
 -- accounts: 10 accounts is the hot case (every process fights over the
 -- same documents), 10 000 the cold one.  With ctx.min every transfer
 -- has that floor guard (the hot-account rows: 3 accounts against 1 000),
--- and the sample counts the calls answered `busy`.  With ctx.set (seconds)
+-- and the sample counts the calls answered `busy` or `contention` (in
+-- `busy`).  ctx.fencing: the workers' managers' fencing.  With ctx.set (seconds)
 -- each process runs tm:run calls that `$set` two random accounts for that
 -- long instead (the hot-`$set` rows: 5 accounts against 1 000); every one
 -- must end done or cancelled.  Throughput is the completed
@@ -40,7 +41,8 @@ function _M.run(ctx)
     -- MONGOC_DISABLE_SHM: libmongoc's shared-memory statistics, which
     -- warn when several processes start at once; nothing here reads them
     local cmd = table.concat({ "MONGOC_DISABLE_SHM=1", helpers.lua(), "bench/worker.lua", server.quote(ctx.uri),
-      db.name, ctx.accounts, each, math.random(1, 1e9) + p, go, ctx.min or "-", ctx.set }, " ")
+      db.name, ctx.accounts, each, math.random(1, 1e9) + p, go, ctx.fencing or "auto", ctx.min or "-",
+      ctx.set }, " ")
     pipes[p] = assert(io.popen(cmd, "r"))
   end
   for p = 1, ctx.procs do

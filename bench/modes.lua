@@ -282,7 +282,7 @@ local function ledger(ctx)
   -- every entry once: each account's values sum to what it moved, at
   -- seqIds 1..n; then the committer and a replay for twenty accounts
   local sums, seqs = {}, {}
-  for _, e in ipairs(assert(db:collection("ledger"):find_all({}))) do
+  for _, e in ipairs(assert(db:collection("ledger"):find_all({}, { sort = { _id = 1 } }))) do
     for _, c in ipairs(e.changes) do
       sums[c.account] = (sums[c.account] or 0) + c.value
       seqs[c.account] = (seqs[c.account] or 0) + 1

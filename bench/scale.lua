@@ -140,7 +140,7 @@ local function templates()
   assert(gone:step("claim", t))
   assert(gone:step("apply", t, 1))
   local txs = db:collection("transactions")
-  for _, T in ipairs(assert(txs:find_all({}))) do
+  for _, T in ipairs(assert(txs:find_all({}, { sort = { _id = 1 } }))) do
     if T.state == "applied" then out.applied = T
     elseif T.state == "pending" then out.pending = T
     else out.initial = T end
@@ -151,6 +151,12 @@ local function templates()
 end
 
 local TEMPLATES
+
+-- The effect the engine recorded for op k of the applied template
+-- ("lowers", "escrow" or nil: docs/guards.md, "Guards").
+local function effect_of(k)
+  return TEMPLATES.applied.ops[k].effect
+end
 
 -- Transaction i: its kind, its debited and its credited account.
 local function plan(i, accounts)
@@ -184,22 +190,30 @@ local function build(n)
   local acc = {}
   for a = 1, accounts do acc[a] = { _id = a, balance = START } end
   local txs, chunk = db:collection("transactions"), {}
-  local function mark(a, tid, delta, held)
-    local d = acc[a]
-    d.balance = d.balance + delta
+  -- op k of T applied to account a, as the engine applies it (the op's
+  -- effect, docs/guards.md): a debit in place, an escrowed credit under
+  -- txPending, any other effect in place and held
+  local function mark(a, T, k, delta)
+    local d, effect = acc[a], effect_of(k)
+    if effect == "escrow" then
+      d.txPending = d.txPending or { balance = 0 }
+      d.txPending.balance = d.txPending.balance + delta
+    else
+      d.balance = d.balance + delta
+    end
     d.txVersion = (d.txVersion or 0) + 1
     d.pendingTransactions = d.pendingTransactions or {}
-    d.pendingTransactions[#d.pendingTransactions + 1] = tid
-    if held then
+    d.pendingTransactions[#d.pendingTransactions + 1] = T._id
+    if effect ~= "escrow" and effect ~= "lowers" then
       d.txHeld = d.txHeld or {}
-      d.txHeld[#d.txHeld + 1] = tid
+      d.txHeld[#d.txHeld + 1] = T._id
     end
   end
   for i = 1, n do
     local kind, from, to = plan(i, accounts)
     local T = clone(TEMPLATES[kind], i, from, to, base)
-    if kind ~= "initial" then mark(from, T._id, -1) end
-    if kind == "applied" then mark(to, T._id, 1, true) end
+    if kind ~= "initial" then mark(from, T, 1, -1) end
+    if kind == "applied" then mark(to, T, 2, 1) end
     chunk[#chunk + 1] = T
     if #chunk == 5000 or i == n then
       assert(txs:insert_many(chunk, { ordered = false }))
@@ -216,26 +230,36 @@ end
 -- The database after recovery drove the `done` oldest transactions: those
 -- done, the others as they were left; no account keeps a marker or a
 -- holder of a done one, each account's balance START - the debits + the
--- credits applied (all of a done transaction, what an open one applied).
+-- credits applied (all of a done transaction, what an open one applied:
+-- its escrowed credit still in txPending).
 local function check(db, n, accounts, done)
   local tm = assert(db:manager {})
   local stats = assert(tm:stats())
   local left = { initial = 0, applied = 0, pending = 0 }
   local want = {}
-  local function add(a, delta, marked, held)
-    local w = want[a] or { delta = 0, marked = 0, held = 0 }
+  -- op k of transaction i (delta), finished or still marked
+  local function add(a, k, delta, marked)
+    local w = want[a] or { delta = 0, pending = 0, marked = 0, held = 0 }
     want[a] = w
-    w.delta, w.marked = w.delta + delta, w.marked + (marked and 1 or 0)
-    w.held = w.held + (held and 1 or 0)
+    local effect = effect_of(k)
+    if marked and effect == "escrow" then
+      w.pending = w.pending + delta
+    else
+      w.delta = w.delta + delta
+    end
+    if marked then
+      w.marked = w.marked + 1
+      if effect ~= "escrow" and effect ~= "lowers" then w.held = w.held + 1 end
+    end
   end
   for i = 1, n do
     local kind, from, to = plan(i, accounts)
     if i <= done then
-      add(from, -1); add(to, 1)
+      add(from, 1, -1); add(to, 2, 1)
     else
       left[kind] = left[kind] + 1
-      if kind ~= "initial" then add(from, -1, true) end
-      if kind == "applied" then add(to, 1, true, true) end
+      if kind ~= "initial" then add(from, 1, -1, true) end
+      if kind == "applied" then add(to, 2, 1, true) end
     end
   end
   assert(stats.done == done and stats.initial == left.initial and stats.applied == left.applied
@@ -247,8 +271,10 @@ local function check(db, n, accounts, done)
     local d = cursor:next()
     if not d then break end
     seen = seen + 1
-    local w = want[d._id] or { delta = 0, marked = 0, held = 0 }
+    local w = want[d._id] or { delta = 0, pending = 0, marked = 0, held = 0 }
     assert(d.balance == START + w.delta, format("account %s: %s", d._id, d.balance))
+    local pending = d.txPending and d.txPending.balance or 0
+    assert(pending == w.pending, format("account %s: %s in txPending", d._id, pending))
     assert(#(d.pendingTransactions or {}) == w.marked and #(d.txHeld or {}) == w.held,
       format("account %s: %d markers, %d holders", d._id, #(d.pendingTransactions or {}),
         #(d.txHeld or {})))

@@ -1,16 +1,17 @@
 -- bench/worker.lua: one process of the concurrent mode (started by
 -- bench/concurrent.lua, not by hand).
 --
---   lua bench/worker.lua <uri> <db> <accounts> <n> <seed> <go-file> [<min>|- [<seconds>]]
+--   lua bench/worker.lua <uri> <db> <accounts> <n> <seed> <go-file> <fencing> [<min>|- [<seconds>]]
 --
 -- Connects, prints "ready", waits for <go-file> so that every process
 -- starts at once, makes n tm:transfer calls between random accounts (with
--- the floor guard `min` when given), or with <seconds> tm:run calls that
+-- the floor guard `min` when given; the manager's fencing as given), or
+-- with <seconds> tm:run calls that
 -- `$set` a field of two random accounts for that long (exclusive ops:
 -- docs/guards.md, "Isolation"), and prints its measurements, one
 -- "key value..." line each:
 --   span <start ms> <end ms>        (CLOCK_MONOTONIC, shared by processes)
---   counts <ok> <failed> <cpu s> <commands> <writes> <busy>
+--   counts <ok> <failed> <cpu s> <commands> <writes> <busy or contention>
 --   lat <ms> <ms> ...               per transfer
 --   moved <account> <delta> ...     balance changes of completed transfers
 
@@ -22,14 +23,14 @@ local mongotx = require "mongotx"
 local helpers = require "spec.helpers"
 local bank = require "bench.bank"
 
-local uri, dbname, accounts, n, seed, go, min, seconds =
-  arg[1], arg[2], tonumber(arg[3]), tonumber(arg[4]), tonumber(arg[5]), arg[6], tonumber(arg[7]),
-  tonumber(arg[8])
+local uri, dbname, accounts, n, seed, go, fencing, min, seconds =
+  arg[1], arg[2], tonumber(arg[3]), tonumber(arg[4]), tonumber(arg[5]), arg[6], arg[7],
+  tonumber(arg[8]), tonumber(arg[9])
 local now = mongotx.core.monotonic_ms
 
 math.randomseed(seed)
 local db = assert(mongotx.connect(uri, { database = dbname, write_concern = bank.WRITE_CONCERN }))
-local tm = assert(db:manager { application = "worker-" .. seed })
+local tm = assert(db:manager { application = "worker-" .. seed, fencing = fencing })
 local from, to = bank.plan(accounts, n, 1)
 print("ready")
 io.stdout:flush()
@@ -70,7 +71,7 @@ while (stop and now() < stop) or (not stop and i < n) do
       moved[from[i]] = (moved[from[i]] or 0) - 1
       moved[to[i]] = (moved[to[i]] or 0) + 1
     end
-  elseif err.code == "busy" then
+  elseif err.code == "busy" or err.code == "contention" then
     busy = busy + 1
   end
 end

@@ -32,7 +32,16 @@ domain_name(uint32_t domain)
 	}
 }
 
-/* Network trouble, or a server that says so in its error labels. */
+/* PostgreSQL's SQLSTATEs 40P01 (deadlock_detected) and 40001
+ * (serialization_failure) as DocumentDB (FerretDB v2) passes them on, the
+ * five characters packed six bits each (PostgreSQL's MAKE_SQLSTATE): the
+ * server aborted this write so that another writer's could go on. */
+#define PG_DEADLOCK_DETECTED 16908292
+#define PG_SERIALIZATION_FAILURE 16777220
+
+/* Network trouble, a write PostgreSQL aborted for another's sake (every
+ * step is idempotent: trying it again is safe), or a server that says so
+ * in its error labels. */
 static int
 is_transient(const bson_error_t *err, const bson_t *reply)
 {
@@ -40,6 +49,8 @@ is_transient(const bson_error_t *err, const bson_t *reply)
 
 	if (err->domain == MONGOC_ERROR_STREAM ||
 	    err->domain == MONGOC_ERROR_SERVER_SELECTION)
+		return 1;
+	if (err->code == PG_DEADLOCK_DETECTED || err->code == PG_SERIALIZATION_FAILURE)
 		return 1;
 	if (!reply || !bson_iter_init_find(&it, reply, "errorLabels") ||
 	    !BSON_ITER_HOLDS_ARRAY(&it) || !bson_iter_recurse(&it, &label))

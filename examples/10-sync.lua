@@ -22,8 +22,11 @@ local db = common.connect()
 local users, comments = db:collection("users"), db:collection("comments")
 
 local function propagate(user)
-  local ok, err = comments:update_many(
-    { author = user._id, authorSeq = { ["$not"] = { ["$gte"] = user.syncSeq } } },
+  local filter = { author = user._id }
+  if user.syncSeq then -- none yet: a flag set without sync:change
+    filter.authorSeq = { ["$not"] = { ["$gte"] = user.syncSeq } }
+  end
+  local ok, err = comments:update_many(filter,
     { ["$set"] = { authorName = user.name, authorSeq = user.syncSeq } })
   if not ok then return nil, tostring(err) end
   return true

@@ -244,6 +244,7 @@ describe("#server guard isolation", function()
     -- t1 cancels), so t2 can only wait.
     it("the default policy retries a busy op, then cancels with code busy", function()
       assert.are.equal("retry", policy.on_op_failure({}, 1, "busy"))
+      assert.are.equal("retry", policy.on_op_failure({}, 1, "contention"))
       assert(accounts:update_one({ _id = "B" }, { ["$set"] = { balance = 10 } }))
       local slept = 0
       tm2 = assert(db:manager{ application = "app-2", retries = 2,

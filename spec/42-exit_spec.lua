@@ -25,10 +25,13 @@ io.stdout:write("\nthe end\n")          -- held by stdio until exit()
 os.exit(0, how ~= "open")
 ]]
 
--- The test server's URI, with the heartbeat as often as libmongoc allows.
+-- The test server's URI, with the heartbeat as often as libmongoc allows
+-- (options after a `/`: libmongoc refuses mongodb://host:port?options).
 local function uri_with_heartbeat()
   local uri = helpers.uri()
-  return uri .. (uri:find("?", 1, true) and "&" or "?") .. "heartbeatFrequencyMS=500"
+  if uri:find("?", 1, true) then return uri .. "&heartbeatFrequencyMS=500" end
+  if not uri:find("^mongodb[^:]*://[^/]*/") then uri = uri .. "/" end
+  return uri .. "?heartbeatFrequencyMS=500"
 end
 
 -- Runs the child with a reader that waits 1.5 s before draining its

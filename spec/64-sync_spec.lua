@@ -243,6 +243,53 @@ describe("#server mongotx.sync", function()
     assert.are.equal("Zed", comments_of(db, "u2")[1].name)
   end)
 
+  it("repairs a flag set with no syncSeq at all (a writer that knows no mongotx)", function()
+    local db = fresh()
+    assert(db:collection("users"):update_one({ _id = "u2" },
+      { ["$set"] = { name = "Zed" }, ["$currentDate"] = { syncing = true } }))
+    local report = assert(patterns.syncer(db):repair { older_than = 0 })
+    assert.are.equal(1, report.repaired)
+    assert.are.same({}, patterns.sync_final(db))
+    assert.are.equal("Zed", comments_of(db, "u2")[1].name)
+  end)
+
+  -- The propagation docs/sync.md and examples/10-sync.lua show, taken
+  -- from their text: every filter it sends is one MongoDB accepts
+  -- (helpers.filter_refusal: mongo-java-server accepts `{ $not: {} }`,
+  -- MongoDB and FerretDB v2 refuse it), with a master that has a syncSeq
+  -- and with one flagged before it had any.
+  for _, source in ipairs {
+    { "docs/sync.md", "\n  propagate = function%(user%)[^\n]*\n(.-\n)  end,\n" },
+    { "examples/10-sync.lua", "\nlocal function propagate%(user%)\n(.-\n)end\n" },
+  } do
+    it("the recipe of " .. source[1] .. " sends filters MongoDB accepts", function()
+      local f = assert(io.open(source[1]))
+      local body = assert(f:read("a"):match(source[2]), "no propagate in " .. source[1])
+      f:close()
+      local db = fresh()
+      local coll, sent = db:collection("comments"), {}
+      assert(coll:insert_many { { _id = "c1", author = "ada" }, { _id = "c2", author = "ada", authorSeq = 5 },
+                                { _id = "c3", author = "bob" } })
+      -- the real collection, each filter kept as sent
+      local comments = { update_many = function(_, filter, update)
+        sent[#sent + 1] = filter
+        return coll:update_many(filter, update)
+      end }
+      local propagate = assert(load("return function(user)\n" .. body .. "end", source[1], "t",
+        { comments = comments, tostring = tostring }))()
+      assert(propagate { _id = "ada", name = "Ada" })          -- no syncSeq yet
+      assert(propagate { _id = "ada", name = "Ada K", syncSeq = 3 })
+      assert(propagate { _id = "ada", name = "Ada L", syncSeq = 6 })
+      assert.are.equal(3, #sent)
+      for i, filter in ipairs(sent) do assert.is_nil(helpers.filter_refusal(filter), "filter " .. i) end
+      local by_id = {}
+      for _, d in ipairs(helpers.dump(coll)) do by_id[d._id] = d end
+      assert.are.same({ "Ada L", 6 }, { by_id.c1.authorName, by_id.c1.authorSeq })
+      assert.are.same({ "Ada L", 6 }, { by_id.c2.authorName, by_id.c2.authorSeq })
+      assert.is_nil(by_id.c3.authorName)
+    end)
+  end
+
   it("answers missing for a master that does not exist, writing nothing", function()
     local db, dbname = fresh()
     local s = patterns.syncer(db)

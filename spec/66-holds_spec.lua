@@ -107,7 +107,7 @@ describe("#server holds", function()
     assert.are.same({ balance = 25 }, stored.ops[2].settle)
   end)
 
-  it("costs a hold 3 round trips and 4 writes, a void 4 and 4: a transfer 5 and 7", function()
+  it("costs a hold 3 round trips and 4 writes (4 and 4 with a floor), a void 4 and 4: a transfer 5 and 7", function()
     setup { A = 100, B = 0 }
     assert(tm:transfer("accounts", "A", "B", 1)) -- (the server's probes, once a manager)
     -- where the server cannot compare with $$NOW in a write: a transfer
@@ -116,8 +116,14 @@ describe("#server holds", function()
     assert(tm:transfer("accounts", "A", "B", 1))
     assert.are.same({ commands = 5 + clock_reads, writes = 7 }, db.client:counters())
     db.client:reset_counters()
-    assert(tm:hold("accounts", "A", "B", 10, { min = 0, id = "h1" }))
+    assert(tm:hold("accounts", "A", "B", 5, { id = "h0" }))
     assert.are.same({ commands = 3 + clock_reads, writes = 4 }, db.client:counters())
+    assert(tm:void("h0"))
+    -- with a floor, the guarded debit first, then the credit (no credit is
+    -- seen whose debit did not apply): one round trip more, as a transfer's
+    db.client:reset_counters()
+    assert(tm:hold("accounts", "A", "B", 10, { min = 0, id = "h1" }))
+    assert.are.same({ commands = 4 + clock_reads, writes = 4 }, db.client:counters())
     db.client:reset_counters()
     assert(tm:void("h1"))
     -- its read, the decision, the two undos in one bulk write, cancelled

@@ -82,6 +82,54 @@ function helpers.no_deadlines()
   return no_deadlines or nil
 end
 
+-- Why MongoDB would refuse `filter` (a find or update filter), or nil:
+-- its rules for the operators mongotx and its recipes send, which
+-- mongo-java-server and FerretDB v1 do not all enforce.  `$not` takes a
+-- regex or a non-empty document of operators ("$not cannot be empty");
+-- `$and`, `$or` and `$nor` a non-empty array of filters; `$in`, `$nin`
+-- and `$all` an array.
+function helpers.filter_refusal(filter, path)
+  path = path or "filter"
+  if core.type(filter) ~= "object" then return path .. " is no document" end
+  local condition
+  local function operators(cond, at)
+    for op, arg in pairs(cond) do
+      local here = at .. "." .. tostring(op)
+      if op == "$not" then
+        if core.type(arg) ~= "regex" then
+          if core.type(arg) ~= "object" or next(arg) == nil then
+            return here .. " takes a regex or a non-empty document"
+          end
+          local why = condition(arg, here)
+          if why then return why end
+        end
+      elseif op == "$in" or op == "$nin" or op == "$all" then
+        if core.type(arg) ~= "array" then return here .. " takes an array" end
+      end
+    end
+  end
+  function condition(cond, at)
+    if core.type(cond) ~= "object" then return nil end
+    local k = next(cond)
+    if type(k) ~= "string" or k:sub(1, 1) ~= "$" then return nil end -- a value
+    return operators(cond, at)
+  end
+  for k, v in pairs(filter) do
+    local here = path .. "." .. tostring(k)
+    if k == "$and" or k == "$or" or k == "$nor" then
+      if core.type(v) ~= "array" or #v == 0 then return here .. " takes a non-empty array" end
+      for i, branch in ipairs(v) do
+        local why = helpers.filter_refusal(branch, here .. "[" .. i .. "]")
+        if why then return why end
+      end
+    elseif k ~= "$expr" and k ~= "$comment" then
+      local why = condition(v, here)
+      if why then return why end
+    end
+  end
+  return nil
+end
+
 -- All documents of a collection sorted by _id, for asserting what the
 -- database holds.
 function helpers.dump(coll)

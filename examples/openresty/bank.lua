@@ -62,8 +62,11 @@ local config = {
   -- counts its events (mongotx.metrics.shared), served at GET /metrics;
   -- group: concurrent transfers of a worker run as one batch
   -- (docs/openresty.md, "Group commit"; the default, written out here;
-  -- group = false runs each call alone)
-  manager = { application = "bank", metrics = "mongotx_metrics", group = { max = 100, delay = 0, inflight = 1 } },
+  -- group = false runs each call alone); lease: a killed worker's
+  -- transfers are taken over by their retries 5 s after their last step
+  -- (docs/openresty.md, "A key another call holds")
+  manager = { application = "bank", metrics = "mongotx_metrics", lease = 5,
+              group = { max = 100, delay = 0, inflight = 1 } },
   dict = "mongotx",                     -- lua_shared_dict for the recovery election
   recovery = { every = 5, limit = 1000 },
   max_amount = 2 ^ 53,                  -- exact in a double, and in BSON
@@ -242,6 +245,7 @@ local ERRORS = {
   guard = { 422, "insufficient_funds" },
   missing = { 404, "unknown_account" },
   idempotency = { 409, "idempotency_key_reused" },
+  in_progress = { 409, "in_progress" }, -- another request runs this key: ask again later
   overloaded = { 503, "overloaded" },
   busy = { 503, "busy" },            -- the account is held by another open transfer
   contention = { 503, "busy" },

@@ -40,7 +40,8 @@ local _M = {}
 
 -- Entries: { T = <the transaction, ops as tables>, doc = <its own fields
 -- as stored: _id, ops (core.stored_ops), meta and the caller's extra>,
--- err = <why it failed>, slow = <needs the one-at-a-time steps>, key =
+-- err = <why it failed>, slow = <needs the one-at-a-time steps>,
+-- applied[i], sent[i] = <op i applied, sent by the batch's apply>, key =
 -- <its id's key while the engine holds it (Engine:hold)> }.  The fields
 -- all transactions of a batch share are sent once (`common`).
 
@@ -114,7 +115,8 @@ local function apply_items(eng, by_coll, order, deadline)
       local ids = {}
       for k, item in ipairs(items) do ids[k] = item.op.id end
       local docs
-      docs, err = coll:find_all({ _id = { ["$in"] = ids } }, { projection = { [eng.marker] = 1 } })
+      docs, err = coll:find_all({ _id = { ["$in"] = ids } },
+        { projection = { [eng.marker] = 1 }, sort = { _id = 1 } })
       if not docs then err = errors.wrap(err, "apply") end
       local by_id = {}
       for _, doc in ipairs(docs or {}) do by_id[id_key(doc._id)] = doc end
@@ -147,18 +149,18 @@ local function give_back(eng, e, deadline)
   if err then fail(e, err) end
 end
 
--- Step 2: every op of every created transaction.  In a batch of several
--- transactions the guarded ops go first, and the others only for the
--- transactions whose guarded ops all applied: so no guard reads a
--- batch-mate's uncommitted credit (floor guards over the same accounts
--- stack instead of waiting for each other; csrc/txn.h, "Guards"), and a
--- transaction whose guard fails has nothing to undo.  One more round trip
--- when a batch has both kinds of ops; a batch of one, or one without
--- guards, sends all at once.
+-- Step 2: every op of every created transaction.  The guarded ops go
+-- first, and the others only for the transactions whose guarded ops all
+-- applied: so no credit shows (in `txPending` or in place) whose guarded
+-- debit did not apply, no guard reads a batch-mate's uncommitted credit
+-- (floor guards over the same accounts stack instead of waiting for each
+-- other; csrc/txn.h, "Guards"), and a transaction whose guard fails has
+-- nothing to undo.  One more round trip when a batch has both kinds of
+-- ops; a batch without guards sends all at once.
 local function apply(eng, entries, deadline, versions)
   local guards = false
   for t, e in ipairs(entries) do
-    e.applied = {}
+    e.applied, e.sent = {}, {}
     for i, op in ipairs(e.T.ops) do
       local v = versions and versions[t][i]
       if v and v.marked then e.applied[i] = true end
@@ -186,6 +188,7 @@ local function apply(eng, entries, deadline, versions)
             -- tid: the mark (mongotx.stored).  A batch's transactions
             -- all have this manager's form: recovery drives the others
             -- alone (recovery.lua)
+            e.sent[i] = true
             items[#items + 1] = { tid = stored.mark(e.T), op = op, version = version, entry = e,
                                   i = i, stored = e.doc and e.doc.ops }
           end
@@ -194,7 +197,7 @@ local function apply(eng, entries, deadline, versions)
     end
     apply_items(eng, by_coll, order, deadline)
   end
-  if guards and #entries > 1 then
+  if guards then
     phase(true)
     phase(false)
   else
@@ -223,7 +226,7 @@ local function commit(eng, entries)
     -- some did not move (taken over meanwhile?): look at each
     local docs
     if res then docs, err = eng.tx:find_all({ _id = { ["$in"] = ids } },
-      { projection = { state = 1, epoch = 1 } }) end
+      { projection = { state = 1, epoch = 1 }, sort = { _id = 1 } }) end
     local by_id = {}
     for _, doc in ipairs(docs or {}) do by_id[id_key(doc._id)] = doc end
     for _, e in ipairs(entries) do
@@ -367,7 +370,9 @@ local function settle(eng, e, deadline, versions)
     for i in ipairs(T.ops) do
       local version = false -- none read: fenced by the deadline alone
       if versions then version = versions[i].version end
-      vs[i] = { marked = e.applied[i] or false, deadline = deadline, version = version }
+      -- missed: the batch sent this apply and it did not match
+      vs[i] = { marked = e.applied[i] or false, deadline = deadline, version = version,
+                missed = e.sent[i] and not e.applied[i] }
     end
     local moved, err, failure = eng:apply_all(T, vs)
     if not moved then return fail(e, err) end
@@ -382,7 +387,10 @@ local function settle(eng, e, deadline, versions)
     e.T = T -- committed: finished with the others, inline or deferred
     return
   end
-  local final, err = eng:drive(T, nil)
+  local final, err, held = eng:drive(T, nil, e.later)
+  -- held by another owner within its lease (with e.later): not waited for
+  -- here, so that it holds none of the others (e.held: its caller waits)
+  if held then e.held = held end
   -- the op failure explains a cancel; when the cancel did not happen (the
   -- transaction was taken over meanwhile) the caller learns what did
   if not final then return fail(e, (not err or err.code == "cancelled") and e.failure or err) end
@@ -397,10 +405,14 @@ end
 -- errs[i] why not (a policy that raised while one was settled: the
 -- raise, code "policy"; errors.is_policy tells it), the committed
 -- transactions left to finish (the
--- caller finishes them at once or later: policy.finish), and late[i] =
+-- caller finishes them at once or later: policy.finish), late[i] =
 -- true for those settled one at a time after the others had committed
 -- (their effects, and what their guards read, come after the others':
--- mongotx.group reports that order).
+-- mongotx.group reports that order), and held[i] = <the transaction as
+-- read> for those another call holds within its lease: not waited for
+-- (errs[i] is `in_progress`; mongotx.manager.batches waits for them all
+-- at once after the others finished, mongotx.group has their callers
+-- wait).
 function _M.run(eng, specs)
   local entries, results, errs = {}, {}, {}
   local now, err = eng:clock()
@@ -430,7 +442,8 @@ function _M.run(eng, specs)
     end
     -- every field an entry may get, so that none makes its table grow
     entries[i] = { T = T, doc = doc, err = not now and err or nil, slow = false,
-                   created = false, applied = false, key = false }
+                   created = false, applied = false, sent = false, key = false, later = true,
+                   held = false }
   end
   local versions
   if now and not deadline then
@@ -468,12 +481,12 @@ function _M.run(eng, specs)
       guarded(settle, eng, e, deadline, versions and versions[t])
     end
   end
-  local committed = {}
+  local committed, held = {}, {}
   for i, e in ipairs(entries) do
-    results[i], errs[i] = not e.err and e.T, e.err or false
+    results[i], errs[i], held[i] = not e.err and e.T, e.err or false, e.held or nil
     if not e.err and e.T.state == "applied" then committed[#committed + 1] = e.T end
   end
-  return results, errs, committed, late
+  return results, errs, committed, late, held
 end
 
 -- Batched recovery and the grouped tm:commit (mongotx.engine.forward)

@@ -170,7 +170,7 @@ end
 local function earlier(tm, report, entries)
   local ids = {}
   for i, e in ipairs(entries) do ids[i] = e.id end
-  local found, err = tm:find({ _id = { ["$in"] = ids } }, { limit = #ids })
+  local found, err = tm:find({ _id = { ["$in"] = ids } }, { limit = #ids, sort = { _id = 1 } })
   if not found then return nil, err end
   local by_id = {}
   for _, T in ipairs(found) do by_id[T._id] = T end
@@ -209,7 +209,7 @@ local function commit_new(tm, report, todo)
   if #unsure == 0 then return end
   local found, err = tm:find({ _id = { ["$in"] = unsure_ids } },
                               { projection = { state = 1, reason = 1, cause = 1 },
-                                limit = #unsure_ids })
+                                limit = #unsure_ids, sort = { _id = 1 } })
   local state = {}
   for _, T in ipairs(found or {}) do state[T._id] = T end
   for _, u in ipairs(unsure) do

@@ -47,6 +47,7 @@ local checks = require "mongotx.manager.checks"
 local batches = require "mongotx.manager.batches"
 local forward = require "mongotx.engine.forward"
 local queue = require "mongotx.group.queue"
+local backoff = require("mongotx.policy").backoff
 
 local type, ipairs, pairs, pcall, error, select, setmetatable, tostring =
   type, ipairs, pairs, pcall, error, select, setmetatable, tostring
@@ -154,13 +155,13 @@ end
 -- as the call alone returns, or { raise = err } for a policy's raise
 -- (errors.is_policy: the batch failed that call's entry with it, the
 -- others went on; alone, the call raises it).
--- fn(...) -> a, b, c, a part of the batch (the transfers and runs, or the
+-- fn(...) -> a, b, c, d, a part of the batch (the transfers and runs, or the
 -- commits): a policy's raise in a step the whole part shares (a retry's
 -- backoff, ...) is nil, <the raise>, as each of its calls alone would
 -- raise it, and the other part runs on; any other raise goes up.
 local function shared(fn, ...)
-  local ok, a, b, c = pcall(fn, ...)
-  if ok then return a, b, c end
+  local ok, a, b, c, d = pcall(fn, ...)
+  if ok then return a, b, c, d end
   if not errors.is_policy(a) then error(a, 0) end
   return nil, a
 end
@@ -171,12 +172,53 @@ local function answer(T, err)
   return { n = 2, nil, err or errors.new("internal", "no result", { step = "group" }) }
 end
 
+-- What the caller of a call whose transaction another call holds within
+-- its lease waits for (await_held): its id, policy.holder_wait, and the
+-- seconds until the lease passes (then the call alone takes it over).
+local function held_info(tm, T)
+  local _, lapse = tm.engine:lapsed(T)
+  return { id = T._id, wait = tm.policy.holder_wait, lapse = lapse }
+end
+
+-- The caller's side of a call the batch answered `in_progress` at once
+-- (its `held`, held_info's), so that it held none of the others: reads
+-- the transaction every backoff (policy.backoff's default: the policy's
+-- own may not reach the caller's side).
+
+--- Internal: the caller's wait for a held call of a batch (mongotx.group.wrap and mongotx.resty use it).
+-- @local
+-- @syntax again = group.await_held(held, get, sleep, now)
+-- @tparam table held the answer's `held`: `{ id, wait, lapse }`
+-- @func get `get(id)` reads the transaction
+-- @func sleep `sleep(seconds)` without blocking the scheduler
+-- @func now `now()` in seconds
+-- @treturn boolean true when the call should now run alone (the transaction left pending, or its owner's lease
+--   passed: it answers the outcome, or takes it over), false when its holder kept it `wait` seconds (the batch's
+--   `in_progress` stands)
+-- @usage if group.await_held(r.held, get, sleep, now) then return tm:transfer(...) end
+function _M.await_held(held, get, sleep, now)
+  local start, attempt = now(), 0
+  while true do
+    local spent = now() - start
+    if held.lapse and spent >= held.lapse then return true end
+    local left = held.wait - spent
+    if left <= 0 then return false end
+    attempt = attempt + 1
+    sleep(math.min(backoff(attempt), left, held.lapse and held.lapse - spent or left))
+    local T = get(held.id)
+    if not T or T.state ~= "pending" then return true end
+  end
+end
+
 -- run_calls(tm, calls, wait): calls[i] = { method = "transfer" | "run" |
 -- "commit", n = <how many arguments>, <the arguments> }.  Returns one
 -- result per call: { n = 1, T } or { n = 2, nil, err } as the call alone
 -- returns, { raise = <message or error> } for what it raises, or
 -- group.AGAIN (the call conflicts with one before it here); and the
--- order the calls answered took effect in.
+-- order the calls answered took effect in.  A call whose transaction
+-- another call holds within its lease is not waited for: { n = 2, nil,
+-- <in_progress>, held = <held_info> }, and its caller waits
+-- (await_held), then runs it alone.
 --
 -- The transfers and runs go first, as one batch (mongotx.batch); then the
 -- commits: their transactions loaded in one find, the begun ones
@@ -241,16 +283,18 @@ function _M.run_calls(tm, calls, wait)
   -- settled or driven after them) of each call the batch ran
   local part = {}
   if #specs > 0 then
-    local results, late
-    results, errs, late = shared(batches.run_batch, tm, specs, errs)
+    local results, late, held
+    results, errs, late, held = shared(batches.run_batch, tm, specs, errs, true)
     for k, i in ipairs(where) do
       out[i], part[i] = results and answer(results[k], errs[k]) or { raise = errs }, late and late[k] and 2 or 1
+      if held and held[k] then out[i].held = held_info(tm, held[k]) end
     end
   end
   if #items > 0 then
-    local results, cerrs, late = shared(forward.commit, tm.engine, items)
+    local results, cerrs, late, held = shared(forward.commit, tm.engine, items)
     for k, i in ipairs(cwhere) do
       out[i], part[i] = results and answer(results[k], cerrs[k]) or { raise = cerrs }, late and late[k] and 4 or 3
+      if held and held[k] then out[i].held = held_info(tm, held[k]) end
     end
   end
   local order = {}
@@ -299,6 +343,12 @@ end
 for _, method in ipairs(_M.METHODS) do
   Wrapped[method] = function(self, ...)
     local r = self.group:call({ method = method, n = select("#", ...), ... }, _M.keys(method, ...))
+    if r.held then
+      local g = self.group
+      local function sleep(seconds) g.signal():wait(seconds) end
+      local function get(id) return self.tm:get(id) end
+      if _M.await_held(r.held, get, sleep, g.now) then return self.tm[method](self.tm, ...) end
+    end
     if r.raise then
       -- as the call alone raises: at the caller, unless it says where
       -- (or is an error value: a policy's raise)

@@ -46,6 +46,10 @@ Manager.__index = Manager
 -- The frames between must not be tail calls, which Lua drops.
 local CALLER, HELPER_CALLER, ITEM_CALLER = 2, 3, 4
 
+-- find's and scan's order unless the caller gives one: the unique key,
+-- so no server's cursor returns a transaction twice or skips one
+local BY_ID = { _id = 1 }
+
 local manager_options = {
   collection = true, application = true, marker = true, version_field = true,
   write_concern = true, fencing = true, escrow = true, single_writer = true,
@@ -502,7 +506,9 @@ _M.compensation_id = operate.compensation_id
 -- `$where` or `$expr` is `invalid`); option values are checked first.
 -- @syntax list, err = tm:find(filter [, opts])
 -- @tparam table filter a query on the transactions collection
--- @tparam[opt] table opts as the core's `find_all`: `sort`, `limit` (default
+-- @tparam[opt] table opts as the core's `find_all`: `sort` (default `_id`
+-- order: a server's unsorted cursor may return a document twice across
+-- replies, as FerretDB v2's does after updates), `limit` (default
 -- 1000, at most 100000: the list is held in memory; page with `skip` or a
 -- filter), `projection`, `skip`, `batch_size`, `read_preference`
 -- @treturn table a list of at most `limit` transaction documents
@@ -517,6 +523,7 @@ function Manager:find(filter, opts)
   if not filter then return nil, err end
   opts, err = options.find(opts, "find", CALLER)
   if not opts then return nil, err end
+  if opts.sort == nil then opts.sort = BY_ID end
   local list
   list, err = self.tx:find_all(filter, opts)
   if not list then return nil, errors.wrap(err, "find") end
@@ -534,7 +541,7 @@ Scan.__index = Scan
 -- @syntax cursor, err = tm:scan(filter [, opts])
 -- @tparam table filter as `tm:find`'s
 -- @tparam[opt] table opts as `tm:find`'s (`sort`, `limit`, `projection`, `skip`, `batch_size`,
--- `read_preference`), with no limit by default
+-- `read_preference`), with no limit by default (and in `_id` order by default)
 -- @treturn table a cursor: `cursor:next()`, `cursor:close()`
 -- @errors `invalid` (a bad filter or option value); errors of the read come from `cursor:next()`
 -- @usage local c = assert(tm:scan({ state = "done" }, { batch_size = 1000 }))
@@ -548,6 +555,7 @@ function Manager:scan(filter, opts)
   if not filter then return nil, err end
   opts, err = options.check(opts, options.FIND, "scan", CALLER)
   if not opts then return nil, err end
+  if opts.sort == nil then opts.sort = BY_ID end
   return setmetatable({ cursor = self.tx:find(filter, opts) }, Scan)
 end
 

@@ -42,9 +42,12 @@ end
 -- Returns "cancel" (roll back, end cancelled), "retry" (try again after a
 -- backoff, up to `retries` times, then cancel) or "fail" (stop and leave
 -- the transaction pending for recovery).  A busy document is usually
--- released within a few milliseconds, so that one is retried.
+-- released within a few milliseconds, so that one is retried; so is a
+-- document that kept changing (on a hot document fenced by versions,
+-- every other writer's write moves the version an apply waits for: a
+-- backoff breaks the lockstep).
 function _M.on_op_failure(tx, i, reason) -- luacheck: no unused args
-  if reason == "busy" then return "retry" end
+  if reason == "busy" or reason == "contention" then return "retry" end
   return "cancel"
 end
 

@@ -196,7 +196,7 @@ local function still_marked(eng, name, items)
   local ids = {}
   for k, item in ipairs(items) do ids[k] = item.op.id end
   local docs, err = eng:coll(name):find_all({ _id = { ["$in"] = ids } },
-    { projection = { [eng.marker] = 1 } })
+    { projection = { [eng.marker] = 1 }, sort = { _id = 1 } })
   if not docs then return nil, errors.wrap(err, "undo") end
   local by_id, marked = {}, {}
   for _, doc in ipairs(docs) do by_id[id_key(doc._id)] = doc end

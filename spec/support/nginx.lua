@@ -27,6 +27,8 @@
 --   metrics_dict   the size of lua_shared_dict mongotx_metrics ("1m"),
 --                  served at /metrics
 --   log_level      error_log's level ("notice")
+--   reuseport      a listening socket per worker (the kernel spreads new
+--                  connections evenly over the workers)
 --
 -- The nginx master runs in the foreground of a shell that also watches the
 -- Lua process which started it: when that process is gone, nginx is
@@ -95,7 +97,7 @@ http {
 %s    %s
   }
   server {
-    listen 127.0.0.1:%d;
+    listen 127.0.0.1:%d%s;
     client_max_body_size 8k;
     client_body_buffer_size 8k;
     error_page 413 @too_large;
@@ -116,7 +118,7 @@ http {
 }
 ]]):format(M.MODULES, M.MODULES, o.workers or 1, o.log_level or "notice", o.threads or 4, paths, CPATH, o.vms or 8,
            o.metrics_dict or "1m", o.check_client_abort and "on" or "off", o.http or "", o.configure or "{}",
-           recovery, o.init_worker or "", o.port, o.locations or "")
+           recovery, o.init_worker or "", o.port, o.reuseport and " reuseport" or "", o.locations or "")
 end
 
 local Nginx = {}

@@ -70,8 +70,11 @@ function M.propagate(db, fail)
   return function(user)
     if fail == "raise" then error("propagation broke") end
     if fail == "return" then return nil, "dependents unavailable" end
-    local ok, err = comments:update_many(
-      { user = user._id, userSeq = { ["$not"] = { ["$gte"] = user.syncSeq } } },
+    local filter = { user = user._id }
+    if user.syncSeq then -- none yet: a flag set without s:change
+      filter.userSeq = { ["$not"] = { ["$gte"] = user.syncSeq } }
+    end
+    local ok, err = comments:update_many(filter,
       { ["$set"] = { name = user.name, userSeq = user.syncSeq } })
     if not ok then return nil, tostring(err) end
     return true

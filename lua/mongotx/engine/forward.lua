@@ -117,7 +117,9 @@ end
 -- Engine:drive drives it: e.T the final transaction, or e.err.
 function _M.again(eng, e)
   local T, err = eng:get(e.T._id)
-  if T then T, err = eng:drive(T, nil) end
+  local held
+  if T then T, err, held = eng:drive(T, nil, e.later) end
+  if held then e.held = held end
   if T then e.T = T else fail(e, err or errors.new("state", "no such transaction", { id = e.T._id })) end
 end
 
@@ -131,7 +133,7 @@ function _M.load(eng, ids)
   -- (a reply of one more than the limit: FerretDB v1 closes the cursor
   -- in it, where a reply of exactly the limit costs a killCursors more)
   local docs, err = eng.tx:find_all({ _id = { ["$in"] = ids } },
-    { limit = #ids, batch_size = #ids + 1 })
+    { limit = #ids, batch_size = #ids + 1, sort = { _id = 1 } })
   if not docs then return nil, errors.wrap(err, "commit") end
   local found = {}
   for _, doc in ipairs(docs) do
@@ -143,7 +145,8 @@ function _M.load(eng, ids)
 end
 
 local function drive(eng, e)
-  local T, err = eng:drive(e.T, nil)
+  local T, err, held = eng:drive(e.T, nil, e.later)
+  if held then e.held = held end
   if T then e.T = T else fail(e, err) end
 end
 
@@ -151,12 +154,16 @@ end
 -- one batch, each answered as Engine:drive answers it alone: the ready
 -- ones claimed, forwarded and finished together; the others (any other
 -- state or form, a lost claim) driven alone after them.  Returns results
--- (the transaction, `done`, or false), errs (its error or false) and
--- late[i] = true for those settled one at a time after the others.
+-- (the transaction, `done`, or false), errs (its error or false),
+-- late[i] = true for those settled one at a time after the others, and
+-- held[i] = <the transaction as read> for those another owner holds
+-- within its lease: not waited for, `in_progress` (Engine:drive's
+-- `later`; mongotx.group has their callers wait).
 function _M.commit(eng, items)
   local entries, ready, vs = {}, {}, {}
   for i, item in ipairs(items) do
-    local e = { T = item.T, err = false, slow = false, applied = false, key = false }
+    local e = { T = item.T, err = false, slow = false, applied = false, sent = false, key = false,
+                later = true, held = false }
     entries[i] = e
     if item.ready then ready[#ready + 1] = e end
   end
@@ -188,7 +195,7 @@ function _M.commit(eng, items)
       if e.T.state == "done" then eng:hold(e.T._id, nil) else fail(e, err) end
     end
   end
-  local results, errs, late = {}, {}, {}
+  local results, errs, late, held = {}, {}, {}, {}
   for i, e in ipairs(entries) do
     if e.lost then
       guarded(_M.again, eng, e) -- as drive goes on after a claim it lost
@@ -199,9 +206,9 @@ function _M.commit(eng, items)
     if not e.err and e.T.state ~= "done" then
       fail(e, errors.new("state", "the transaction did not settle", { id = e.T._id }))
     end
-    results[i], errs[i] = not e.err and e.T, e.err or false
+    results[i], errs[i], held[i] = not e.err and e.T, e.err or false, e.held or nil
   end
-  return results, errs, late
+  return results, errs, late, held
 end
 
 return _M

@@ -79,17 +79,23 @@ end
 -- (this owner's, T's by default where deadlines fence); returns true, or
 -- false and why it cannot (for "busy", and whether an open holder
 -- outranks T: Engine:apply_all; for "refused", the server's error), or
--- nil, err.
+-- nil, err.  v.missed: this very apply was just sent and did not match
+-- (a batch's), so the first try reads first.
 function Engine:apply_one(T, i, v)
   local op = T.ops[i]
   local coll = self:coll(op.collection)
   if v.deadline == nil and self:deadlines() then v.deadline = T.deadline end
-  for _ = 1, MAX_CONTENTION do
-    local res, err = self:op_step(T, "apply", coll, op, v.version, v.deadline)
-    -- the server refused this write: a definite answer, as a false guard
-    if not res and errors.refused(err) then return false, "refused", err end
-    if not res then return nil, err end
-    if res.applied then return true end
+  for try = 1, MAX_CONTENTION do
+    local res, err
+    if v.missed then
+      v.missed = nil
+    else
+      res, err = self:op_step(T, "apply", coll, op, v.version, v.deadline)
+      -- the server refused this write: a definite answer, as a false guard
+      if not res and errors.refused(err) then return false, "refused", err end
+      if not res then return nil, err end
+      if res.applied then return true end
+    end
     -- Why not? Read the document, then (if its version moved) check
     -- that T is still ours before trying with the version just read.
     local doc
@@ -112,7 +118,11 @@ function Engine:apply_one(T, i, v)
         if finished == nil then return nil, open end
         if finished == 0 and open then return false, "busy", outranked end
       end
-      if finished == 0 and op.where then
+      -- (on the first miss a version that moved explains it: the guard
+      -- is read on the next miss, after a try with the version just
+      -- read; so a false guard on a hot document is still found at once)
+      local moved = try == 1 and v.version ~= false and doc[self:form(T).version] ~= v.version
+      if finished == 0 and op.where and not moved then
         local filter = { _id = op.id }
         for k, x in pairs(op.where) do filter[k] = x end
         local n
@@ -444,8 +454,12 @@ local function cancelled_error(T)
 end
 
 -- Drives T to done or cancelled from whatever state it is in.  `versions`
--- are those read before this manager claimed T, when it just did.
-function Engine:drive(T, versions)
+-- are those read before this manager claimed T, when it just did.  With
+-- `later`, a T another owner holds within its lease is not waited for:
+-- nil, held_error, and T as read (a batch waits for its held ones after
+-- the others answered, or has its callers wait: mongotx.manager.batches,
+-- mongotx.group).
+function Engine:drive(T, versions, later)
   local failure, err = self:fields_error(T)
   if failure then return nil, failure end
   for _ = 1, MAX_ROUNDS do
@@ -470,10 +484,21 @@ function Engine:drive(T, versions)
         { id = T._id })
     elseif state == "pending" then
       if not self:holds(T) then
-        -- another call runs it: its outcome is this call's (Engine:await)
-        T, err = self:await(T)
+        -- another owner holds it: past its lease, taken over as recovery
+        -- would (Engine:take_over); within it, its outcome is this
+        -- call's (Engine:await), or with `later` an answer at once
+        local lapsed
+        lapsed, err = self:lapsed(T)
+        if lapsed == nil then return nil, err end
+        if lapsed then
+          T, versions, err = self:take_over(T)
+        elseif later then
+          return nil, self:held_error(T), T
+        else
+          T, err = self:await(T)
+          versions = nil
+        end
         if not T then return nil, err end
-        versions = nil
       elseif not versions then
         local now
         versions, now = self:confirmed_versions(T)

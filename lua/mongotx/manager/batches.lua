@@ -7,7 +7,7 @@
 local batch = require "mongotx.batch"
 local errors = require "mongotx.errors"
 
-local ipairs, error = ipairs, error
+local ipairs, pairs, pcall, error = ipairs, pairs, pcall, error
 
 local _M = {}
 
@@ -19,16 +19,48 @@ local _M = {}
 -- steps (bench/README.md, "Client CPU and batch size").
 local CHUNK = 100
 
+-- The held ones of a batch (batch.run's held: transactions other calls
+-- hold within their lease), once the others finished: waited for all at
+-- once (Engine:await_many, at most policy.holder_wait), then each driven
+-- alone (its outcome, finished where it committed; taken over where its
+-- owner's lease passed meanwhile), or answered `in_progress`.
+local function await_held(self, held, results, errs)
+  local list, where = {}, {}
+  for i, T in pairs(held) do
+    list[#list + 1], where[#where + 1] = T, i
+  end
+  local eng = self.engine
+  local out, bad = eng:await_many(list)
+  for k, i in ipairs(where) do
+    local T, err = out[k], bad[k]
+    if T then
+      local ok
+      ok, T, err = pcall(eng.drive, eng, T, nil)
+      if not ok then
+        if not errors.is_policy(T) then error(T, 0) end
+        T, err = nil, T
+      end
+    end
+    results[i], errs[i] = T or false, not T and err or false
+  end
+end
+
 -- Runs specs as batches of at most CHUNK; the i-th result, or false and
 -- its error, and late[i] = true for those settled after the others of
--- their batch (batch.run).
-function _M.run_batch(self, specs, errs)
-  local results, late, todo, where, m = {}, {}, {}, {}, 0
+-- their batch (batch.run).  The ones other calls hold within their
+-- lease hold none of the others: they are waited for once the others
+-- finished (await_held), or with `answer_held` answered at once,
+-- `in_progress`, and held[i] the transaction as read (mongotx.group:
+-- their callers wait).
+function _M.run_batch(self, specs, errs, answer_held)
+  local results, late, held, todo, where, m = {}, {}, {}, {}, {}, 0
+  local any = false
   local function run()
-    local res, bad, committed, slow = batch.run(self.engine, todo)
+    local res, bad, committed, slow, waits = batch.run(self.engine, todo)
     for k = 1, m do
       local i = where[k]
-      results[i], errs[i], late[i] = res[k], bad[k], slow[k] or nil
+      results[i], errs[i], late[i], held[i] = res[k], bad[k], slow[k] or nil, waits[k]
+      any = any or waits[k] ~= nil
     end
     _M.finish_committed(self, committed)
     todo, where, m = {}, {}, 0
@@ -43,6 +75,8 @@ function _M.run_batch(self, specs, errs)
     end
   end
   if m > 0 then run() end
+  if answer_held then return results, errs, late, held end
+  if any then await_held(self, held, results, errs) end
   return results, errs, late
 end
 

@@ -284,7 +284,7 @@ function Manager:_prune_placeholders(filter)
   local only = { ["ops.kind"] = "insert" }
   for k, v in pairs(filter) do only[k] = v end
   only.state = "cancelled"
-  local cursor = self.tx:find(only, { batch_size = _M.PRUNE_READ })
+  local cursor = self.tx:find(only, { batch_size = _M.PRUNE_READ, sort = { _id = 1 } })
   while true do
     local T, err = cursor:next()
     if not T then

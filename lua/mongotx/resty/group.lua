@@ -15,9 +15,10 @@ local _M = {}
 
 -- A batch of grouped calls (group_runner below): args[1] lists { m =
 -- <method>, a = <its arguments, pack()ed> }, args[2] is how long the
--- driver waited.  Returns, pack()ed, one { ok = <the results, pack()ed> },
--- { raise = <message> } or { again = true } per call, and the order they
--- took effect in (mongotx.group.run_calls).
+-- driver waited.  Returns, pack()ed, one { ok = <the results, pack()ed>
+-- [, held = <what its caller waits for>] }, { raise = <message> } or {
+-- again = true } per call, and the order they took effect in
+-- (mongotx.group.run_calls).
 local function run_group(tm, list, wait)
   local calls = {}
   for i, c in ipairs(list) do
@@ -35,7 +36,7 @@ local function run_group(tm, list, wait)
       -- a message, as thread() sends what a call alone raised
       out[i] = { raise = type(r.raise) == "string" and r.raise or tostring(r.raise) }
     else
-      out[i] = { ok = pack(r.n, unpack(r, 1, r.n)) }
+      out[i] = { ok = pack(r.n, unpack(r, 1, r.n)), held = r.held }
     end
   end
   return pack(2, out, order)
@@ -96,6 +97,12 @@ local function grouped(self, method, alone, ...)
   local ngx = ngx -- luacheck: ignore 113
   ngx.ctx.mongotx_group = { batch = ticket.batch, position = ticket.position }
   if r.raise then reraise(r.raise, 2) end
+  -- another call holds its transaction: this handler waits (ngx.sleep
+  -- between reads, no worker thread held), then runs it alone
+  if r.held and group.await_held(r.held, function(id) return self:get(id) end, ngx.sleep,
+      function() ngx.update_time() return ngx.now() end) then
+    return alone(self, ...)
+  end
   return unpack_all(r.ok)
 end
 

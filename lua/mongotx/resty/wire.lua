@@ -95,10 +95,36 @@ local function reraise(msg, level)
   error(msg, level + 1)
 end
 
+-- The calls of this worker waiting for a VM, per thread pool, in line
+-- on an ngx.semaphore (its waiters wake in their order; its count() is
+-- minus how many wait, and a request that ends while waiting leaves it).
+-- A call that finds every VM busy waits on it, every call that ends
+-- wakes the first waiter, whose VM just came free, and a call that finds
+-- others in line joins the line rather than take that VM.  Polling
+-- instead (each caller sleeping 1 ms, doubling to 50 ms) let a call that
+-- just came, or just woke, take the VM a longer waiter was due: at 64
+-- connections over 32 VMs some waited 3 s and more (bench/README.md,
+-- "OpenResty: where the tail was").
+local lines = {}
+
+-- How long a waiter sleeps at most before it tries again without being
+-- woken (a VM freed by a call of another module, or a full thread pool
+-- queue, wakes no one); it then waits again at the end of the line.
+local RETRY = 1
+
+local function line_of(thread_pool)
+  local sem = lines[thread_pool]
+  if not sem then
+    sem = require("ngx.semaphore").new()
+    lines[thread_pool] = sem
+  end
+  return sem
+end
+
 -- Runs thread(kind, spec, method, args...) in a worker thread (or here,
 -- with offload = false) and returns its results.  While every VM is busy
--- it polls (1 ms, doubling up to 50 ms) for at most self.wait seconds,
--- then returns an `overloaded` error.  A raise is reported `up` frames
+-- it waits in line (lines above) for at most self.wait seconds, then
+-- returns an `overloaded` error.  A raise is reported `up` frames
 -- above call's caller (1 when the public method tail-calls call, so that
 -- it lands on the handler's line).
 local function call(self, up, kind, spec, method, ...)
@@ -122,7 +148,11 @@ local function call(self, up, kind, spec, method, ...)
     status, res = require("mongotx.resty").thread(kind, spec, method, args)
   else
     local ngx = ngx -- luacheck: ignore 113
-    local started, delay = nil, 0.001
+    local line = line_of(self.thread_pool)
+    ngx.update_time()
+    local started = ngx.now()
+    -- others wait for a VM: behind them
+    if line:count() < 0 then line:wait(min(self.wait, RETRY)) end
     while true do
       local done
       done, status, res = ngx.run_worker_thread(self.thread_pool, "mongotx.resty", "thread",
@@ -136,11 +166,12 @@ local function call(self, up, kind, spec, method, ...)
         error("mongotx.resty: " .. tostring(status), up + 1)
       end
       ngx.update_time()
-      started = started or ngx.now()
-      if ngx.now() - started >= self.wait then return overloaded(self, status) end
-      ngx.sleep(delay)
-      delay = min(delay * 2, 0.05)
+      local left = self.wait - (ngx.now() - started)
+      if left <= 0 then return overloaded(self, status) end
+      line:wait(min(left, RETRY))
     end
+    -- this call's VM is free again: the first in line takes it
+    if line:count() < 0 then line:post(1) end
   end
   if status == "raise" then reraise(res, up + 1) end
   return unpack_all(res)
