@@ -201,6 +201,46 @@ describe("#server holds", function()
     assert.is_nil(T.hold.captured)
   end)
 
+  it("is decided by no step of tm:step, expired or not, nothing written", function()
+    setup { A = 100, B = 0 }
+    assert(tm:hold("accounts", "A", "B", 60, { min = 0, id = "h1", expires = 600 }))
+    local stepper = assert(db:manager { application = "app-2" })
+    for _, expired in ipairs { false, true } do
+      if expired then expire_now("h1") end
+      local before = helpers.db_dump(db.client, db.name)
+      for _, step in ipairs { { "claim" }, { "apply", 2 }, { "commit" }, { "finish", 1 },
+                              { "done" }, { "cancel" }, { "undo", 1 } } do
+        for _, m in ipairs { tm, stepper } do
+          local none, err = m:step(step[1], { _id = "h1" }, step[2])
+          assert.is_nil(none, step[1])
+          assert.is_table(err, step[1])
+          assert.truthy(err.code == "invalid" or err.code == "state", step[1] .. ": " .. err.code)
+        end
+      end
+      helpers.assert_dump_unchanged(before, db.client, db.name)
+    end
+    -- what decides it still does: the expired hold ends expired
+    local none, err = tm:capture("h1", 60)
+    assert.is_nil(none)
+    assert.are.equal("expired", err.status)
+    assert.are.same({ 100, 0, 0, 0 }, seen("A"))
+    assert.are.same({ 0, 0, 0, 0 }, seen("B"))
+  end)
+
+  it("answers a retried refused hold with the refusal the first answer gave", function()
+    setup { A = 10, B = 0 }
+    local answers = {}
+    for n = 1, 2 do
+      local none, err = tm:hold("accounts", "A", "B", 60, { min = 0, id = "h9" })
+      assert.is_nil(none)
+      answers[n] = { err.cause, err.op, err.collection, err.document }
+    end
+    assert.are.same({ "guard", 1, "accounts", "A" }, answers[1])
+    assert.are.same(answers[1], answers[2])
+    assert.are.same({ 10, 0, 0, 0 }, seen("A"))
+    assert.are.same({ 0, 0, 0, 0 }, seen("B"))
+  end)
+
   it("a void that meets an expired hold ends it expired", function()
     setup { A = 100, B = 0 }
     assert(tm:hold("accounts", "A", "B", 60, { id = "h1", expires = 600 }))

@@ -627,6 +627,6 @@ end
 for name, method in pairs(phases.methods) do Engine[name] = method end
 
 _M.key, _M.op_failure, _M.failure_text = key, phases.op_failure, phases.failure_text
-_M.cause_of = phases.cause_of
+_M.cause_of, _M.cancelled_error = phases.cause_of, phases.cancelled_error
 
 return _M

@@ -2,7 +2,8 @@
 -- or expired later (docs/holds.md).  A hold is a transfer's transaction
 -- applied and left pending: the debit of `from` in place (its floor
 -- guard checked at once), the credit of `to` in escrow (`txPending`), so
--- neither document waits for it (no `txHeld`).  Its outcome is decided by
+-- debits, escrowed credits and floor guards there do not wait for it (no
+-- `txHeld`); exclusive ops do (docs/guards.md, "Isolation").  Its outcome is decided by
 -- one conditioned write on the transaction document, which moves it out
 -- of `pending` and so can be won once:
 --
@@ -31,6 +32,7 @@ local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local stored = require "mongotx.stored"
 local batch = require "mongotx.batch"
+local engine = require "mongotx.engine"
 local points = require "mongotx.points"
 local checks = require "mongotx.manager.checks"
 
@@ -315,9 +317,11 @@ function _M.again(tm, T, spec)
       "later (recovery rolls it back if that call died)", { step = "hold", id = T._id,
       status = status })
   elseif status == "failed" then
-    return nil, errors.new("cancelled", "the hold did not open: " ..
-      tostring(existing.reason or "no reason recorded"), { step = "hold", id = T._id,
-      status = status, reason = existing.reason, cause = existing.cause })
+    -- what the first answer said of the refusal (cause, op), as any id's
+    local failure = engine.cancelled_error(existing)
+    failure.message = "the hold did not open: " .. tostring(existing.reason or "no reason recorded")
+    failure.step, failure.status = "hold", status
+    return nil, failure
   end
   return existing
 end

@@ -6,7 +6,7 @@
 local errors = require "mongotx.errors"
 local engine = require "mongotx.engine"
 
-local ipairs, tostring = ipairs, tostring
+local ipairs, tostring, type = ipairs, tostring, type
 local format = string.format
 local key, op_failure = engine.key, engine.op_failure
 
@@ -153,6 +153,12 @@ function _M.step(eng, cache, name, T, i)
   end
   local bad = eng:fields_error(T)
   if bad then return nil, bad end
+  -- an open hold is decided by capture, void or its expiry (mongotx.holds):
+  -- a claim, commit or cancel here would decide it past their conditions
+  -- (an expired hold captured); once decided, its steps are anyone's
+  if type(T.hold) == "table" and T.state == "pending" then
+    return refuse("invalid", "a hold is decided by capture or void, or expires: not by steps")
+  end
   if name == "claim" then return step_claim(eng, cache, T, refuse) end
   local want = STEP_STATES[name]
   local again = T.state ~= want and STEP_AFTER[name] and STEP_AFTER[name][T.state]

@@ -524,5 +524,6 @@ function Engine:drive(T, versions, later)
 end
 
 _M.op_failure, _M.failure_text, _M.cause_of = op_failure, failure_text, cause_of
+_M.cancelled_error = cancelled_error
 
 return _M
