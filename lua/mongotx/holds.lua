@@ -326,6 +326,26 @@ function _M.again(tm, T, spec)
   return existing
 end
 
+-- A capture or void whose decision did not win: the hold as it is now.
+-- One still pending at the epoch read was decided by nobody: it is past
+-- its expiry, so it is expired first.  Returns T, or nil, err.
+local function after_lost(eng, T)
+  local now, err = eng:get(T._id)
+  if not now then
+    return nil, err or errors.new("state", "the hold disappeared", { id = T._id })
+  end
+  if now.state == "pending" and now.epoch == T.epoch then
+    local ok
+    ok, err = expire(eng, now)
+    if not ok then return nil, err end
+    now, err = eng:get(T._id)
+    if not now then
+      return nil, err or errors.new("state", "the hold disappeared", { id = T._id })
+    end
+  end
+  return now
+end
+
 -- capture(tm, id, amount): see Manager:capture.
 function _M.capture(tm, id, amount, level)
   local T, err = load(tm, id, "capture", level + 1)
@@ -377,18 +397,8 @@ function _M.capture(tm, id, amount, level)
       if not T then return nil, err end
       return _M.view(eng, T)
     end
-    local now
-    now, err = eng:get(T._id)
-    if err then return nil, err end
-    if now.state == "pending" and now.epoch == T.epoch then
-      -- not decided and still as read: it is past its expiry
-      local ok
-      ok, err = expire(eng, now)
-      if not ok then return nil, err end
-      now, err = eng:get(T._id)
-      if err then return nil, err end
-    end
-    T = now
+    T, err = after_lost(eng, T)
+    if not T then return nil, err end
   end
   return nil, errors.new("state", "the hold did not settle", { step = "capture", id = T._id })
 end
@@ -426,17 +436,8 @@ function _M.void(tm, id, level)
       eng:event("void", { id = T._id, amount = T.hold.amount })
       T = won
     else
-      local now
-      now, err = eng:get(T._id)
-      if err then return nil, err end
-      if now.state == "pending" and now.epoch == T.epoch then
-        local ok
-        ok, err = expire(eng, now)
-        if not ok then return nil, err end
-        now, err = eng:get(T._id)
-        if err then return nil, err end
-      end
-      T = now
+      T, err = after_lost(eng, T)
+      if not T then return nil, err end
     end
   end
   return nil, errors.new("state", "the hold did not settle", { step = "void", id = T._id })
