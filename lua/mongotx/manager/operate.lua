@@ -223,9 +223,13 @@ function Manager:prune(opts)
   now, err = self.engine:server_now()
   if not now then return nil, err end
   local age = opts.older_than or self.policy.retention
+  -- before the ms after `now - age`: the server's clock is read in ms, a
+  -- transaction that ended in the ms of the read is 0 s old, and a server
+  -- may keep a date finer than the ms it answers (mongo-java-server does:
+  -- `$lte` that ms missed it)
   local filter = {
     state = { ["$in"] = { "done", "cancelled" } }, ops = stored.OWN,
-    lastModified = { ["$lt"] = core.Date(math.floor(now - age * 1000)) },
+    lastModified = { ["$lt"] = core.Date(math.floor(now - age * 1000) + 1) },
   }
   if opts.dry_run then
     local n
