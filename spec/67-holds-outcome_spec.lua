@@ -38,6 +38,14 @@ local RACER = PRELUDE .. [[
 local uri, dbname, me, n = arg[1], arg[2], tonumber(arg[3]), tonumber(arg[4])
 local db = assert(mongotx.connect(uri, { database = dbname }))
 local tm = assert(db:manager { application = "racer-" .. me, stale_after = 0, lease = 0 })
+-- every racer starts when the spec opens the gate, once all are running
+-- (a slow parent, under valgrind say, would let the first decide all)
+local gate, waited = db:collection("gate"), 0
+while not gate:find_one({ _id = "go" }) do
+  assert(waited < 60, "the gate never opened")
+  mongotx.core.sleep(0.005)
+  waited = waited + 0.005
+end
 math.randomseed(me * 7919)
 local order = {}
 for i = 1, n do order[i] = i end
@@ -90,6 +98,7 @@ describe("#server #concurrency holds decided by several processes at once", func
       local pid, out, script = helpers.spawn_script(RACER, helpers.uri(), dbname, me, N)
       procs[me] = { pid = pid, out = out, script = script }
     end
+    assert(db:collection("gate"):insert_one({ _id = "go" }))
     local answers = {}
     for _, p in ipairs(procs) do
       local said = helpers.script_output(p.pid, p.out, p.script, 120)
