@@ -17,7 +17,8 @@
 --
 -- This module owns the engine's context, its reads and claims; the
 -- phases of a claimed transaction (apply, finish, cancel, undo, drive)
--- are mongotx.engine.phases, methods of the same class.
+-- are mongotx.engine.phases, and the waits for and takeovers of one
+-- another owner holds mongotx.engine.holders, methods of the same class.
 
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
@@ -25,6 +26,7 @@ local validate = require "mongotx.validate"
 local stored = require "mongotx.stored"
 local clock = require "mongotx.clock"
 local phases = require "mongotx.engine.phases"
+local holders = require "mongotx.engine.holders"
 local commands = require "mongotx.engine.commands"
 
 local ipairs, pairs, tostring, setmetatable = ipairs, pairs, tostring, setmetatable
@@ -489,128 +491,6 @@ function Engine:holds(T)
   return T.state == "pending" and self:holding(T)
 end
 
--- Has the lease of T's owner passed (T pending, another owner's)?  With a
--- deadline (the owner's applies are fenced by it): once the deadline is
--- behind the server's clock, as estimated (a claim checks it again on the
--- server); else once its lease (T's recorded lease, or this manager's)
--- ran since it last moved.  A parked transaction waits for an operator:
--- never.  Returns it, and the seconds left until it passes; nil, err.
-function Engine:lapsed(T)
-  if T.parked then return false end
-  local now, err = self:clock()
-  if not now then return nil, err end
-  local until_ms
-  if T.deadline ~= nil and core.type(T.deadline) == "date" then
-    until_ms = T.deadline:value()
-  elseif T.lastModified ~= nil and core.type(T.lastModified) == "date" then
-    until_ms = T.lastModified:value() + (tonumber(T.lease) or self.policy.lease) * 1000
-  else
-    return false
-  end
-  local left = (until_ms - now) / 1000
-  return left < 0, math.max(left, 0)
-end
-
--- T is pending and another owner holds it within its lease: two calls of
--- one idempotency key (in any processes) met, or a commit came for a
--- transaction someone else runs.
-function Engine:held_error(T)
-  return errors.new("in_progress", ("held by %s, which did not finish it in %g s " ..
-    "(holder_wait): ask again later; once its lease passed, a retry takes it over"):format(
-    tostring(T.application), self.policy.holder_wait), { id = T._id })
-end
-
--- Waits for the transactions of `list`, pending and held by other owners,
--- all at once: every policy.backoff, one read of them all, until each
--- left pending or its owner's lease passed (lapsed), for at most
--- policy.holder_wait seconds.  Returns out[i]: T as read then, or false
--- and errs[i]: why (held_error when its holder kept it within its lease
--- all that time, the read's failure, or the transaction disappeared).
-function Engine:await_many(list)
-  local policy = self.policy
-  local give_up = core.monotonic_ms() + policy.holder_wait * 1000
-  local out, errs, waiting, attempt = {}, {}, {}, 0
-  for i, T in ipairs(list) do
-    out[i], errs[i] = false, false
-    local sent, err = validate.check_tid(T._id)
-    if sent == nil then errs[i] = err else waiting[#waiting + 1] = { i = i, sent = sent, T = T } end
-  end
-  while #waiting > 0 do
-    local left = (give_up - core.monotonic_ms()) / 1000
-    if left <= 0 then break end
-    attempt = attempt + 1
-    policy.sleep(math.min(policy.backoff(attempt), left))
-    local ids = {}
-    for k, w in ipairs(waiting) do ids[k] = w.sent end
-    local docs, err = self.tx:find_all({ _id = { ["$in"] = ids } }, { limit = #ids })
-    if not docs then
-      for _, w in ipairs(waiting) do errs[w.i] = errors.wrap(err, nil, w.T._id) end
-      return out, errs
-    end
-    local by_id = {}
-    for _, doc in ipairs(docs) do by_id[key(doc._id)] = live(doc) end
-    local still = {}
-    for _, w in ipairs(waiting) do
-      local now = by_id[key(w.T._id)]
-      local lapsed
-      if now and now.state == "pending" then
-        lapsed, err = self:lapsed(now)
-        if lapsed == nil then errs[w.i] = err end
-      end
-      if not now then
-        errs[w.i] = errors.new("state", "the transaction disappeared", { id = w.T._id })
-      elseif now.state ~= "pending" or lapsed then
-        out[w.i] = now
-      elseif lapsed == false then
-        w.T, still[#still + 1] = now, w
-      end
-    end
-    waiting = still
-  end
-  for _, w in ipairs(waiting) do errs[w.i] = self:held_error(w.T) end
-  return out, errs
-end
-
--- One transaction, as await_many: T as read once it left pending or its
--- owner's lease passed; nil and `in_progress` after policy.holder_wait
--- seconds (its holder, or after its lease a retry or recovery, still has
--- to finish it).
-function Engine:await(T)
-  local out, errs = self:await_many({ T })
-  if out[1] then return out[1] end
-  return nil, errs[1]
-end
-
--- Takes over T, pending and held by an owner whose lease passed (lapsed):
--- as recovery would (recovery.lua, recover_one): its versions read, a
--- claim, then forward (the versions, to apply the rest) or, when
--- policy.stale_pending says so, back (cancelled as recovery cancels).
--- Returns T as it now is and the versions, or T read again (a claim
--- lost: someone else moved it first, or the server's clock says the
--- deadline has not passed yet) and nil; nil, nil, err.
-function Engine:take_over(T)
-  local versions, err = self:versions(T)
-  if not versions then return nil, nil, err end
-  local claimed
-  claimed, err = self:claim(T)
-  if claimed == nil then return nil, nil, err end
-  if not claimed then
-    self.policy.sleep(self.policy.backoff(1))
-    local now
-    now, err = self:get(T._id)
-    if not now then
-      return nil, nil, err or errors.new("state", "the transaction disappeared", { id = T._id })
-    end
-    return now
-  end
-  if self.policy.stale_pending(claimed) == "back" then
-    local moved
-    moved, err = self:cancel(claimed, "rolled back by recovery", "recovery")
-    return moved, nil, err
-  end
-  return claimed, versions
-end
-
 -- Versions read while this manager holds T: read, then check T is still
 -- held, so any later owner's writes come after the read.
 function Engine:confirmed_versions(T)
@@ -623,8 +503,11 @@ function Engine:confirmed_versions(T)
   return versions
 end
 
--- The phases (apply, finish, cancel, undo, drive): mongotx.engine.phases.
+-- The phases (apply, finish, cancel, undo, drive): mongotx.engine.phases;
+-- a transaction another owner holds (lapsed, await, take_over):
+-- mongotx.engine.holders.
 for name, method in pairs(phases.methods) do Engine[name] = method end
+for name, method in pairs(holders.methods) do Engine[name] = method end
 
 _M.key, _M.op_failure, _M.failure_text = key, phases.op_failure, phases.failure_text
 _M.cause_of, _M.cancelled_error = phases.cause_of, phases.cancelled_error

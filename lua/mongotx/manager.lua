@@ -28,6 +28,7 @@ local counts = require "mongotx.manager.counts"
 local operate = require "mongotx.manager.operate"
 local commands = require "mongotx.engine.commands"
 local holds = require "mongotx.holds"
+local mholds = require "mongotx.manager.holds"
 
 local canon = validate.canon
 local live = stored.live
@@ -318,52 +319,8 @@ function Manager:transfer(collection, from, to, amount, opts)
   return batches.run_one(self, spec)
 end
 
---- Reserves `amount`: `from` is debited at once (its floor checked now), `to` credited only in escrow.
--- The hold is decided later by `capture` (all or part) or `void`, or expires by the server's clock
--- ([holds](../docs/holds.md)).
--- @syntax T, err = tm:hold(collection, from, to, amount [, { field = "balance", min, id, expires = 3600, meta }])
--- @string collection the accounts' collection
--- @param from the debited document's id
--- @param to the document credited once captured
--- @number amount finite and positive
--- @tparam[opt] table opts `field`, `min`, `id`, `meta` as for `transfer`; `expires`: seconds until it expires
---   (default 3600)
--- @treturn table the hold's transaction, `hold = { amount, expires, ready, status = "held" }` on it
--- @errors `guard` (below `min`: nothing stays applied), `missing`, `invalid` (also on a manager with
---   `escrow = false`), `idempotency`, `state` (it did not open: `err.status`), database errors
--- @usage local H = assert(tm:hold("accounts", "buyer", "shop", 100, { min = 0, id = "cart-7", expires = 900 }))
-function Manager:hold(collection, from, to, amount, opts)
-  local T, err = holds.hold(self, collection, from, to, amount, opts, CALLER)
-  return T, err
-end
-
---- Captures a hold: `amount` (default all of it) to `to`, the rest back to `from`, in the finish's writes.
--- A capture repeated with the same amount returns the first one's result.
--- @syntax T, err = tm:capture(id [, amount])
--- @param id the hold's id
--- @number[opt] amount at most what is held
--- @treturn table the hold's transaction, `done`, `hold.captured` the amount
--- @errors `invalid` (more than held, not a hold: nothing changed), `state` (`err.status`: "voided",
---   "expired", "captured" with another amount, "opening"), database errors (retry: it returns the outcome)
--- @usage local T, err = tm:capture("cart-7", 60)
-function Manager:capture(id, amount)
-  if amount ~= nil and type(amount) ~= "number" then
-    error("capture: amount must be a number", CALLER)
-  end
-  local T, err = holds.capture(self, id, amount, CALLER)
-  return T, err
-end
-
---- Voids a hold: everything back to `from`.  A hold past its expiry ends "expired" instead.
--- @syntax T, err = tm:void(id)
--- @param id the hold's id
--- @treturn table the hold's transaction, `cancelled`, `hold.status` "voided" or "expired"
--- @errors `invalid` (not a hold), `state` (`err.status` "captured" or "opening"), database errors
--- @usage assert(tm:void("cart-7"))
-function Manager:void(id)
-  local T, err = holds.void(self, id, CALLER)
-  return T, err
-end
+-- hold, capture, void: mongotx.manager.holds.
+Manager.hold, Manager.capture, Manager.void = mholds.hold, mholds.capture, mholds.void
 
 -- Runs calls of tm:transfer, tm:run and tm:commit that concurrent
 -- callers made as one batch, each answered as its call alone would be:
