@@ -39,7 +39,7 @@ local checks = require "mongotx.manager.checks"
 local live, canon = stored.live, validate.canon
 local Date = core.Date
 local pairs, ipairs, type, tostring = pairs, ipairs, type, tostring
-local floor, format = math.floor, string.format
+local floor, format, huge = math.floor, string.format, math.huge
 
 local _M = {}
 
@@ -469,6 +469,26 @@ function _M.as_captured(T)
 end
 
 -- Recovery -------------------------------------------------------------------
+
+-- Why an op's `settle` (what the finish of a capture adds) does not fit
+-- its update, or nil: finite positive numbers, each on a path of the
+-- update's $inc, no more than an escrowed credit holds, no more than a
+-- debit took (validate.malformed asks).
+function _M.settle_error(op, update)
+  if op.kind ~= "update" or core.type(op.settle) ~= "object" then
+    return "settle is not a document of an update op"
+  end
+  local inc = type(update) == "table" and update["$inc"]
+  for path, n in pairs(op.settle) do
+    local d = type(inc) == "table" and inc[path]
+    if type(n) ~= "number" or n ~= n or n <= 0 or n == huge or type(d) ~= "number" then
+      return "settle " .. tostring(path) .. " is not a positive number of the update's $inc"
+    end
+    if (op.effect == "escrow" and n > d) or (op.effect ~= "escrow" and n > -d) then
+      return "settle " .. path .. " is more than the update moves"
+    end
+  end
+end
 
 -- What recovery does with the hold T (mongotx.recovery's triage): a
 -- ready one is claimed once past its expiry by `now` (the claim itself

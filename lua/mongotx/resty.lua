@@ -207,16 +207,9 @@ end
 -- what the call raised (a misuse: a wrong argument type, an unknown
 -- option).
 
---- Internal: what `ngx.run_worker_thread` runs in a worker-thread VM.
+--- Internal: what `ngx.run_worker_thread` runs in a worker-thread VM
+-- (kind, the handle's description, the method, its arguments as BSON).
 -- @local
--- @syntax status, results = resty.thread(kind, spec, method, args)
--- @string kind "call", "db" or the like
--- @tparam table spec the handle's description
--- @string method the method
--- @string args the arguments, BSON-encoded
--- @treturn string "ok" or "raise"
--- @return the results, or the message raised
--- @usage -- called by nginx, not by handlers
 function _M.thread(kind, spec, method, args)
   local ok, res = pcall(run, kind, spec, method, args)
   if ok then return "ok", res end
@@ -491,12 +484,10 @@ function _M.recovery(opts)
     if dict:get(key) == me then dict:delete(key) end
   end
 
-  -- The manager, made once its transactions collection is there: one
-  -- made for a mistyped name would create that collection (and sweep it
-  -- for ever, finding nothing), so until then each pass answers an error
-  -- naming the database and collection, and creates nothing.  A fresh
-  -- deploy is so until its first transaction begins: that error is
-  -- logged at info, once a worker (on_report still gets it every pass).
+  -- The manager, made once its transactions collection is there (one for
+  -- a mistyped name would create it): until then a pass answers an error
+  -- naming both and creates nothing; a fresh deploy's is logged at info,
+  -- once a worker (on_report gets it every pass).
   local function pass()
     if not tm then
       local db, err = _M.connect(opts.uri, opts.connect)

@@ -412,26 +412,6 @@ local function stored_doc(v, name)
   return v
 end
 
--- Why an op's `settle` (what the finish of a hold's capture adds, see
--- mongotx.holds) does not fit its update, or nil: numbers, each on a path
--- of the update's $inc, no more than an escrowed credit holds, no more
--- than a debit took.
-local function settle_error(op, update)
-  if op.kind ~= "update" or core.type(op.settle) ~= "object" then
-    return "settle is not a document of an update op"
-  end
-  local inc = type(update) == "table" and update["$inc"]
-  for path, n in pairs(op.settle) do
-    local d = type(inc) == "table" and inc[path]
-    if type(n) ~= "number" or not finite(n) or n <= 0 or type(d) ~= "number" then
-      return "settle " .. tostring(path) .. " is not a positive number of the update's $inc"
-    end
-    if (op.effect == "escrow" and n > d) or (op.effect ~= "escrow" and n > -d) then
-      return "settle " .. path .. " is more than the update moves"
-    end
-  end
-end
-
 local function malformed_op(op, ctx)
   if core.type(op) ~= "object" then return "not a document" end
   local ok, bad = core.check_collection(op.collection, ctx.collection)
@@ -470,7 +450,8 @@ local function malformed_op(op, ctx)
     return "unknown effect " .. tostring(op.effect)
   end
   if op.settle ~= nil then
-    local why = settle_error(op, parts.update)
+    -- (required here: mongotx.holds requires this module)
+    local why = require("mongotx.holds").settle_error(op, parts.update)
     if why then return why end
   end
   local _, err = check_where(parts.where, ctx.owned)
