@@ -19,7 +19,6 @@ local stored = require "mongotx.stored"
 local engine = require "mongotx.engine"
 local batch = require "mongotx.batch"
 local recovery = require "mongotx.recovery"
-local stepwise = require "mongotx.stepwise"
 local each = require "mongotx.each"
 local group = require "mongotx.group"
 local checks = require "mongotx.manager.checks"
@@ -32,7 +31,7 @@ local mholds = require "mongotx.manager.holds"
 
 local canon = validate.canon
 local live = stored.live
-local ipairs, pairs, type, tostring, setmetatable = ipairs, pairs, type, tostring, setmetatable
+local ipairs, pairs, type, setmetatable = ipairs, pairs, type, setmetatable
 local format = string.format
 
 local _M = {}
@@ -540,27 +539,5 @@ end
 
 -- stats and backlog: mongotx.manager.counts.
 Manager.stats, Manager.backlog = counts.stats, counts.backlog
-
--- One protocol step at a time, as in the tutorial (mongotx.stepwise):
--- claim, apply (op i), commit, finish (op i), done, cancel, undo (op i),
--- cancelled.  Each returns the step's result table, or nil, err.
-local STEPS = { claim = true, apply = "op", commit = true, finish = "op", done = true,
-                cancel = true, undo = "op", cancelled = true }
-
---- One protocol step: claim, apply, commit, finish, done, cancel, undo, cancelled.
--- @syntax result, err = tm:step(name, t [, i])
--- @string name the step
--- @tparam table t the transaction
--- @int[opt] i the op's index, for apply, finish and undo
--- @return the step's result (`claim`: the document or false; `apply`: `{ applied = true }`; ...)
--- @errors `state` (out of order), `owned`, `fenced`, an op's reason, database errors
--- @usage assert(tm:step("claim", t)); assert(tm:step("apply", t, 1))
-function Manager:step(name, t, i)
-  if not STEPS[name] then error("unknown step " .. tostring(name), CALLER) end
-  local T, err = self:_load(t, name)
-  if not T then return nil, err end
-  if STEPS[name] == "op" and not T.ops[i] then error("no op " .. tostring(i), CALLER) end
-  return stepwise.step(self.engine, self.stepped, name, T, i)
-end
 
 return _M

@@ -1,6 +1,7 @@
 -- mongotx.manager.operate: what is done to one transaction from outside
--- its run: rollback (before commit), compensate (after), and what an
--- operator runs on the transactions collection: prune, unpark, inspect.
+-- its run: rollback (before commit), compensate (after), one protocol
+-- step (step), and what an operator runs on the transactions collection:
+-- prune, unpark, inspect.
 -- Methods of the Manager class (mongotx.manager adds `methods` to it), and
 -- compensation_id.
 
@@ -15,6 +16,7 @@ local stored = require "mongotx.stored"
 local counts = require "mongotx.manager.counts"
 local engine = require "mongotx.engine"
 local holds = require "mongotx.holds"
+local stepwise = require "mongotx.stepwise"
 
 local key = validate.tid_key
 local ipairs, pairs, type, tostring = ipairs, pairs, type, tostring
@@ -376,6 +378,28 @@ function Manager:inspect(id)
                 pending = doc and doc[f.pending] }
   end
   return T, docs
+end
+
+-- One protocol step at a time, as in the tutorial (mongotx.stepwise):
+-- claim, apply (op i), commit, finish (op i), done, cancel, undo (op i),
+-- cancelled.  Each returns the step's result table, or nil, err.
+local STEPS = { claim = true, apply = "op", commit = true, finish = "op", done = true,
+                cancel = true, undo = "op", cancelled = true }
+
+--- One protocol step: claim, apply, commit, finish, done, cancel, undo, cancelled.
+-- @syntax result, err = tm:step(name, t [, i])
+-- @string name the step
+-- @tparam table t the transaction
+-- @int[opt] i the op's index, for apply, finish and undo
+-- @return the step's result (`claim`: the document or false; `apply`: `{ applied = true }`; ...)
+-- @errors `state` (out of order), `owned`, `fenced`, an op's reason, database errors
+-- @usage assert(tm:step("claim", t)); assert(tm:step("apply", t, 1))
+function Manager:step(name, t, i)
+  if not STEPS[name] then error("unknown step " .. tostring(name), CALLER) end
+  local T, err = self:_load(t, name)
+  if not T then return nil, err end
+  if STEPS[name] == "op" and not T.ops[i] then error("no op " .. tostring(i), CALLER) end
+  return stepwise.step(self.engine, self.stepped, name, T, i)
 end
 
 return _M
