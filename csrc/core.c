@@ -33,6 +33,8 @@ luaopen_mongotx_core(lua_State *L)
 	lua_setfield(L, -2, "_VERSION");
 	lua_pushinteger(L, MTX_MAX_NAMESPACE);
 	lua_setfield(L, -2, "MAX_NAMESPACE");
+	lua_pushinteger(L, (lua_Integer)MTX_VERSION_BAND);
+	lua_setfield(L, -2, "VERSION_BAND");
 	mtx_open_scratch(L);
 	mtx_open_error(L);
 	mtx_open_bson(L);

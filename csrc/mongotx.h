@@ -31,6 +31,11 @@
  * (core.MAX_NAMESPACE; core.check_ops refuses it first). */
 #define MTX_MAX_NAMESPACE 120
 
+/* A document's version moves by 1 with each write of mongotx, and by a
+ * band (MTX_VERSION_BAND) with a takeover's (csrc/txn.c, "Fencing"): an
+ * apply matches only while the version is in the band it read. */
+#define MTX_VERSION_BAND ((int64_t)1 << 24)
+
 /* ---- scratch.c: Lua-owned temporaries ---- */
 
 /* Every C resource a call needs is owned by a userdata on the Lua stack, so

@@ -238,15 +238,27 @@ append_inc(lua_State *L, bson_t *sub, const bson_iter_t *it, const fields *f, in
 	}
 }
 
+static void
+append_version_inc(bson_t *sub, const fields *f, int64_t vinc)
+{
+	if (vinc == 1)
+		BSON_APPEND_INT32(sub, f->version, 1);
+	else
+		BSON_APPEND_INT64(sub, f->version, vinc);
+}
+
 /* Copies the operators of update (may be NULL) into out, adding the
  * marker change (`$push` or `$pull` of the transaction id, or none; and
  * the same of the array `also` names: `held`, `escrow`, or NULL) and
- * `$inc` of the version field.  With
+ * `$inc` of the version field by vinc (1, or MTX_VERSION_BAND for a
+ * takeover's write: "Fencing" above; an int64, so that no int32 version
+ * overflows).  With
  * `escrow` (1 or -1, see append_inc) the $inc paths of that sign go to
  * the escrow subdocument instead (an escrowed op's apply and undo). */
 void
 merge_update(lua_State *L, bson_t *out, const bson_t *update, const fields *f,
-	     const char *marker_op, const bson_t *tid_holder, const char *also, int escrow)
+	     const char *marker_op, const bson_t *tid_holder, const char *also, int escrow,
+	     int64_t vinc)
 {
 	bson_iter_t it, inner, tid;
 	bson_t sub;
@@ -268,7 +280,7 @@ merge_update(lua_State *L, bson_t *out, const bson_t *update, const fields *f,
 				while (bson_iter_next(&inner))
 					append_inc(L, &sub, &inner, f, is_inc ? escrow : 0);
 			if (is_inc) {
-				BSON_APPEND_INT32(&sub, f->version, 1);
+				append_version_inc(&sub, f, vinc);
 				saw_inc = 1;
 			}
 			if (is_marker) {
@@ -282,7 +294,7 @@ merge_update(lua_State *L, bson_t *out, const bson_t *update, const fields *f,
 	}
 	if (!saw_inc) {
 		bson_append_document_begin(out, "$inc", 4, &sub);
-		BSON_APPEND_INT32(&sub, f->version, 1);
+		append_version_inc(&sub, f, vinc);
 		bson_append_document_end(out, &sub);
 	}
 	if (marker_op && !saw_marker) {

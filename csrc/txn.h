@@ -104,7 +104,7 @@ MTX_HIDDEN bson_t *check_tid(lua_State *L, int idx);
 MTX_HIDDEN void item_tid(lua_State *L, int item, int i, bson_t *holder);
 MTX_HIDDEN void merge_update(lua_State *L, bson_t *out, const bson_t *update,
 	     const fields *f, const char *marker_op, const bson_t *tid_holder,
-	     const char *also, int escrow);
+	     const char *also, int escrow, int64_t vinc);
 MTX_HIDDEN void append_settle(lua_State *L, bson_t *out, const bson_t *update,
 	     const bson_t *settle, const fields *f);
 

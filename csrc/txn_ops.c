@@ -178,19 +178,63 @@ op_parts_stored(lua_State *L, int op, int kind, const bson_value_t *ops, int i,
 		luaL_error(L, "mongotx: stored op %d lacks its id or update", i);
 }
 
+/* How far a write of a takeover moves the version (the stack slot idx
+ * true; csrc/txn.c, "Fencing"), else 1. */
+static int64_t
+version_step(lua_State *L, int idx)
+{
+	return lua_toboolean(L, idx) ? MTX_VERSION_BAND : 1;
+}
+
+/* The fence of an apply by the version its owner read (stack index
+ * `version`): nil, the document had none: it still has none; false, none
+ * read: no condition; a number v >= 0: the version still in v's band,
+ * {$gte: v, $lt: (v / band + 1) * band}, which only a takeover's write
+ * (or one after a write whose reply never came, mongotx.engine.bands)
+ * leaves; anything else: equal to it. */
+static void
+append_version_fence(lua_State *L, int version, const fields *f, bson_t *filter)
+{
+	bson_t *read, range;
+	bson_iter_t it;
+	int64_t v;
+
+	if (lua_isnil(L, version)) {
+		bson_append_null(filter, f->version, -1);
+		return;
+	}
+	if (lua_isboolean(L, version))
+		return;
+	read = mtx_scratch(L);
+	mtx_append_value(L, version, read, "v");
+	lua_pop(L, 1);
+	bson_iter_init_find(&it, read, "v");
+	v = bson_iter_as_int64(&it);
+	if (!(BSON_ITER_HOLDS_INT32(&it) || BSON_ITER_HOLDS_INT64(&it) ||
+	      (BSON_ITER_HOLDS_DOUBLE(&it) && bson_iter_double(&it) == (double)v)) ||
+	    v < 0 || v > INT64_MAX - 2 * MTX_VERSION_BAND) {
+		bson_append_iter(filter, f->version, -1, &it);
+		return;
+	}
+	bson_append_document_begin(filter, f->version, -1, &range);
+	BSON_APPEND_INT64(&range, "$gte", v);
+	BSON_APPEND_INT64(&range, "$lt", (v / MTX_VERSION_BAND + 1) * MTX_VERSION_BAND);
+	bson_append_document_end(filter, &range);
+}
+
 /* The apply of an update/remove/assert op: filter {_id, where...,
  * "held.0" absent (and "marker.0" for an exclusive op or a guard other
  * than a floor: "Isolation" in txn.h), marker: {$ne: tid}} fenced by the
- * version the owner read (stack index
- * `version`; nil means the document had none, false that the owner read
- * none) and, when `before` (deadline_condition) is given, by the server's
+ * version the owner read (stack index `version`, append_version_fence)
+ * and, when `before` (deadline_condition) is given, by the server's
  * clock being before the deadline; update: op.update (update kind only;
  * an escrowed op's credits under `pending`) + $push marker + $inc version
- * (and the `held` array; see "Guards", like the condition a guarded op
- * adds). */
+ * by vinc (and the `held` array; see "Guards", like the condition a
+ * guarded op adds). */
 static void
 build_apply(lua_State *L, const op_parts *p, const bson_t *tid, int version,
-	    const bson_t *before, const fields *f, bson_t *filter, bson_t *update)
+	    const bson_t *before, const fields *f, int64_t vinc, bson_t *filter,
+	    bson_t *update)
 {
 	if (p->id_idx)
 		mtx_append_value(L, p->id_idx, filter, "_id");
@@ -204,18 +248,16 @@ build_apply(lua_State *L, const op_parts *p, const bson_t *tid, int version,
 	append_unheld(L, filter, f->held);
 	append_marker_ne(filter, f, tid);
 	bson_append_null(filter, f->removing, -1); /* absent: nobody removes it */
-	if (lua_isnil(L, version))
-		bson_append_null(filter, f->version, -1);
-	else if (!lua_isboolean(L, version))
-		mtx_append_value(L, version, filter, f->version);
+	append_version_fence(L, version, f, filter);
 	merge_update(L, update, p->update, f, "$push", tid,
-		     p->holds ? f->held : p->escrow ? f->escrow : NULL, p->escrow);
+		     p->holds ? f->held : p->escrow ? f->escrow : NULL, p->escrow, vinc);
 	if (p->kind == K_REMOVE)
 		append_removing(update, "$set", f, tid);
 }
 
-/* steps:apply(coll, tid, op [, version|false [, deadline]])
+/* steps:apply(coll, tid, op [, version|false [, deadline [, takeover]]])
  *   -> { applied = bool }
+ * (takeover: the version moves by a band, version_step.)
  * update/remove/assert: update_one of build_apply's filter and update.
  * insert: insert_one of op.doc with the marker set; a duplicate key is
  * reported as applied = false. */
@@ -230,7 +272,7 @@ l_apply(lua_State *L)
 	int64_t n = 0;
 	int kind, rc;
 
-	lua_settop(L, 6); /* absent optional arguments keep their slots */
+	lua_settop(L, 7); /* absent optional arguments keep their slots */
 	tid = check_tid(L, 3);
 	luaL_checktype(L, 4, LUA_TTABLE);
 	kind = op_kind(L, 4);
@@ -253,7 +295,7 @@ l_apply(lua_State *L)
 	scratch_pair(L, &filter, &update);
 	op_parts_table(L, 4, kind, &parts);
 	build_apply(L, &parts, tid, 5, deadline_condition(L, lua_isnil(L, 6) ? 0 : 6, &cond),
-		    &s->f, filter, update);
+		    &s->f, version_step(L, 7), filter, update);
 	if ((rc = run_update(L, "apply", coll, filter, update, opts, 0, &n)))
 		return rc;
 	return push_bool_result(L, "applied", n);
@@ -327,7 +369,8 @@ item_op_parts(lua_State *L, int item, int op, int kind, op_parts *p)
 /* steps:apply_many(coll, items [, deadline]) -> bulk result (see
  * coll:bulk_write; as for every batch of the steps, its items list only
  * the requests that failed or upserted: MTX_BULK_FAILURES) or nil, err.
- * items[i] = { tid, op, version [, stored, i] }: apply's writes for many
+ * items[i] = { tid, op, version [, stored, i] [, takeover] }: apply's
+ * writes for many
  * ops of one collection in one unordered bulk write, all fenced by the
  * same deadline (when given; its condition is built once); an op's id,
  * update and where
@@ -355,9 +398,14 @@ l_apply_many(lua_State *L)
 			ok = mongoc_bulk_operation_insert_with_opts(
 				b.bulk, build_insert(L, op, b.tid, &b.f), b.req, &err);
 		} else {
+			int64_t vinc;
+
+			lua_getfield(L, op - 1, "takeover");
+			vinc = version_step(L, -1);
 			lua_getfield(L, op - 1, "version");
 			item_op_parts(L, op - 1, op, kind, &parts);
-			build_apply(L, &parts, b.tid, op + 1, before, &b.f, b.filter, b.update);
+			build_apply(L, &parts, b.tid, op + 2, before, &b.f, vinc, b.filter,
+				    b.update);
 			ok = mongoc_bulk_operation_update_one_with_opts(
 				b.bulk, b.filter, b.update, b.req, &err);
 		}
@@ -396,7 +444,7 @@ enum { OP_UPDATE, OP_DELETE, OP_UPSERT };
  * all in one write: OP_UPDATE (a remove deletes the document: OP_DELETE). */
 static int
 build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
-	     bson_t *filter, bson_t *update)
+	     int64_t vinc, bson_t *filter, bson_t *update)
 {
 	int kind = op_kind(L, op), top = lua_gettop(L);
 	const bson_t *settle = NULL, *credits = NULL;
@@ -419,12 +467,12 @@ build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 	}
 	if (!settle && !credits) {
 		lua_settop(L, top);
-		merge_update(L, update, NULL, f, "$pull", tid, op_array(L, op, kind, f), 0);
+		merge_update(L, update, NULL, f, "$pull", tid, op_array(L, op, kind, f), 0, vinc);
 		return OP_UPDATE;
 	}
 	inc = mtx_scratch(L);
 	append_settle(L, inc, credits, settle, f);
-	merge_update(L, update, inc, f, "$pull", tid, op_array(L, op, kind, f), 0);
+	merge_update(L, update, inc, f, "$pull", tid, op_array(L, op, kind, f), 0, vinc);
 	lua_settop(L, top);
 	return OP_UPDATE;
 }
@@ -432,17 +480,17 @@ build_finish(lua_State *L, int op, const bson_t *tid, const fields *f,
 /* Builds an op's write into filter and update (build_finish, build_undo,
  * build_fence); returns one of the enum above. */
 typedef int (*op_builder)(lua_State *L, int op, const bson_t *tid, const fields *f,
-			  bson_t *filter, bson_t *update);
+			  int64_t vinc, bson_t *filter, bson_t *update);
 
 /* The single-op steps (finish, undo, fence): steps:<point>(coll, tid, op
- * [, deadline]) runs the write `build` makes of op and returns { [result]
- * = whether it matched a document }.  With `fenced` a deadline (a date,
+ * [, deadline]) runs the write `build` makes of op, its version moved by
+ * vinc, and returns { [result] = whether it matched a document }.  With `fenced` a deadline (a date,
  * or nil) adds the apply's fence to the filter: the server's clock before
  * it (an owner giving back what a pending transaction applied, which a
  * new owner may drive forward once the deadline passed). */
 static int
 op_step_run(lua_State *L, op_builder build, const char *point, const char *result,
-	    int fenced)
+	    int fenced, int64_t vinc)
 {
 	mongoc_collection_t *coll;
 	bson_t *tid, *filter, *update, *opts, cond;
@@ -455,7 +503,7 @@ op_step_run(lua_State *L, op_builder build, const char *point, const char *resul
 		before = deadline_condition(L, OP_ARG + 1, &cond);
 	coll = op_step_args(L, &tid, &f, &opts);
 	scratch_pair(L, &filter, &update);
-	how = build(L, OP_ARG, tid, &f, filter, update);
+	how = build(L, OP_ARG, tid, &f, vinc, filter, update);
 	if (before)
 		bson_concat(filter, before);
 	if (how == OP_DELETE) {
@@ -477,7 +525,7 @@ op_step_run(lua_State *L, op_builder build, const char *point, const char *resul
 static int
 l_finish(lua_State *L)
 {
-	return op_step_run(L, build_finish, "finish", "finished", 0);
+	return op_step_run(L, build_finish, "finish", "finished", 0, 1);
 }
 
 /* Adds the write `build` makes of op (stack index) to b's bulk as its
@@ -485,9 +533,9 @@ l_finish(lua_State *L)
  * (b->req when every update is built here, see "Built here"). */
 static void
 op_batch_add(lua_State *L, op_batch *b, op_builder build, int op, int i,
-	     const bson_t *upsert, const bson_t *req)
+	     const bson_t *upsert, const bson_t *req, int64_t vinc)
 {
-	int how = build(L, op, b->tid, &b->f, b->filter, b->update);
+	int how = build(L, op, b->tid, &b->f, vinc, b->filter, b->update);
 	bson_error_t err;
 	bool ok;
 
@@ -500,7 +548,8 @@ op_batch_add(lua_State *L, op_batch *b, op_builder build, int op, int i,
 }
 
 /* The writes `build` makes of a batch of ops of one collection (steps,
- * coll, items), in one unordered bulk write at crash point `point`. */
+ * coll, items), in one unordered bulk write at crash point `point`; an
+ * item's `takeover` moves its version by a band. */
 static int
 op_batch_run(lua_State *L, op_builder build, const char *point)
 {
@@ -513,9 +562,11 @@ op_batch_run(lua_State *L, op_builder build, const char *point)
 	BSON_APPEND_BOOL(upsert, "upsert", true);
 	BSON_APPEND_BOOL(upsert, "validate", false);
 	for (i = 1; i <= b.n; i++) {
-		int top = lua_gettop(L);
+		int top = lua_gettop(L), op = op_batch_item(L, &b, i);
 
-		op_batch_add(L, &b, build, op_batch_item(L, &b, i), i, upsert, b.req);
+		lua_getfield(L, op - 1, "takeover");
+		op_batch_add(L, &b, build, op, i, upsert, b.req,
+			     version_step(L, -1));
 		lua_settop(L, top);
 	}
 	return mtx_bulk_execute(L, step_owner(L), b.bulk, point, b.n, MTX_BULK_FAILURES);
@@ -560,7 +611,7 @@ l_finish_many(lua_State *L)
 			if (lua_type(L, -1) == LUA_TSTRING && strcmp(lua_tostring(L, -1), name) == 0) {
 				bson_reinit(b.filter);
 				bson_reinit(b.update);
-				op_batch_add(L, &b, build_finish, op, ++n, NULL, b.req);
+				op_batch_add(L, &b, build_finish, op, ++n, NULL, b.req, 1);
 			}
 			lua_settop(L, ops);
 		}
@@ -577,7 +628,7 @@ l_finish_many(lua_State *L)
  * document: OP_DELETE. */
 static int
 build_undo(lua_State *L, int op, const bson_t *tid, const fields *f,
-	   bson_t *filter, bson_t *update)
+	   int64_t vinc, bson_t *filter, bson_t *update)
 {
 	bson_t *undo = NULL;
 	int kind = op_kind(L, op), top = lua_gettop(L);
@@ -593,14 +644,14 @@ build_undo(lua_State *L, int op, const bson_t *tid, const fields *f,
 		undo = mtx_check_document(L, -1);
 	}
 	merge_update(L, update, undo, f, "$pull", tid, op_array(L, op, kind, f),
-		     kind == K_UPDATE && op_effect(L, op) == E_ESCROW ? -1 : 0);
+		     kind == K_UPDATE && op_effect(L, op) == E_ESCROW ? -1 : 0, vinc);
 	if (kind == K_REMOVE)
 		append_removing(update, "$unset", f, tid);
 	lua_settop(L, top);
 	return OP_UPDATE;
 }
 
-/* steps:undo(coll, tid, op [, deadline]) -> { undone = bool }
+/* steps:undo(coll, tid, op [, deadline [, takeover]]) -> { undone = bool }
  * Only where the marker shows the op was applied: insert deletes the
  * document, update applies op.undo, all others just pull the marker;
  * with a deadline, only before it by the server's clock (a pending
@@ -608,11 +659,11 @@ build_undo(lua_State *L, int op, const bson_t *tid, const fields *f,
 static int
 l_undo(lua_State *L)
 {
-	return op_step_run(L, build_undo, "undo", "undone", 1);
+	return op_step_run(L, build_undo, "undo", "undone", 1, version_step(L, OP_ARG + 2));
 }
 
 /* steps:undo_many(coll, items) -> bulk result or nil, err.
- * items[i] = { tid, op }: undo's writes for many ops of one collection in
+ * items[i] = { tid, op [, takeover] }: undo's writes for many ops of one collection in
  * one unordered bulk write (batched recovery of canceling transactions;
  * lua/mongotx/recovery.lua).  An op that was never applied matches
  * nothing, as with undo. */
@@ -622,29 +673,31 @@ l_undo_many(lua_State *L)
 	return op_batch_run(L, build_undo, "undo");
 }
 
-/* The fence of op: filter {_id, marker: {$ne: tid}}; update $inc version,
+/* The fence of op: filter {_id, marker: {$ne: tid}}; update $inc version
+ * by a band (a fence is a new owner's write, whatever vinc says),
  * and for an insert $setOnInsert of the placeholder field, upserted (a
  * late insert then fails on its _id): OP_UPSERT, else OP_UPDATE. */
 static int
 build_fence(lua_State *L, int op, const bson_t *tid, const fields *f,
-	    bson_t *filter, bson_t *update)
+	    int64_t vinc, bson_t *filter, bson_t *update)
 {
 	bson_t set;
 	bson_iter_t it;
 
+	(void)vinc;
 	lua_getfield(L, op, "id");
 	mtx_append_value(L, -1, filter, "_id");
 	lua_pop(L, 1);
 	append_marker_ne(filter, f, tid);
 	if (op_kind(L, op) != K_INSERT) {
-		merge_update(L, update, NULL, f, NULL, tid, NULL, 0);
+		merge_update(L, update, NULL, f, NULL, tid, NULL, 0, MTX_VERSION_BAND);
 		return OP_UPDATE;
 	}
 	bson_append_document_begin(update, "$setOnInsert", -1, &set);
 	bson_iter_init_find(&it, tid, "t");
 	bson_append_iter(&set, f->placeholder, -1, &it);
 	bson_append_document_end(update, &set);
-	merge_update(L, update, NULL, f, NULL, tid, NULL, 0);
+	merge_update(L, update, NULL, f, NULL, tid, NULL, 0, MTX_VERSION_BAND);
 	return OP_UPSERT;
 }
 
@@ -657,7 +710,7 @@ build_fence(lua_State *L, int op, const bson_t *tid, const fields *f,
 static int
 l_fence(lua_State *L)
 {
-	return op_step_run(L, build_fence, "fence", "fenced", 0);
+	return op_step_run(L, build_fence, "fence", "fenced", 0, 1);
 }
 
 /* steps:fence_many(coll, items) -> bulk result or nil, err.

@@ -31,6 +31,7 @@ local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local stored = require "mongotx.stored"
 local validate = require "mongotx.validate"
+local bands = require "mongotx.engine.bands"
 local canon, id_key = validate.canon, validate.id_key
 
 local ipairs, pairs, pcall, error, next = ipairs, pairs, pcall, error, next
@@ -187,10 +188,12 @@ local function apply(eng, entries, deadline, versions)
             -- reads the op's filter and update from (recovery's have none)
             -- tid: the mark (mongotx.stored).  A batch's transactions
             -- all have this manager's form: recovery drives the others
-            -- alone (recovery.lua)
+            -- alone (recovery.lua).  takeover: recovery's claims move
+            -- versions by a band (mongotx.engine.bands)
             e.sent[i] = true
             items[#items + 1] = { tid = stored.mark(e.T), op = op, version = version, entry = e,
-                                  i = i, stored = e.doc and e.doc.ops }
+                                  i = i, stored = e.doc and e.doc.ops,
+                                  takeover = bands.takeover(e.T) }
           end
         end
       end

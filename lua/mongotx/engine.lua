@@ -28,6 +28,7 @@ local clock = require "mongotx.clock"
 local phases = require "mongotx.engine.phases"
 local holders = require "mongotx.engine.holders"
 local commands = require "mongotx.engine.commands"
+local bands = require "mongotx.engine.bands"
 
 local ipairs, pairs, tostring, setmetatable = ipairs, pairs, tostring, setmetatable
 local REMOVING, HELD, PLACEHOLDER, PENDING, ESCROW =
@@ -76,6 +77,7 @@ function _M.new(ctx)
     held = {},          -- key(id) -> epoch this engine holds (hold, holds)
     server_clock = clock.new(ctx.db), -- (server_now, clock)
     use_deadline = nil, -- does the server evaluate $$NOW (deadlines)
+    unsure = {},        -- documents an apply's lost reply left (engine.bands)
   }, Engine)
   self.own = { marker = self.marker, version = self.version_field, steps = self.steps }
   return self
@@ -187,8 +189,10 @@ end
 -- Runs step `name` (apply, finish, undo, fence) of T on op's document in
 -- collection handle `coll`, with T's form and mark, like step.
 function Engine:op_step(T, name, coll, op, ...)
-  local steps = self:form(T).steps
-  local res, err = self:retry(name, T._id, steps[name], steps, coll, mark(T), op, ...)
+  local form = self:form(T)
+  local steps, fn = form.steps, form.steps[name]
+  if name == "apply" then fn = bands.apply_one(self, op.collection, form.version, fn) end
+  local res, err = self:retry(name, T._id, fn, steps, coll, mark(T), op, ...)
   if res ~= nil and self.policy.on_event ~= quiet then
     self:event(name, { id = T._id, result = res })
   end
@@ -201,6 +205,7 @@ end
 function Engine:many(name, ...)
   local steps = self.steps
   local fn = steps[name .. "_many"]
+  if name == "apply" then fn = bands.apply_many(self, self.version_field, fn) end
   -- in as many write commands as the server takes (engine.commands); one
   -- found to evaluate $$NOW (deadlines) is not FerretDB v1: no need to ask
   return commands.run(not self.use_deadline and self.db.client, name, function(...)

@@ -215,7 +215,9 @@ end
 -- between the two) unwinds alone.
 local function back(eng, entries)
   local function each(e, _, op)
-    if not e.err and not e.slow then return { tid = stored.mark(e.T), op = op, entry = e } end
+    if not e.err and not e.slow then
+      return { tid = stored.mark(e.T), op = op, entry = e, takeover = true }
+    end
   end
   for _, step in ipairs { "undo", "fence" } do
     local by_coll, order = by_collection(entries, each)

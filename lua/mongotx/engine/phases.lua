@@ -8,6 +8,7 @@
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local stored = require "mongotx.stored"
+local bands = require "mongotx.engine.bands"
 
 local key, id_key = validate.tid_key, validate.id_key
 local live, has_marker, mark = stored.live, stored.has_marker, stored.mark
@@ -75,8 +76,9 @@ end
 
 -- Phases ------------------------------------------------------------------
 
--- Applies op i, fenced by v.version (false: none read) and by v.deadline
--- (this owner's, T's by default where deadlines fence); returns true, or
+-- Applies op i, fenced by v.version (false: none read; the band of the
+-- version read, mongotx.engine.bands) and by v.deadline (this owner's,
+-- T's by default where deadlines fence); returns true, or
 -- false and why it cannot (for "busy", and whether an open holder
 -- outranks T: Engine:apply_all; for "refused", the server's error), or
 -- nil, err.  v.missed: this very apply was just sent and did not match
@@ -90,14 +92,14 @@ function Engine:apply_one(T, i, v)
     if v.missed then
       v.missed = nil
     else
-      res, err = self:op_step(T, "apply", coll, op, v.version, v.deadline)
+      res, err = self:op_step(T, "apply", coll, op, v.version, v.deadline, bands.takeover(T))
       -- the server refused this write: a definite answer, as a false guard
       if not res and errors.refused(err) then return false, "refused", err end
       if not res then return nil, err end
       if res.applied then return true end
     end
-    -- Why not? Read the document, then (if its version moved) check
-    -- that T is still ours before trying with the version just read.
+    -- Why not? Read the document, then (if its version left the band)
+    -- check that T is still ours before trying with the version just read.
     local doc
     doc, err = coll:find_one({ _id = op.id })
     if err then return nil, errors.wrap(err, "apply", T._id) end
@@ -118,11 +120,12 @@ function Engine:apply_one(T, i, v)
         if finished == nil then return nil, open end
         if finished == 0 and open then return false, "busy", outranked end
       end
-      -- (on the first miss a version that moved explains it: the guard
-      -- is read on the next miss, after a try with the version just
-      -- read; so a false guard on a hot document is still found at once)
-      local moved = try == 1 and v.version ~= false and doc[self:form(T).version] ~= v.version
-      if finished == 0 and op.where and not moved then
+      -- (on the first miss a version that left the band explains it:
+      -- the guard is read on the next miss, after a try with the version
+      -- just read; so a false guard on a hot document is still found at
+      -- once)
+      local moved = not bands.in_band(v.version, doc[self:form(T).version])
+      if finished == 0 and op.where and not (moved and try == 1) then
         local filter = { _id = op.id }
         for k, x in pairs(op.where) do filter[k] = x end
         local n
@@ -130,10 +133,18 @@ function Engine:apply_one(T, i, v)
         if not n then return nil, errors.wrap(err, "apply", T._id) end
         if n == 0 then return false, "guard" end
       end
-      -- the document moved (the finished holders moved it too): the next
-      -- try needs a fence that still holds, unless only the finishes
-      -- moved it and no version fences the apply (refence dropped it)
-      if finished == 0 or v.version ~= false then
+      -- the document moved: the next try needs a fence that still holds
+      -- (a deadline renewed, unless only the finished holders moved it
+      -- and no version fences the apply: refence dropped it; without
+      -- deadlines, a version read again once it left the band: ordinary
+      -- writes leave it in the band, and the fence as it is)
+      local refresh
+      if v.deadline then
+        refresh = finished == 0 or v.version ~= false
+      else
+        refresh = moved or (v.version == false and finished == 0)
+      end
+      if refresh then
         local ok
         ok, err = self:refence(T, i, v, doc)
         if not ok then return nil, err end
@@ -299,7 +310,8 @@ function Engine:give_back(T, applied, deadline)
   if not deadline then return false end
   for i, op in ipairs(T.ops) do
     if applied[i] then
-      local res, err = self:op_step(T, "undo", self:coll(op.collection), op, deadline)
+      local res, err = self:op_step(T, "undo", self:coll(op.collection), op, deadline,
+        bands.takeover(T))
       if not res then return nil, err end
       if res.undone then applied[i] = nil end
     end
@@ -416,7 +428,7 @@ function Engine:undo_op(T, i)
   local op, coll = T.ops[i], self:coll(T.ops[i].collection)
   local undone
   for _ = 1, 3 do
-    local res, err = self:op_step(T, "undo", coll, op)
+    local res, err = self:op_step(T, "undo", coll, op, nil, bands.takeover(T))
     if not res then return nil, err end
     undone = undone or res
     -- an insert a former owner prepared would land after this undo
