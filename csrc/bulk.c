@@ -271,6 +271,8 @@ mtx_bulk_execute(lua_State *L, mtx_client *owner, mongoc_bulk_operation_t *bulk,
 	if (point)
 		mtx_fault(point, "before");
 	sent = mtx_commands_sent(owner);
+	if (point && mtx_fault_drops(point, &err))
+		return mtx_push_error(L, &err, NULL);
 	ok = mongoc_bulk_operation_execute(bulk, reply, &err);
 	mtx_count_writes(owner, sent, n);
 	if (point)

@@ -6,6 +6,11 @@
  *   MONGOTX_FAULT=<point>:<when>:<n>   the nth time this process reaches
  *       <point> <when>, end it at once with _exit(MTX_FAULT_EXIT): no
  *       clean-up, no buffered output, like a kill -9 at that instant;
+ *       <when> "drop": the nth write at <point> (the protocol steps'
+ *       single updates and bulk writes) is not sent and fails as a
+ *       network error does (transient), as if its reply were lost on the
+ *       way: a test then sends the same write itself, later, as the copy
+ *       still on its way;
  *   MONGOTX_FAULT_TRACE=<file>         append "<point> <when>" per point
  *       reached, so a test can list the points a scenario passes.
  *
@@ -42,7 +47,8 @@ parse_spec(const char *spec)
 	long n;
 
 	if (sscanf(spec, "%31[^:]:%7[^:]:%ld", point, when, &n) != 3 || n < 1 ||
-	    (strcmp(when, "before") != 0 && strcmp(when, "after") != 0))
+	    (strcmp(when, "before") != 0 && strcmp(when, "after") != 0 &&
+	     strcmp(when, "drop") != 0))
 		return 0;
 	memcpy(fault.point, point, sizeof point);
 	memcpy(fault.when, when, sizeof when);
@@ -60,7 +66,7 @@ load_env(void)
 	fault.loaded = 1;
 	if (spec && *spec && !parse_spec(spec)) {
 		fprintf(stderr, "mongotx: ignoring MONGOTX_FAULT=%s "
-				"(want <point>:<before|after>:<n>)\n", spec);
+				"(want <point>:<before|after|drop>:<n>)\n", spec);
 	}
 	if (trace && *trace)
 		fault.trace_fd = open(trace, O_WRONLY | O_CREAT | O_APPEND |
@@ -87,6 +93,19 @@ mtx_fault(const char *point, const char *when)
 		(void)r; /* exiting either way */
 		_exit(MTX_FAULT_EXIT);
 	}
+}
+
+int
+mtx_fault_drops(const char *point, bson_error_t *err)
+{
+	if (!fault.loaded)
+		load_env();
+	if (fault.target <= 0 || strcmp(point, fault.point) != 0 ||
+	    strcmp(fault.when, "drop") != 0 || ++fault.seen != fault.target)
+		return 0;
+	bson_set_error(err, MONGOC_ERROR_STREAM, MONGOC_ERROR_STREAM_SOCKET,
+		       "the reply was lost (core.fault drop at %s)", point);
+	return 1;
 }
 
 /* Does what the iterator walks hold the string "$$NOW" at any depth? */
@@ -140,7 +159,7 @@ l_fault(lua_State *L)
 		return 0;
 	}
 	luaL_argcheck(L, parse_spec(luaL_checkstring(L, 1)), 1,
-		      "want \"<point>:<before|after>:<n>\"");
+		      "want \"<point>:<before|after|drop>:<n>\"");
 	return 0;
 }
 

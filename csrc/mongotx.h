@@ -317,6 +317,9 @@ MTX_HIDDEN void mtx_fault(const char *point, const char *when);
 /* 1 with err set when core.refuse_now stands for a server that refuses
  * $$NOW in this write's filter, else 0. */
 MTX_HIDDEN int mtx_fault_refuses(const bson_t *filter, bson_error_t *err);
+/* A write at point that core.fault("<point>:drop:<n>") drops: 1 with err
+ * set (a network error), else 0 (csrc/fault.c). */
+MTX_HIDDEN int mtx_fault_drops(const char *point, bson_error_t *err);
 MTX_HIDDEN int mtx_open_fault(lua_State *L);
 
 /* signals.c: SIGINT and SIGTERM noted as a flag (the mongotx command). */

@@ -401,7 +401,7 @@ run_update(lua_State *L, const char *point, mongoc_collection_t *coll,
 	bool ok;
 
 	sent = write_begin(L, point);
-	ok = !mtx_fault_refuses(filter, &err) &&
+	ok = !mtx_fault_refuses(filter, &err) && !mtx_fault_drops(point, &err) &&
 	     (many ? mongoc_collection_update_many(coll, filter, update, opts, reply, &err)
 		   : mongoc_collection_update_one(coll, filter, update, opts, reply, &err));
 	write_end(L, point, sent);
