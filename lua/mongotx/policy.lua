@@ -43,9 +43,8 @@ end
 -- backoff, up to `retries` times, then cancel) or "fail" (stop and leave
 -- the transaction pending for recovery).  A busy document is usually
 -- released within a few milliseconds, so that one is retried; so is a
--- document that kept changing (on a hot document fenced by versions,
--- every other writer's write moves the version an apply waits for: a
--- backoff breaks the lockstep).
+-- document that kept changing (rare: only a takeover's writes move a
+-- version out of the band an apply is fenced by, mongotx.engine.bands).
 function _M.on_op_failure(tx, i, reason) -- luacheck: no unused args
   if reason == "busy" or reason == "contention" then return "retry" end
   return "cancel"
