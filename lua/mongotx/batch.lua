@@ -48,6 +48,19 @@ local _M = {}
 
 local function fail(e, err) e.err = e.err or err end
 
+-- Sorts a bulk write's items by their document's _id (op(item) its op),
+-- so that concurrent bulk writes lock the documents they share in one
+-- order: FerretDB v2 runs a bulk write in one PostgreSQL transaction,
+-- and two that lock two hot rows in opposite orders deadlock (PostgreSQL
+-- finds it after a second and aborts one).
+local function by_document(items, op)
+  if #items < 2 then return items end
+  local k = {}
+  for _, item in ipairs(items) do k[item] = id_key(op(item).id) or "" end
+  table.sort(items, function(a, b) return k[a] < k[b] end)
+  return items
+end
+
 -- What a step of entry e alone raised: a policy's raise
 -- (errors.guard_policy) fails e only, with that raise as its error (code
 -- "policy", and e's id); anything else (an interrupt, out of memory, a
@@ -105,7 +118,8 @@ end
 -- markers say which ops applied.
 local function apply_items(eng, by_coll, order, deadline)
   for _, name in ipairs(order) do
-    local items, coll = by_coll[name], eng:coll(name)
+    local items, coll = by_document(by_coll[name], function(item) return item.op end),
+      eng:coll(name)
     local res, err = eng:many("apply", coll, items, deadline)
     if not res then
       for _, item in ipairs(items) do fail(item.entry, err) end
@@ -272,7 +286,17 @@ function _M.finish(eng, list)
   end
   local alone = {}
   for _, name in ipairs(order) do
-    local res, err = eng:many("finish", eng:coll(name), list, name)
+    -- one piece per op of this collection, in the order of their documents
+    local pieces = {}
+    for _, T in ipairs(list) do
+      for _, op in ipairs(T.ops) do
+        if op.collection == name then
+          pieces[#pieces + 1] = { _id = T._id, mark = T.mark, ops = { op } }
+        end
+      end
+    end
+    by_document(pieces, function(piece) return piece.ops[1] end)
+    local res, err = eng:many("finish", eng:coll(name), pieces, name)
     if not res then return nil, err end
     if next(res.items) ~= nil then
       for _, T in ipairs(list) do
