@@ -79,6 +79,7 @@ build = {
     ["mongotx.engine"] = "lua/mongotx/engine.lua",
     ["mongotx.engine.phases"] = "lua/mongotx/engine/phases.lua",
     ["mongotx.engine.holders"] = "lua/mongotx/engine/holders.lua",
+    ["mongotx.engine.bands"] = "lua/mongotx/engine/bands.lua",
     ["mongotx.engine.forward"] = "lua/mongotx/engine/forward.lua",
     ["mongotx.engine.commands"] = "lua/mongotx/engine/commands.lua",
     ["mongotx.recovery"] = "lua/mongotx/recovery.lua",

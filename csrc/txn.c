@@ -7,13 +7,17 @@
  * deciding what to do next is the Lua layer's job.
  *
  * Fencing: every write mongotx makes to a document also increments its
- * version field, and an apply is conditioned on the version the owner
- * read before it claimed the transaction (when it read one) and on the
- * owner's deadline by the server's clock (where the server evaluates
- * $$NOW).  A new owner touches (and so versions) every document of the
- * transaction before the transaction leaves `pending`, so a stalled
- * former owner that wakes up can never match its apply again, even after
- * the markers were pulled; and no one may claim a transaction before its
+ * version field, by 1, or by a band (MTX_VERSION_BAND) for a takeover's
+ * (an owner at epoch > 1: its applies and undos; every fence); and an
+ * apply is conditioned on the version staying in the band of the version
+ * the owner read before it claimed the transaction (when it read one:
+ * txn_ops.c, append_version_fence) and on the owner's deadline by the
+ * server's clock (where the server evaluates $$NOW).  A new owner touches
+ * (and so moves a band) every document of the transaction before the
+ * transaction leaves `pending`, so a stalled former owner that wakes up
+ * can never match its apply again, even after the markers were pulled
+ * (an owner's own apply whose reply was lost is the other late copy:
+ * lua/mongotx/engine/bands.lua); and no one may claim a transaction before its
  * deadline passed (lua/mongotx/manager.lua), so an apply fenced by the
  * deadline cannot run after a takeover either, nor after a recovery by a
  * writer that knows nothing of versions but waits for the transaction to

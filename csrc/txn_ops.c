@@ -484,10 +484,11 @@ typedef int (*op_builder)(lua_State *L, int op, const bson_t *tid, const fields 
 
 /* The single-op steps (finish, undo, fence): steps:<point>(coll, tid, op
  * [, deadline]) runs the write `build` makes of op, its version moved by
- * vinc, and returns { [result] = whether it matched a document }.  With `fenced` a deadline (a date,
- * or nil) adds the apply's fence to the filter: the server's clock before
- * it (an owner giving back what a pending transaction applied, which a
- * new owner may drive forward once the deadline passed). */
+ * vinc, and returns { [result] = whether it matched a document }.  With
+ * `fenced` a deadline (a date, or nil) adds the apply's fence to the
+ * filter: the server's clock before it (an owner giving back what a
+ * pending transaction applied, which a new owner may drive forward once
+ * the deadline passed). */
 static int
 op_step_run(lua_State *L, op_builder build, const char *point, const char *result,
 	    int fenced, int64_t vinc)

@@ -37,6 +37,7 @@ if cpath then package.cpath = cpath .. ";" .. package.cpath end
 local server = require "spec.support.server"
 local core = require "mongotx.core"
 local proc = require "torture.proc"
+require "torture.fencing"
 
 local full, only, seconds, workers, scenarios = true, nil, nil, nil, nil
 do

@@ -40,6 +40,7 @@ local cpath = os.getenv("MONGOTX_CPATH")
 if cpath then package.cpath = cpath .. ";" .. package.cpath end
 
 local mongotx = require "mongotx"
+require "torture.fencing"
 local scenarios = require "torture.scenarios"
 local workload = require "torture.workload"
 local serial = require "torture.serial"
