@@ -192,6 +192,7 @@ function Engine:op_step(T, name, coll, op, ...)
   local form = self:form(T)
   local steps, fn = form.steps, form.steps[name]
   if name == "apply" then fn = bands.apply_one(self, op.collection, form.version, fn) end
+  if name == "undo" then fn = bands.undo_one(self, op.collection, form.version, fn) end
   local res, err = self:retry(name, T._id, fn, steps, coll, mark(T), op, ...)
   if res ~= nil and self.policy.on_event ~= quiet then
     self:event(name, { id = T._id, result = res })

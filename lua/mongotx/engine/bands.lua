@@ -78,6 +78,21 @@ function _M.apply_one(eng, name, field, apply)
   end
 end
 
+-- steps.undo wrapped the same way: an unsure document is bumped before
+-- the undo goes (an owner that rolls back rather than applying again:
+-- the copy still on its way must not land after the transaction ended).
+function _M.undo_one(eng, name, field, undo)
+  return function(steps, coll, tid, op, ...)
+    local k = unsure_key(name, op.id)
+    if eng.unsure[k] then
+      local ok, err = bump(coll, { op.id }, field)
+      if not ok then return nil, err end
+      eng.unsure[k] = nil
+    end
+    return undo(steps, coll, tid, op, ...)
+  end
+end
+
 -- steps.apply_many wrapped for Engine:many the same way: the unsure
 -- documents among items are bumped first (in one write), and then the
 -- batch is sent (their applies no longer match: the caller reads the
