@@ -158,11 +158,9 @@ end
 -- manager's, fence the next try by a renewed deadline (it may have passed:
 -- an owner past its deadline must not apply, whoever else might be
 -- driving T) or, without deadlines, by the version just read.  With a
--- deadline the version is dropped: on a hot document every other
--- writer's apply moves it, so each try would lose that race again, and
--- the deadline alone keeps a former owner out (nobody claims T before it
--- passed).  Returns true, or nil, err (`fenced` when another owner took T
--- over).
+-- deadline the version is dropped: the deadline alone keeps a former
+-- owner out (nobody claims T before it passed).  Returns true, or nil,
+-- err (`fenced` when another owner took T over).
 function Engine:refence(T, i, v, doc)
   local now, err = self:get(T._id)
   if err then return nil, err end
