@@ -103,16 +103,28 @@ local Table = {}
 Table.__index = Table
 
 function Table:incr(key, n) self.values[key] = (self.values[key] or 0) + n end
--- The transactions counted begun and not yet ended (Metrics:begin_mark).
-function Table:mark(k)
+-- The transactions counted begun and not yet counted ended (see `ended`
+-- below): k = "<application>\t<id's key>" -> { t = ms, id = id }.
+function Table:mark(k, id, t)
   if self.marks[k] then return "exists" end
-  self.marks[k] = true
+  self.marks[k] = { t = t, id = id }
   return "new"
 end
 function Table:unmark(k)
   local was = self.marks[k]
   self.marks[k] = nil
-  return was == true
+  return was ~= nil
+end
+function Table:marked(prefix)
+  local list, n = {}, #prefix
+  for k, e in pairs(self.marks) do
+    if k:sub(1, n) == prefix then list[#list + 1] = { k = k, id = e.id, t = e.t } end
+  end
+  return list
+end
+function Table:touch(k, dt)
+  local e = self.marks[k]
+  if e then e.t = e.t + dt end
 end
 function Table:set(key, v) self.values[key] = v end
 function Table:get(key) return self.values[key] end
@@ -124,8 +136,9 @@ end
 
 --- The default store: the figures in a table of this Lua state.
 -- @syntax store = metrics.table_store()
--- @treturn table a store: `incr(key, n)`, `set(key, v)`, `get(key)`, `keys()`, and `mark(k)`, `unmark(k)`
---   (the transactions counted begun and not yet ended)
+-- @treturn table a store: `incr(key, n)`, `set(key, v)`, `get(key)`, `keys()`, and the marks of the
+--   transactions counted begun and not yet ended: `mark(k, id, ms)`, `unmark(k)`, `marked(prefix)`,
+--   `touch(k, ms)`
 -- @usage local m = metrics.new{ store = metrics.table_store() }
 function _M.table_store()
   return setmetatable({ values = {}, marks = {} }, Table)
@@ -240,12 +253,12 @@ function Metrics:start(id)
   self.started[k], self.timed = now_ms(), self.timed + 1
 end
 
---- Internal: ends a transaction's timing and observes its seconds.
+--- Internal: ends a transaction's timing and observes its seconds (none without `app`).
 -- @local
--- @syntax m:stop(id, app, outcome)
+-- @syntax m:stop(id [, app, outcome])
 -- @param id the transaction's id
--- @string app the application label
--- @string outcome `"done"` or `"cancelled"`
+-- @string[opt] app the application label
+-- @string[opt] outcome `"done"` or `"cancelled"`
 -- @usage -- used by the done and cancelled events
 function Metrics:stop(id, app, outcome)
   local k = key_of(id)
@@ -253,7 +266,9 @@ function Metrics:stop(id, app, outcome)
   if not t0 then return end
   if self.started[k] then self.started[k], self.timed = nil, self.timed - 1
   else self.older[k] = nil end
-  self:observe("mongotx_transaction_seconds", app, "outcome", outcome, (now_ms() - t0) / 1000)
+  if app then
+    self:observe("mongotx_transaction_seconds", app, "outcome", outcome, (now_ms() - t0) / 1000)
+  end
 end
 
 local OUTCOMES = { "done", "cancelled", "parked", "skipped", "failed" }
@@ -262,54 +277,135 @@ local OUTCOMES = { "done", "cancelled", "parked", "skipped", "failed" }
 -- result is false did not move the transaction (somebody else did).
 local ON = {}
 
--- Each transaction is counted begun once and ended (done or cancelled)
--- once by a registry, whoever drives it: begun is counted where it is
--- marked (the store's mark: shared by the workers of an nginx instance),
--- and an end that finds no mark (a worker killed between its create and
--- the count, another process's transaction recovered here) counts it
--- begun then.  So begun - done - cancelled is the number of marks, never
--- below 0, and 0 once all finished.  A store without marks (a caller's
--- own) keeps them in this Lua state.
+-- Each transaction is counted begun, and then done or cancelled, once,
+-- by the registry that counted it begun, whoever ends it.  Its create
+-- marks it in the store (in nginx the shared dict, so every worker of
+-- the instance finds the marks of the others); its end counts it only
+-- when it removes the mark (an atomic step in the shared dict: of two
+-- that end one, one counts).  An end without a mark (another registry's
+-- transaction, or one whose creator died with its registry) counts
+-- nothing here.  Marks whose end went uncounted (the process that wrote
+-- it was killed before its event, or another process ended it) are
+-- found by reconcile: so begun - done - cancelled is the number of
+-- marks, never below 0, and back to 0 once all finished and reconciled.
+-- A store without marks (a caller's own) keeps them in this Lua state.
 local function marks_of(m)
   local store = m.store
-  if store.mark and store.unmark then return store end
+  if store.mark and store.unmark and store.marked and store.touch then return store end
   m.own_marks = m.own_marks or _M.table_store()
   return m.own_marks
 end
 
+local function mark_key(app, id) return app .. "\t" .. key_of(id) end
+
+-- Ends T's count: true when this call removed its mark (and counts).
 local function ended(m, app, id)
-  if not marks_of(m):unmark(key_of(id)) then m:count("mongotx_transactions_begun_total", app) end
+  return marks_of(m):unmark(mark_key(app, id))
 end
 
 function ON.create(m, app, info)
   local res = info.result
   if res == false or type(res) == "table" and res.created == false then return end
-  -- (no room for the mark: counted begun at its end instead)
-  if marks_of(m):mark(key_of(info.id)) == "new" then
+  -- (no room for the mark: counted nowhere, and the store says so)
+  if marks_of(m):mark(mark_key(app, info.id), info.id, now_ms()) == "new" then
     m:count("mongotx_transactions_begun_total", app)
+    m:start(info.id)
   end
-  m:start(info.id)
 end
 
 function ON.claim(m, _, info)
   if info.result ~= false then m:start(info.id) end
 end
 
+-- Counts T ended with its outcome (from the stored reason and cause).
+local function count_end(m, app, outcome, reason, cause)
+  if outcome == "done" then
+    m:count("mongotx_transactions_done_total", app)
+  else
+    m:count("mongotx_transactions_cancelled_total", app, "reason", cancel_reason(reason, cause))
+  end
+end
+
 function ON.done(m, app, info)
   if info.result == false then return end
-  ended(m, app, info.id)
-  m:count("mongotx_transactions_done_total", app)
-  m:stop(info.id, app, "done")
+  if ended(m, app, info.id) then
+    count_end(m, app, "done")
+    m:stop(info.id, app, "done")
+  else
+    m:stop(info.id)
+  end
 end
 
 function ON.cancelled(m, app, info)
   local res = info.result
   if res == false then return end
   local from = type(res) == "table" and res or info
-  local reason = cancel_reason(from.reason, from.cause)
-  ended(m, app, info.id)
-  m:count("mongotx_transactions_cancelled_total", app, "reason", reason)
-  m:stop(info.id, app, "cancelled")
+  if ended(m, app, info.id) then
+    count_end(m, app, "cancelled", from.reason, from.cause)
+    m:stop(info.id, app, "cancelled")
+  else
+    m:stop(info.id)
+  end
+end
+
+-- At most this many marks are read back per reconcile (one find).
+_M.RECONCILE = 100
+local ENDED = { done = "done", cancelled = "cancelled" }
+
+-- Reconciles app's marks older than `age` seconds with what the database
+-- holds: `find(ids)` answers the stored states (at most RECONCILE ids,
+-- one bounded read); a mark whose transaction is done or cancelled, or
+-- gone (pruned, or removed by hand: counted cancelled, reason unknown),
+-- is counted ended now, once; one still open is looked at again after
+-- `age`.  The store keeps when the next one is due, so a call with none
+-- due reads one value.  Returns how many it counted, or nil, err.
+local function reconcile(m, app, find, age)
+  local marks, store = marks_of(m), m.store
+  local now, age_ms = now_ms(), math.max(0, age or 0) * 1000
+  local due_key = "mongotx_due\t" .. app
+  local at = store:get(due_key)
+  if type(at) == "number" and now < at then return 0 end
+  local list = marks:marked(app .. "\t")
+  sort(list, function(a, b) return a.t < b.t end)
+  local batch, next_at = {}, now + age_ms
+  for _, e in ipairs(list) do
+    if e.t + age_ms <= now and #batch < _M.RECONCILE then
+      batch[#batch + 1] = e
+    else
+      next_at = math.min(next_at, e.t + age_ms)
+      break
+    end
+  end
+  store:set(due_key, next_at)
+  if #batch == 0 then return 0 end
+  local ids = {}
+  for i, e in ipairs(batch) do ids[i] = e.id end
+  local docs, err = find(ids)
+  if not docs then
+    for _, e in ipairs(batch) do marks:touch(e.k, now - e.t) end
+    return nil, err
+  end
+  local by_key = {}
+  for _, doc in ipairs(docs) do by_key[key_of(doc._id)] = doc end
+  local counted = 0
+  for _, e in ipairs(batch) do
+    local doc = by_key[key_of(e.id)]
+    local outcome = not doc and "cancelled" or ENDED[doc.state]
+    if not outcome then
+      marks:touch(e.k, now - e.t)
+    elseif marks:unmark(e.k) then
+      count_end(m, app, outcome, doc and doc.reason, doc and doc.cause)
+      m:stop(e.id)
+      counted = counted + 1
+    end
+  end
+  return counted
+end
+
+-- The recovery pass's last event: its `find` reads this manager's
+-- transactions collection.
+function ON.reconcile(m, app, info)
+  if type(info.find) == "function" then reconcile(m, app, info.find, info.age) end
 end
 
 function ON.retry(m, app, info)
@@ -393,6 +489,26 @@ function Metrics:on_event(app, chained)
     if f and type(info) == "table" then pcall(f, m, app, info) end
     if chained then return chained(name, info) end
   end
+end
+
+-- Reconciles now (what tm:recover's pass does at its end) this
+-- registry's marks of tm's application against tm's transactions.
+
+--- Counts the transactions of `tm`'s application this registry counted begun that ended uncounted.
+-- `tm:recover` does it at the end of each pass; call it where a process counts transactions and runs
+-- no recovery (docs/metrics.md). Marks older than `age` seconds are read back, at most `metrics.RECONCILE`
+-- in one find; with none due it reads nothing.
+-- @syntax n, err = m:reconcile(tm [, { age = seconds }])
+-- @tparam table tm a manager whose events count into this registry
+-- @tparam[opt] table opts `age` (default the manager's `stale_after`)
+-- @treturn number how many it counted done or cancelled now
+-- @return[2] nil
+-- @return[2] err the read's error
+-- @usage local n = assert(m:reconcile(tm))
+function Metrics:reconcile(tm, opts)
+  local eng = tm.engine
+  local age = opts and opts.age or eng.policy.stale_after
+  return reconcile(self, tostring(tm.application), function(ids) return eng:states(ids) end, age)
 end
 
 -- A copy of db:manager's options `opts` whose on_event counts into this
