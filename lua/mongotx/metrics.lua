@@ -357,26 +357,27 @@ local ENDED = { done = "done", cancelled = "cancelled" }
 -- one bounded read); a mark whose transaction is done or cancelled, or
 -- gone (pruned, or removed by hand: counted cancelled, reason unknown),
 -- is counted ended now, once; one still open is looked at again after
--- `age`.  The store keeps when the next one is due, so a call with none
--- due reads one value.  Returns how many it counted, or nil, err.
+-- `age`.  The store keeps the time of the oldest mark left unread, so a
+-- call with none due reads one value.  Returns how many it counted, or nil, err.
 local function reconcile(m, app, find, age)
   local marks, store = marks_of(m), m.store
   local now, age_ms = now_ms(), math.max(0, age or 0) * 1000
-  local due_key = "mongotx_due\t" .. app
-  local at = store:get(due_key)
-  if type(at) == "number" and now < at then return 0 end
+  -- no live mark left unread is older than this
+  local oldest_key = "mongotx_oldest\t" .. app
+  local oldest = store:get(oldest_key)
+  if type(oldest) == "number" and oldest + age_ms > now then return 0 end
   local list = marks:marked(app .. "\t")
   sort(list, function(a, b) return a.t < b.t end)
-  local batch, next_at = {}, now + age_ms
+  local batch = {}
+  oldest = now
   for _, e in ipairs(list) do
-    if e.t + age_ms <= now and #batch < _M.RECONCILE then
-      batch[#batch + 1] = e
-    else
-      next_at = math.min(next_at, e.t + age_ms)
+    if e.t + age_ms > now or #batch == _M.RECONCILE then
+      oldest = math.min(oldest, e.t)
       break
     end
+    batch[#batch + 1] = e
   end
-  store:set(due_key, next_at)
+  store:set(oldest_key, oldest)
   if #batch == 0 then return 0 end
   local ids = {}
   for i, e in ipairs(batch) do ids[i] = e.id end
