@@ -66,7 +66,8 @@ describe("#server exact transaction counters", function()
         "_total{application=\"app\"} (%S+)")) or 0
     end
     local cancelled, by = 0, {}
-    for reason, n in text:gmatch("mongotx_transactions_cancelled_total{application=\"app\",reason=\"([^\"]*)\"} (%S+)") do
+    local pattern = 'mongotx_transactions_cancelled_total{application="app",reason="([^"]*)"} (%S+)'
+    for reason, n in text:gmatch(pattern) do
       cancelled, by[reason] = cancelled + tonumber(n), tonumber(n)
     end
     out[3] = cancelled

@@ -41,11 +41,11 @@ local SIZES = { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512 }
 -- The families, in the order rendered: name, type, help, histogram bounds.
 local FAMILIES = {
   { "mongotx_transactions_begun_total", "counter",
-    "Transactions this manager created (begin, run, transfer and their batches)." },
+    "Transactions this registry's managers created (begin, run, transfer and their batches)." },
   { "mongotx_transactions_done_total", "counter",
-    "Transactions this manager moved to done." },
+    "Of the transactions counted begun, those that ended done, whoever moved them." },
   { "mongotx_transactions_cancelled_total", "counter",
-    "Transactions this manager moved to cancelled, by reason: an op that could not apply " ..
+    "Of the transactions counted begun, those that ended cancelled, by reason: an op that could not apply " ..
     "(guard, missing, conflict, busy, removing, contention), rollback (a caller or operator), " ..
     "recovery (a stale pending one rolled back), expired (a stale initial one, or a hold past " ..
     "its expiry), voided (a hold voided), unknown." },
