@@ -77,7 +77,7 @@ describe("#server operator calls", function()
     -- op 2's credit applied into escrow: B holds it in txPending, and
     -- the transaction's id in txEscrow
     assert(tm:step("apply", t, 2))
-    T, docs = tm:inspect("t")
+    docs = select(2, tm:inspect("t"))
     assert.are.same({ "t" }, docs[2].escrow)
     assert.are.same({ balance = 10 }, docs[2].pending)
     assert.are.same({ "t" }, docs[2].marker)
