@@ -213,6 +213,47 @@ describe("#openresty mongotx.metrics.shared in nginx", function()
     assert.are.equal(0, prom.value(families, "mongotx_metrics_dropped_total"))
   end)
 
+  -- A mark whose id its key does not tell (a double: not a string, an
+  -- integer or an ObjectId) keeps the id beside it; recovery's reconcile
+  -- reads it back from there (a wrong id would read as gone: `unknown`).
+  it("reconciles a transaction with an id of another type", function()
+    n = assert(nginx.start { uri = srv.uri, database = name, workers = 1, recovery = false,
+      locations = [[
+        location = /_odd { content_by_lua_block {
+          local resty = require "mongotx.resty"
+          local db = assert(resty.connect(os.getenv("MONGOTX_URI"),
+            { database = os.getenv("MONGOTX_DATABASE") }))
+          local tm = assert(db:manager { application = "odd", metrics = "mongotx_metrics",
+                                         stale_after = 0 })
+          if ngx.var.arg_step == "begin" then
+            assert(tm:begin({ { collection = "accounts", id = "A",
+              update = { ["$inc"] = { balance = -1 } } } }, { id = 1.5 }))
+          else
+            assert(tm:recover())
+          end
+          ngx.say("ok")
+        } }
+      ]] })
+    local odd = { application = "odd" }
+    assert.are.equal(200, (n:request("GET", "/_odd?step=begin")))
+    assert.are.equal(1, prom.value(scrape(), "mongotx_transactions_begun_total", odd))
+    -- parked: the passes leave it to the reconcile
+    local txs = db:collection("transactions")
+    assert.are.equal(1, assert(txs:update_one({ _id = 1.5 }, { ["$set"] = { parked = true } })).matched)
+    assert.are.equal(200, (n:request("GET", "/_odd?step=recover"))) -- still initial: not counted
+    local families = scrape()
+    assert.is_nil(prom.value(families, "mongotx_transactions_cancelled_total",
+      { application = "odd", reason = "rollback" }))
+    -- another process cancels it
+    assert.are.equal(1, assert(txs:update_one({ _id = 1.5 },
+      { ["$set"] = { state = "cancelled", cause = "rollback" } })).matched)
+    assert.are.equal(200, (n:request("GET", "/_odd?step=recover")))
+    families = scrape()
+    assert.are.equal(1, prom.value(families, "mongotx_transactions_cancelled_total",
+      { application = "odd", reason = "rollback" }))
+    assert.are.equal(1, prom.value(families, "mongotx_transactions_begun_total", odd))
+  end)
+
   it("loses counts, not transfers, when the dict is full, and says how many", function()
     n = assert(nginx.start { uri = srv.uri, database = name, workers = 1, recovery = false,
                              locations = LOCATIONS })

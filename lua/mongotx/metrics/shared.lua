@@ -59,13 +59,14 @@ end
 local MARK, ID, CLAIM = "mongotx_begun\t", "mongotx_begid\t", 2 ^ 50
 local core = require "mongotx.core"
 
--- The id whose key (engine.key) is `key`, when the key tells it.
-local function id_of(key)
+-- The id whose key (engine.key) is `key`, when the key tells it (true
+-- instead of the id when `told`).
+local function id_of(key, told)
   local kind, rest = key:sub(1, 1), key:sub(2)
-  if kind == "o" and #rest == 24 then return core.ObjectId(rest) end
-  if kind == "i" and rest:match("^%-?%d+$") then return core.Int64(rest) end
+  if kind == "o" and #rest == 24 then return told or core.ObjectId(rest) end
+  if kind == "i" and rest:match("^%-?%d+$") then return told or core.Int64(rest) end
   local len, str = key:match("^s(%d+):(.*)$")
-  if str and #str == tonumber(len) then return str end
+  if str and #str == tonumber(len) then return told or str end
 end
 
 function Store:mark(k, id, t)
@@ -76,8 +77,7 @@ function Store:mark(k, id, t)
     self:dropped()
     return false
   end
-  local key = k:match("\t(.*)$")
-  if id_of(key) == nil and not dict:safe_set(ID .. k, core.encode { id = id }) then
+  if not id_of(k:match("\t(.*)$"), true) and not dict:safe_set(ID .. k, core.encode { id = id }) then
     dict:delete(MARK .. k)
     self:dropped()
     return false
@@ -90,7 +90,7 @@ function Store:unmark(k)
   local left = dict:incr(MARK .. k, -CLAIM)
   if left == nil then return false end
   dict:delete(MARK .. k)
-  dict:delete(ID .. k)
+  if not id_of(k:match("\t(.*)$"), true) then dict:delete(ID .. k) end
   return left >= -CLAIM
 end
 
