@@ -164,7 +164,7 @@ Metrics.__index = Metrics
 function _M.new(opts)
   opts = opts or {}
   return setmetatable({ store = opts.store or _M.table_store(), client = opts.client,
-                        keys = {}, started = {}, older = {}, timed = 0,
+                        keys = {}, tags = {}, started = {}, older = {}, timed = 0,
                         -- the passes under way, by their report (weak: a
                         -- pass that raised is forgotten)
                         passes = setmetatable({}, { __mode = "k" }) }, Metrics)
@@ -296,18 +296,30 @@ local function marks_of(m)
   return m.own_marks
 end
 
-local function mark_key(app, id) return app .. "\t" .. key_of(id) end
+-- A mark's key: "<application>\t<id's key>", the application's tabs (and
+-- %) escaped, so that its first tab ends it (mongotx.metrics.shared);
+-- tag_of gives the part up to that tab.
+local function tag_of(m, app)
+  local tag = m.tags[app]
+  if not tag then
+    tag = app:gsub("[%%\t]", { ["%"] = "%%", ["\t"] = "%t" }) .. "\t"
+    m.tags[app] = tag
+  end
+  return tag
+end
+
+local function mark_key(m, app, id) return tag_of(m, app) .. key_of(id) end
 
 -- Ends T's count: true when this call removed its mark (and counts).
 local function ended(m, app, id)
-  return marks_of(m):unmark(mark_key(app, id))
+  return marks_of(m):unmark(mark_key(m, app, id))
 end
 
 function ON.create(m, app, info)
   local res = info.result
   if res == false or type(res) == "table" and res.created == false then return end
   -- (no room for the mark: counted nowhere, and the store says so)
-  if marks_of(m):mark(mark_key(app, info.id), info.id, now_ms()) == "new" then
+  if marks_of(m):mark(mark_key(m, app, info.id), info.id, now_ms()) == "new" then
     m:count("mongotx_transactions_begun_total", app)
     m:start(info.id)
   end
@@ -363,10 +375,11 @@ local function reconcile(m, app, find, age)
   local marks, store = marks_of(m), m.store
   local now, age_ms = now_ms(), math.max(0, age or 0) * 1000
   -- no live mark left unread is older than this
-  local oldest_key = "mongotx_oldest\t" .. app
+  local tag = tag_of(m, app)
+  local oldest_key = "mongotx_oldest\t" .. tag
   local oldest = store:get(oldest_key)
   if type(oldest) == "number" and oldest + age_ms > now then return 0 end
-  local list = marks:marked(app .. "\t")
+  local list = marks:marked(tag)
   sort(list, function(a, b) return a.t < b.t end)
   local batch = {}
   oldest = now

@@ -59,14 +59,21 @@ end
 local MARK, ID, CLAIM = "mongotx_begun\t", "mongotx_begid\t", 2 ^ 50
 local core = require "mongotx.core"
 
--- The id whose key (engine.key) is `key`, when the key tells it (true
--- instead of the id when `told`).
-local function id_of(key, told)
+-- The id whose key (engine.key) is `key` (a string's, an integer's or an
+-- ObjectId's; nil for another's).
+local function id_of(key)
   local kind, rest = key:sub(1, 1), key:sub(2)
-  if kind == "o" and #rest == 24 then return told or core.ObjectId(rest) end
-  if kind == "i" and rest:match("^%-?%d+$") then return told or core.Int64(rest) end
-  local len, str = key:match("^s(%d+):(.*)$")
-  if str and #str == tonumber(len) then return told or str end
+  if kind == "o" then return core.ObjectId(rest) end
+  if kind == "i" then return core.Int64(rest) end
+  if kind == "s" then return rest:match("^%d+:(.*)$") end
+end
+
+-- Does mark k's key ("<application>\t<key>") tell its id?  (Its first
+-- byte: no string is made, as the events of every transaction ask.)
+local TOLD = { [("o"):byte()] = true, [("i"):byte()] = true, [("s"):byte()] = true }
+local function told(k)
+  local at = k:find("\t", 1, true)
+  return at ~= nil and TOLD[k:byte(at + 1)] == true
 end
 
 function Store:mark(k, id, t)
@@ -77,7 +84,7 @@ function Store:mark(k, id, t)
     self:dropped()
     return false
   end
-  if not id_of(k:match("\t(.*)$"), true) and not dict:safe_set(ID .. k, core.encode { id = id }) then
+  if not told(k) and not dict:safe_set(ID .. k, core.encode { id = id }) then
     dict:delete(MARK .. k)
     self:dropped()
     return false
@@ -90,7 +97,7 @@ function Store:unmark(k)
   local left = dict:incr(MARK .. k, -CLAIM)
   if left == nil then return false end
   dict:delete(MARK .. k)
-  if not id_of(k:match("\t(.*)$"), true) then dict:delete(ID .. k) end
+  if not told(k) then dict:delete(ID .. k) end
   return left >= -CLAIM
 end
 
@@ -106,8 +113,10 @@ function Store:marked(prefix)
   for _, name in ipairs(dict:get_keys(0)) do
     if name:sub(1, #head) == head then
       local t, k = dict:get(name), name:sub(from)
-      local id = id_of(k:sub(#prefix + 1))
-      if id == nil then
+      local id
+      if told(k) then
+        id = id_of(k:sub(#prefix + 1))
+      else
         local bson = dict:get(ID .. k)
         id = bson and core.decode(bson).id
       end
