@@ -14,7 +14,10 @@
 --
 -- Where the figures live is a store: { incr = function(self, key, n),
 -- set = function(self, key, v), get = function(self, key), keys =
--- function(self) -> list }.  By default a table of this Lua state;
+-- function(self) -> list }, and the marks of the transactions counted
+-- begun and not yet ended (mark, unmark, marked, touch: see `ended`
+-- below; a store without them keeps them in this Lua state).  By default
+-- a table of this Lua state;
 -- mongotx.metrics.shared keeps them in an nginx lua_shared_dict, summed
 -- over the workers of an instance.  A key is "<family>\t<labels>\t<part>"
 -- (labels as rendered, part "" for a counter or gauge, "b<i>", "s" or "c"
