@@ -213,6 +213,43 @@ describe("#openresty mongotx.metrics.shared in nginx", function()
     assert.are.equal(0, prom.value(families, "mongotx_metrics_dropped_total"))
   end)
 
+  -- Ends racing for the same marks in two worker processes at once
+  -- (as a reconcile and a late event, or two workers' recoveries, do):
+  -- each mark is taken by one of them, so each transaction counts done
+  -- once and in flight never goes below 0.
+  it("counts each end once when workers race to end the same transactions", function()
+    n = assert(nginx.start { uri = srv.uri, database = name, workers = 2, recovery = false,
+      reuseport = true, locations = [[
+        location = /_race { content_by_lua_block {
+          local on = require("mongotx.metrics.shared").new("mongotx_metrics"):on_event("race")
+          local step, from, to = ngx.var.arg_step, tonumber(ngx.var.arg_from), tonumber(ngx.var.arg_to)
+          for i = from, to do
+            on(step, { id = "r" .. i, result = {} })
+          end
+          ngx.say(ngx.worker.pid())
+        } }
+      ]] })
+    local race = { application = "race" }
+    local N = 5000 -- marks at once (8 000 fit in 1m)
+    for round = 0, 7 do
+      local from, to = round * N + 1, (round + 1) * N
+      assert.are.equal(200, (n:request("GET", ("/_race?step=create&from=%d&to=%d"):format(from, to))))
+      local calls, pids = {}, {}
+      for i = 1, 8 do
+        calls[i] = n:spawn("GET", ("/_race?step=done&from=%d&to=%d"):format(from, to))
+      end
+      for _, c in ipairs(calls) do
+        local status, body = c:wait(60)
+        assert.are.equal(200, status)
+        pids[body:match("%d+")] = true
+      end
+      assert.truthy(next(pids, next(pids)), "one worker answered every call")
+      local families, text = scrape()
+      assert.are.equal(to, prom.value(families, "mongotx_transactions_begun_total", race), text)
+      assert.are.equal(to, prom.value(families, "mongotx_transactions_done_total", race), text)
+    end
+  end)
+
   -- A mark whose id its key does not tell (a double: not a string, an
   -- integer or an ObjectId) keeps the id beside it; recovery's reconcile
   -- reads it back from there (a wrong id would read as gone: `unknown`).
