@@ -15,8 +15,8 @@
 -- Where the figures live is a store: { incr = function(self, key, n),
 -- set = function(self, key, v), get = function(self, key), keys =
 -- function(self) -> list }, and the marks of the transactions counted
--- begun and not yet ended (mark, unmark, marked, touch: see `ended`
--- below; a store without them keeps them in this Lua state).  By default
+-- begun and not yet ended (mark, unmark, marked, touch: mongotx.metrics.marks;
+-- a store without them keeps them in this Lua state).  By default
 -- a table of this Lua state;
 -- mongotx.metrics.shared keeps them in an nginx lua_shared_dict, summed
 -- over the workers of an instance.  A key is "<family>\t<labels>\t<part>"
@@ -27,6 +27,7 @@
 -- @module mongotx.metrics
 
 local exposition = require "mongotx.metrics.exposition"
+local marks = require "mongotx.metrics.marks"
 local core = require "mongotx.core"
 local engine = require "mongotx.engine"
 
@@ -106,29 +107,6 @@ local Table = {}
 Table.__index = Table
 
 function Table:incr(key, n) self.values[key] = (self.values[key] or 0) + n end
--- The transactions counted begun and not yet counted ended (see `ended`
--- below): k = "<application>\t<id's key>" -> { t = ms, id = id }.
-function Table:mark(k, id, t)
-  if self.marks[k] then return "exists" end
-  self.marks[k] = { t = t, id = id }
-  return "new"
-end
-function Table:unmark(k)
-  local was = self.marks[k]
-  self.marks[k] = nil
-  return was ~= nil
-end
-function Table:marked(prefix)
-  local list, n = {}, #prefix
-  for k, e in pairs(self.marks) do
-    if k:sub(1, n) == prefix then list[#list + 1] = { k = k, id = e.id, t = e.t } end
-  end
-  return list
-end
-function Table:touch(k, dt)
-  local e = self.marks[k]
-  if e then e.t = e.t + dt end
-end
 function Table:set(key, v) self.values[key] = v end
 function Table:get(key) return self.values[key] end
 function Table:keys()
@@ -146,6 +124,7 @@ end
 function _M.table_store()
   return setmetatable({ values = {}, marks = {} }, Table)
 end
+marks.mix(Table)
 
 -- How many transactions a Lua state times at once (two generations of
 -- this many: one that never ends here, taken over by another process,
@@ -280,49 +259,13 @@ local OUTCOMES = { "done", "cancelled", "parked", "skipped", "failed" }
 -- result is false did not move the transaction (somebody else did).
 local ON = {}
 
--- Each transaction is counted begun, and then done or cancelled, once,
--- by the registry that counted it begun, whoever ends it.  Its create
--- marks it in the store (in nginx the shared dict, so every worker of
--- the instance finds the marks of the others); its end counts it only
--- when it removes the mark (an atomic step in the shared dict: of two
--- that end one, one counts).  An end without a mark (another registry's
--- transaction, or one whose creator died with its registry) counts
--- nothing here.  Marks whose end went uncounted (the process that wrote
--- it was killed before its event, or another process ended it) are
--- found by reconcile: so begun - done - cancelled is the number of
--- marks, never below 0, and back to 0 once all finished and reconciled.
--- A store without marks (a caller's own) keeps them in this Lua state.
-local function marks_of(m)
-  local store = m.store
-  if store.mark and store.unmark and store.marked and store.touch then return store end
-  m.own_marks = m.own_marks or _M.table_store()
-  return m.own_marks
-end
-
--- A mark's key: "<application>\t<id's key>", the application's tabs (and
--- %) escaped, so that its first tab ends it (mongotx.metrics.shared);
--- tag_of gives the part up to that tab.
-local function tag_of(m, app)
-  local tag = m.tags[app]
-  if not tag then
-    tag = app:gsub("[%%\t]", { ["%"] = "%%", ["\t"] = "%t" }) .. "\t"
-    m.tags[app] = tag
-  end
-  return tag
-end
-
-local function mark_key(m, app, id) return tag_of(m, app) .. key_of(id) end
-
--- Ends T's count: true when this call removed its mark (and counts).
-local function ended(m, app, id)
-  return marks_of(m):unmark(mark_key(m, app, id))
-end
-
+-- Each transaction is counted begun, then done or cancelled, once, by
+-- the registry whose mark it took (mongotx.metrics.marks).
 function ON.create(m, app, info)
   local res = info.result
   if res == false or type(res) == "table" and res.created == false then return end
   -- (no room for the mark: counted nowhere, and the store says so)
-  if marks_of(m):mark(mark_key(m, app, info.id), info.id, now_ms()) == "new" then
+  if marks.add(m, app, info.id, now_ms()) then
     m:count("mongotx_transactions_begun_total", app)
     m:start(info.id)
   end
@@ -343,7 +286,7 @@ end
 
 function ON.done(m, app, info)
   if info.result == false then return end
-  if ended(m, app, info.id) then
+  if marks.take(m, app, info.id) then
     count_end(m, app, "done")
     m:stop(info.id, app, "done")
   else
@@ -355,7 +298,7 @@ function ON.cancelled(m, app, info)
   local res = info.result
   if res == false then return end
   local from = type(res) == "table" and res or info
-  if ended(m, app, info.id) then
+  if marks.take(m, app, info.id) then
     count_end(m, app, "cancelled", from.reason, from.cause)
     m:stop(info.id, app, "cancelled")
   else
@@ -365,58 +308,9 @@ end
 
 -- At most this many marks are read back per reconcile (one find).
 _M.RECONCILE = 100
-local ENDED = { done = "done", cancelled = "cancelled" }
 
--- Reconciles app's marks older than `age` seconds with what the database
--- holds: `find(ids)` answers the stored states (at most RECONCILE ids,
--- one bounded read); a mark whose transaction is done or cancelled, or
--- gone (pruned, or removed by hand: counted cancelled, reason unknown),
--- is counted ended now, once; one still open is looked at again after
--- `age`.  The store keeps the time of the oldest mark left unread, so a
--- call with none due reads one value.  Returns how many it counted, or nil, err.
 local function reconcile(m, app, find, age)
-  local marks, store = marks_of(m), m.store
-  local now, age_ms = now_ms(), math.max(0, age or 0) * 1000
-  -- no live mark left unread is older than this
-  local tag = tag_of(m, app)
-  local oldest_key = "mongotx_oldest\t" .. tag
-  local oldest = store:get(oldest_key)
-  if type(oldest) == "number" and oldest + age_ms > now then return 0 end
-  local list = marks:marked(tag)
-  sort(list, function(a, b) return a.t < b.t end)
-  local batch = {}
-  oldest = now
-  for _, e in ipairs(list) do
-    if e.t + age_ms > now or #batch == _M.RECONCILE then
-      oldest = math.min(oldest, e.t)
-      break
-    end
-    batch[#batch + 1] = e
-  end
-  store:set(oldest_key, oldest)
-  if #batch == 0 then return 0 end
-  local ids = {}
-  for i, e in ipairs(batch) do ids[i] = e.id end
-  local docs, err = find(ids)
-  if not docs then
-    for _, e in ipairs(batch) do marks:touch(e.k, now - e.t) end
-    return nil, err
-  end
-  local by_key = {}
-  for _, doc in ipairs(docs) do by_key[key_of(doc._id)] = doc end
-  local counted = 0
-  for _, e in ipairs(batch) do
-    local doc = by_key[key_of(e.id)]
-    local outcome = not doc and "cancelled" or ENDED[doc.state]
-    if not outcome then
-      marks:touch(e.k, now - e.t)
-    elseif marks:unmark(e.k) then
-      count_end(m, app, outcome, doc and doc.reason, doc and doc.cause)
-      m:stop(e.id)
-      counted = counted + 1
-    end
-  end
-  return counted
+  return marks.reconcile(m, app, find, age, _M.RECONCILE, count_end)
 end
 
 -- The recovery pass's last event: its `find` reads this manager's
