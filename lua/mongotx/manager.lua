@@ -280,7 +280,11 @@ function Manager:commit(t)
     return nil, errors.new("invalid", "a hold is decided by capture or void, not commit",
       { step = "commit", id = T._id })
   end
-  return self.engine:drive(T, nil)
+  local later = self.held_later -- (batches.later: another call's is answered at once)
+  local final, held
+  final, err, held = self.engine:drive(T, nil, later ~= nil)
+  if held then later[#later + 1] = self.engine:held_info(held) end
+  return final, err
 end
 
 -- begin + commit in one go, the fast way (batch.lua): the transaction is
@@ -341,6 +345,9 @@ function Manager:run_calls(calls, wait)
   local out, order = group.run_calls(self, calls, wait)
   return out, order
 end
+
+-- tm:later(method, ...): mongotx.manager.batches.later (mongotx.resty).
+Manager.later = batches.later
 
 local many_options = { ops = true, id = true, meta = true }
 

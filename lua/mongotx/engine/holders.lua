@@ -50,6 +50,15 @@ function Engine:held_error(T)
     tostring(T.application), self.policy.holder_wait), { id = T._id })
 end
 
+-- What a caller that waits for T itself (not this engine: a handler in
+-- nginx, mongotx.group's caller) needs: T's id, policy.holder_wait, and
+-- the seconds until its owner's lease passes (then a call takes it over).
+function Engine:held_info(T)
+  local lapsed, lapse = self:lapsed(T)
+  -- (unknown when the clock could not be read: until holder_wait)
+  return { id = T._id, wait = self.policy.holder_wait, lapse = lapsed ~= nil and lapse or nil }
+end
+
 -- Waits for the transactions of `list`, pending and held by other owners,
 -- all at once: every policy.backoff, one read of them all, until each
 -- left pending or its owner's lease passed (lapsed), for at most
