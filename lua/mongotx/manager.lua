@@ -280,11 +280,11 @@ function Manager:commit(t)
     return nil, errors.new("invalid", "a hold is decided by capture or void, not commit",
       { step = "commit", id = T._id })
   end
-  local later = self.held_later -- (batches.later: another call's is answered at once)
-  local final, held
-  final, err, held = self.engine:drive(T, nil, later ~= nil)
+  local later = self.held_later -- (batches.later: held ones answered at once)
+  local final, why, held = self.engine:drive(T, nil, later ~= nil)
   if held then later[#later + 1] = self.engine:held_info(held) end
-  return final, err
+  if final then return final end
+  return nil, why
 end
 
 -- begin + commit in one go, the fast way (batch.lua): the transaction is
