@@ -2,7 +2,11 @@
 -- checked (mongotx.manager.checks), as functions taking the manager:
 -- batches of at most CHUNK through mongotx.batch, the committed
 -- transactions then finished at once or queued for tm:finish
--- (policy.finish).  mongotx.group runs its batches through run_batch too.
+-- (policy.finish).  mongotx.group runs its batches through run_batch too;
+-- mongotx.resty's ungrouped calls go through tm:later.
+
+--- The manager's internal call for mongotx.resty (`tm:later`).
+-- @submodule mongotx.manager
 
 local batch = require "mongotx.batch"
 local errors = require "mongotx.errors"
@@ -100,9 +104,16 @@ _M.LATER = LATER
 -- another call holds within its lease is not waited for here: the call
 -- answers it `in_progress` at once (a batch: that item; the others as
 -- usual) and lists it, so that its caller waits elsewhere (mongotx.resty:
--- the handler, not a worker thread) and then asks again.  Returns the
--- list ({ id, wait, lapse }: Engine:held_info's, and i, the item of a
--- batch) and the call's results.
+-- the handler, not a worker thread) and then asks again.
+
+--- Internal: `tm[method](...)` that waits for no transaction another call holds (mongotx.resty's handler waits).
+-- @local
+-- @syntax held, ... = tm:later(method, ...)
+-- @string method "transfer", "run", "commit", "commit_many" or "transfer_many"
+-- @treturn table the held ones, answered `in_progress`: `{ id, wait, lapse [, i] }` each (`i`: a batch's item)
+-- @return the call's results
+-- @usage -- mongotx.resty's ungrouped calls use it
+-- @function Manager:later
 function _M.later(self, method, ...)
   if not LATER[method] then error("no call " .. tostring(method) .. " answers held keys later", 2) end
   local list = {}
