@@ -63,7 +63,8 @@ local function ask(tm, method, up, give_up, ...)
       end
     end
   else
-    while held[1] and await(tm, held[1], 0, give_up - now()) do
+    -- (a lapse of 0 answers at once: asked again until give_up at most)
+    while held[1] and now() < give_up and await(tm, held[1], 0, give_up - now()) do
       res = pack(wire.call(tm.db, up + 1, "call", tm.spec, "later", method, ...))
       held = res[1]
       if held == nil then return nil, res[2] end
