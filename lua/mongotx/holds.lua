@@ -17,15 +17,18 @@
 --            capture or void that meets it, or recovery: recovery.lua
 --            asks `triage` and `stale_way` here).
 --
--- Opening: the create (pending, owned, the creator's short deadline
--- fencing its applies as for a transfer), the applies, then `ready`: the
--- owner's deadline moved to the expiry and `hold.ready` set, by the
--- owner at its epoch.  Only a ready hold is decided; one whose opener
--- died before `ready` is rolled back by recovery after the opener's
--- lease, like any transaction, never forward.  After `ready` nobody owns
--- the hold: the decisions are conditioned on its state and epoch, not on
--- an owner, and recovery cannot claim it before its deadline, the expiry.
--- Writes issued here pass the crash points hold.<step> (mongotx.points).
+-- Opening is the create (pending, its deadline the expiry, or the
+-- opener's fence when that is later) and the applies (fenced by the
+-- opener's deadline, as a transfer's), nothing more: a hold costs a
+-- transfer's writes.  The opener sends each apply once (Engine:retry,
+-- `once`: no resend after a lost answer), so once both marks are on the
+-- documents no apply of it can land any more; a capture or void checks
+-- that (`opened`, a count) before it decides, and a hold without both
+-- marks is `opening`.  Nobody owns an open hold: the decisions are
+-- conditioned on its state and epoch, not on an owner, and recovery
+-- claims a pending hold only past its expiry and its deadline, so one
+-- whose opener died is rolled back then, never forward.  Writes issued
+-- here pass the crash points hold.<step> (mongotx.points).
 
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
@@ -39,7 +42,8 @@ local checks = require "mongotx.manager.checks"
 local live, canon = stored.live, validate.canon
 local Date = core.Date
 local pairs, ipairs, type, tostring = pairs, ipairs, type, tostring
-local floor, format, huge = math.floor, string.format, math.huge
+local floor, format, huge, max = math.floor, string.format, math.huge, math.max
+local setmetatable = setmetatable
 
 local _M = {}
 
@@ -57,28 +61,41 @@ local function state_error(T, step, status, message)
     captured = T.hold and T.hold.captured })
 end
 
--- What a hold is: "opening" (not ready yet), "held", "captured",
--- "voided", "expired" (decided, or past its expiry and not yet voided:
--- `now`, the server's ms, says), or "failed" (it never opened: a guard
--- refused its debit, or recovery rolled an unfinished opening back).
-function _M.status(T, now)
+-- What a hold is: "opening" (pending without both marks: `opened` is
+-- false), "held", "captured", "voided", "expired" (decided, or past its
+-- expiry and not yet voided: `now`, the server's ms, says), or "failed"
+-- (it never opened: a guard refused its debit).
+function _M.status(T, now, opened)
   local h, state = T.hold, T.state
   if state == "applied" or state == "done" then return "captured" end
   if state == "canceling" or state == "cancelled" then
     if T.cause == "voided" or T.cause == "expired" then return T.cause end
     return "failed"
   end
-  if not h.ready then return "opening" end
+  if opened == false then return "opening" end
   if now and core.type(h.expires) == "date" and h.expires:value() <= now then
     return "expired"
   end
   return "held"
 end
 
--- T (a transaction document) with hold.status set, when it is a hold.
+-- Are both marks of the pending hold T on its documents (every apply of
+-- its opener landed)?  One count; true, false, or nil, err.
+local function opened(eng, T)
+  local a, b = T.ops[1], T.ops[2]
+  local n, err = eng:coll(a.collection):count({ _id = { ["$in"] = { a.id, b.id } },
+    [eng:form(T).marker] = stored.mark(T) })
+  if not n then return nil, errors.wrap(err, "hold", T._id) end
+  return n == 2
+end
+
+-- T (a transaction document) with hold.status set, when it is a hold (a
+-- pending one's marks read: a failed read leaves it "held").
 function _M.view(eng, T)
   if type(T) == "table" and type(T.hold) == "table" then
-    T.hold.status = _M.status(T, eng:clock())
+    local open
+    if T.state == "pending" then open = opened(eng, T) end
+    T.hold.status = _M.status(T, eng:clock(), open)
   end
   return T
 end
@@ -97,13 +114,13 @@ local function expiry(eng, past)
   return { ["hold.expires"] = { [op] = Date(floor(now)) } }
 end
 
--- The decision `step` (capture, void, expire) on the ready hold T as
+-- The decision `step` (capture, void, expire) on the open hold T as
 -- read: one findAndModify conditioned on its state and epoch and on
 -- `cond`, setting `set` (and this manager as the one that drives it on).
 -- Returns T as the write left it, false when the condition did not hold,
 -- or nil, err.
 local function decide(eng, T, step, cond, set)
-  local query = { _id = T._id, state = "pending", epoch = T.epoch, ["hold.ready"] = true }
+  local query = { _id = T._id, state = "pending", epoch = T.epoch }
   for k, v in pairs(cond) do query[k] = v end
   set.application, set.instance, set.lease = eng.application, eng.instance, eng.policy.lease
   local update = { ["$set"] = set, ["$inc"] = { epoch = 1 },
@@ -144,7 +161,7 @@ local function settle(eng, T)
   return T
 end
 
--- The expiry decision on T (ready and pending): true when T is now
+-- The expiry decision on T (open and pending): true when T is now
 -- decided (by this call or another), or nil, err.
 local function expire(eng, T)
   local cond, err = expiry(eng, true)
@@ -210,19 +227,20 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
   local now
   now, err = eng:clock()
   if not now then return nil, err end
-  local deadline
+  local deadline -- the opener's: it fences the applies
   deadline, err = eng:new_deadline()
   if err then return nil, err end
   local id = spec.id
   if id == nil then id = core.ObjectId() end
+  local at = floor(now + expires * 1000)
   local T = { _id = id, state = "pending", ops = spec.ops, epoch = 1, attempts = 1,
               application = eng.application, instance = eng.instance,
-              lease = eng.policy.lease, deadline = deadline, meta = spec.meta,
+              lease = eng.policy.lease, meta = spec.meta,
+              deadline = Date(deadline and max(at, deadline:value()) or at),
               markerField = eng.marker, versionField = eng.version_field,
               mark = stored.new_mark(eng.vctx.collection, id),
               source = from, destination = to, value = amount,
-              hold = { amount = amount, expires = Date(floor(now + expires * 1000)),
-                       ready = false } }
+              hold = { amount = amount, expires = Date(at) } }
   local versions
   if not deadline then
     -- fenced by versions, read before the create, which is the claim
@@ -237,8 +255,9 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
   if not res then return nil, err end
   if not res.created then return _M.again(tm, T, spec) end
   eng:hold(id, 1)
+  local opener = setmetatable({ once = "apply" }, { __index = eng })
   local e = { T = T, doc = doc, err = false, slow = false, applied = false }
-  batch.apply(eng, { e }, deadline, versions)
+  batch.apply(opener, { e }, deadline, versions)
   if e.err then
     eng:hold(id, nil)
     return nil, e.err -- pending: recovery rolls it back after the lease
@@ -249,7 +268,7 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
       vs[i] = { marked = e.applied[i] or false, deadline = deadline,
                 version = versions and versions[1][i].version or false }
     end
-    local ok, why, failure = eng:apply_ops(T, vs)
+    local ok, why, failure = opener:apply_ops(T, vs)
     if ok ~= true then
       eng:hold(id, nil)
       if ok and ok.state == "canceling" then
@@ -260,31 +279,10 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
         "opened", { step = "hold", id = id })
     end
   end
-  return _M.ready(eng, T)
-end
-
--- The opener's last write: T (applied, pending, this engine's at epoch 1)
--- becomes ready, its deadline moved to its expiry.
-function _M.ready(eng, T)
-  local update = { ["$set"] = { ["hold.ready"] = true, deadline = T.hold.expires },
-                   ["$inc"] = { epoch = 1 }, ["$currentDate"] = { lastModified = true } }
-  local res, err = eng:retry("ready", T._id, points.write, "hold", "ready",
-    eng.tx.find_and_modify, eng.tx, { _id = T._id, state = "pending", epoch = T.epoch,
-      instance = eng.instance }, { update = update, new = true,
-      write_concern = eng.wopts.write_concern })
-  eng:hold(T._id, nil)
-  if not res then return nil, err end
-  if not res.value then
-    -- taken over (the opener outlived its lease): where does it stand?
-    local now
-    now, err = eng:get(T._id)
-    if not now then return nil, err or errors.new("state", "the hold disappeared", { id = T._id }) end
-    _M.view(eng, now)
-    return nil, state_error(now, "hold", now.hold.status, "the hold did not open: " ..
-      tostring(now.reason or now.hold.status))
-  end
-  eng:event("hold", { id = T._id, amount = T.hold.amount })
-  return _M.view(eng, live(res.value))
+  eng:hold(id, nil)
+  eng:event("hold", { id = id, amount = amount })
+  T.hold.status = "held"
+  return T
 end
 
 -- A hold whose id exists already: the same hold (ops and amount) is
@@ -365,6 +363,7 @@ function _M.capture(tm, id, amount, level)
     amount = T.hold.amount
   end
   local eng = tm.engine
+  local checked = false -- both marks seen on (opened): no apply can land any more
   for _ = 1, MAX_ROUNDS do
     local state = T.state
     if state == "applied" or state == "done" then
@@ -381,8 +380,14 @@ function _M.capture(tm, id, amount, level)
       if err and err.code ~= "cancelled" then return nil, err end
       local status = _M.status(T)
       return nil, state_error(T, "capture", status, "the hold was " .. status)
-    elseif not T.hold.ready then
-      return nil, state_error(T, "capture", "opening", "the hold is not open yet")
+    elseif not checked then
+      local open
+      open, err = opened(eng, T)
+      if open == nil then return nil, err end
+      if not open then
+        return nil, state_error(T, "capture", "opening", "the hold is not open yet")
+      end
+      checked = true
     end
     local cond
     cond, err = expiry(eng, false)
@@ -408,6 +413,7 @@ function _M.void(tm, id, level)
   local T, err = load(tm, id, "void", level + 1)
   if not T then return nil, err end
   local eng = tm.engine
+  local checked = false -- both marks seen on (opened)
   for _ = 1, MAX_ROUNDS do
     local state = T.state
     if state == "applied" or state == "done" then
@@ -422,8 +428,14 @@ function _M.void(tm, id, level)
       if err and err.code ~= "cancelled" then return nil, err end
       T = final or eng:get(T._id) or T
       return _M.view(eng, T)
-    elseif not T.hold.ready then
-      return nil, state_error(T, "void", "opening", "the hold is not open yet")
+    elseif not checked then
+      local open
+      open, err = opened(eng, T)
+      if open == nil then return nil, err end
+      if not open then
+        return nil, state_error(T, "void", "opening", "the hold is not open yet")
+      end
+      checked = true
     end
     local cond
     cond, err = expiry(eng, false)
@@ -491,33 +503,28 @@ function _M.settle_error(op, update)
 end
 
 -- What recovery does with the hold T (mongotx.recovery's triage): a
--- ready one is claimed once past its expiry by `now` (the claim itself
--- waits for its deadline, the expiry, by the server's clock), whoever
--- holds it; an opening one as any transaction (may_recover), but never
--- driven forward by its own opener's recovery ("own"): the claim waits
--- for the opener's deadline.
+-- pending one (open, or whose opener died) is claimed once past its
+-- expiry by `now` (the claim itself waits for its deadline, the expiry or
+-- the opener's fence, by the server's clock), whoever holds it, and
+-- never by the "own" route; a decided one as any transaction.
 function _M.triage(eng, T, now, age, me)
   if T.state ~= "pending" then
     return eng.policy.may_recover(T, age, me) and "claim" or "skipped"
   end
-  if T.hold.ready then
-    local at = core.type(T.hold.expires) == "date" and T.hold.expires:value()
-    return at and at <= now and "claim" or "skipped"
-  end
-  return eng.policy.may_recover(T, age, me) and "claim" or "skipped"
+  local at = core.type(T.hold.expires) == "date" and T.hold.expires:value()
+  return at and at <= now and "claim" or "skipped"
 end
 
 -- How recovery ends a pending hold it claimed: always back (forward
--- would capture it); the reason and cause of the cancel.
-function _M.stale_way(T)
-  if T.hold.ready then return "back", "expired", "expired" end
-  return "back", "rolled back by recovery", "recovery"
+-- would capture it), as expired; the reason and cause of the cancel.
+function _M.stale_way()
+  return "back", "expired", "expired"
 end
 
--- The part of recovery's filter that leaves out the ready holds not yet
--- past their expiry at `now` (the server's ms): no pass reads them.
+-- The part of recovery's filter that leaves out the pending holds not
+-- yet past their expiry at `now` (the server's ms): no pass reads them.
 function _M.not_due(now)
-  return { ["hold.ready"] = true, state = "pending", deadline = { ["$gt"] = Date(floor(now)) } }
+  return { state = "pending", ["hold.expires"] = { ["$gt"] = Date(floor(now)) } }
 end
 
 return _M
