@@ -143,7 +143,7 @@ describe("#server #concurrency holds decided by several processes at once", func
             assert.is_false(a.ok, id)
             assert.are.equal(status, a.status, id)
           else
-            assert.is_true(a.ok, id)
+            assert.is_true(a.ok, id .. " " .. tostring(a.code) .. " " .. tostring(a.status))
             assert.are.equal(status, a.status, id)
           end
         end

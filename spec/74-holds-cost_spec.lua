@@ -2,7 +2,9 @@
 -- the 7 writes of the transfer they replace, with or without a floor, as
 -- the client's counters count them; and the opener sends each apply once,
 -- so a hold decided between an apply and its lost answer is never applied
--- twice (the reason a hold needs no write after its applies).
+-- twice (the reason a hold needs no write after its applies); and a
+-- decision that counts the marks after another decided the hold answers
+-- with that outcome, not "opening".
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
 local errors = require "mongotx.errors"
@@ -94,6 +96,35 @@ describe("#server what a hold costs", function()
     local again = assert(tm:hold("accounts", "A", "B", 10, { id = "h1" }))
     assert.are.equal("captured", again.hold.status)
     assert.are.same({ 90, 0, 0 }, seen("A"))
+    other_db:close()
+  end)
+
+  it("answers a void with the capture another made between its read and its count of the marks",
+     function()
+    -- the capture's finish pulls the marks: without both on, the hold
+    -- would look as if it never opened
+    assert(tm:hold("accounts", "A", "B", 10, { id = "h1", min = 0 }))
+    local other_db = assert(mongotx.connect(helpers.uri(), { database = db.name }))
+    local other = assert(other_db:manager { application = "other" })
+    local real = db:collection("accounts")
+    local first = true
+    tm.engine.colls.accounts = setmetatable({}, { __index = function(_, name)
+      return function(_, ...)
+        if name == "count" and first then
+          first = false
+          assert(other:capture("h1", 4))
+        end
+        return real[name](real, ...)
+      end
+    end })
+    local none, err = tm:void("h1")
+    tm.engine.colls.accounts = nil
+    assert.is_nil(none)
+    assert.are.equal("state", err.code)
+    assert.are.equal("captured", err.status)
+    assert.are.equal(4, err.captured)
+    assert.are.same({ 96, 0, 0 }, seen("A"))
+    assert.are.same({ 4, 0, 0 }, seen("B"))
     other_db:close()
   end)
 end)

@@ -90,11 +90,17 @@ local function opened(eng, T)
 end
 
 -- T (a transaction document) with hold.status set, when it is a hold (a
--- pending one's marks read: a failed read leaves it "held").
+-- pending one's marks read: a failed read leaves it "held"), or the hold
+-- as it is now when it was decided since T was read (its finish or undo
+-- may have pulled the marks before the count).
 function _M.view(eng, T)
   if type(T) == "table" and type(T.hold) == "table" then
     local open
-    if T.state == "pending" then open = opened(eng, T) end
+    if T.state == "pending" then
+      open = opened(eng, T)
+      local now = open == false and eng:get(T._id)
+      if now and (now.state ~= "pending" or now.epoch ~= T.epoch) then T, open = now, nil end
+    end
     T.hold.status = _M.status(T, eng:clock(), open)
   end
   return T
@@ -159,6 +165,23 @@ local function settle(eng, T)
   end
   if T.state == "canceling" then return unwind(eng, T) end
   return T
+end
+
+-- May the decision `step` be taken on the pending hold T as read?  true
+-- when it is open (`checked`: seen so before); T as it is now when it
+-- was decided meanwhile (its finish or undo may have pulled the marks
+-- before the count); nil, err (`state`, status "opening", when it is
+-- still pending at that epoch without both marks).
+local function may_decide(eng, T, step, checked)
+  if checked then return true end
+  local open, err = opened(eng, T)
+  if open then return true end
+  if open == nil then return nil, err end
+  local now
+  now, err = eng:get(T._id)
+  if err then return nil, err end
+  if now and (now.state ~= "pending" or now.epoch ~= T.epoch) then return now end
+  return nil, state_error(T, step, "opening", "the hold is not open yet")
 end
 
 -- The expiry decision on T (open and pending): true when T is now
@@ -308,7 +331,7 @@ function _M.again(tm, T, spec)
     return nil, errors.new("idempotency", "this id was used for another transaction",
       { step = "hold", id = T._id })
   end
-  _M.view(tm.engine, existing)
+  existing = _M.view(tm.engine, existing)
   local status = existing.hold.status
   if status == "opening" then
     return nil, errors.new("in_progress", "another call is opening this hold: ask again " ..
@@ -380,30 +403,30 @@ function _M.capture(tm, id, amount, level)
       if err and err.code ~= "cancelled" then return nil, err end
       local status = _M.status(T)
       return nil, state_error(T, "capture", status, "the hold was " .. status)
-    elseif not checked then
-      local open
-      open, err = opened(eng, T)
-      if open == nil then return nil, err end
-      if not open then
-        return nil, state_error(T, "capture", "opening", "the hold is not open yet")
-      end
+    end
+    local go
+    go, err = may_decide(eng, T, "capture", checked)
+    if not go then return nil, err end
+    if go ~= true then
+      T = go -- decided meanwhile: answered as it stands
+    else
       checked = true
-    end
-    local cond
-    cond, err = expiry(eng, false)
-    if not cond then return nil, err end
-    local won
-    won, err = decide(eng, T, "capture", cond,
-      settles(T, amount, { state = "applied", ["hold.captured"] = amount }))
-    if won == nil then return nil, err end
-    if won then
-      eng:event("capture", { id = T._id, amount = amount, held = T.hold.amount })
-      T, err = settle(eng, won)
+      local cond
+      cond, err = expiry(eng, false)
+      if not cond then return nil, err end
+      local won
+      won, err = decide(eng, T, "capture", cond,
+        settles(T, amount, { state = "applied", ["hold.captured"] = amount }))
+      if won == nil then return nil, err end
+      if won then
+        eng:event("capture", { id = T._id, amount = amount, held = T.hold.amount })
+        T, err = settle(eng, won)
+        if not T then return nil, err end
+        return _M.view(eng, T)
+      end
+      T, err = after_lost(eng, T)
       if not T then return nil, err end
-      return _M.view(eng, T)
     end
-    T, err = after_lost(eng, T)
-    if not T then return nil, err end
   end
   return nil, errors.new("state", "the hold did not settle", { step = "capture", id = T._id })
 end
@@ -428,28 +451,28 @@ function _M.void(tm, id, level)
       if err and err.code ~= "cancelled" then return nil, err end
       T = final or eng:get(T._id) or T
       return _M.view(eng, T)
-    elseif not checked then
-      local open
-      open, err = opened(eng, T)
-      if open == nil then return nil, err end
-      if not open then
-        return nil, state_error(T, "void", "opening", "the hold is not open yet")
-      end
-      checked = true
     end
-    local cond
-    cond, err = expiry(eng, false)
-    if not cond then return nil, err end
-    local won
-    won, err = decide(eng, T, "void", cond,
-      { state = "canceling", reason = "voided", cause = "voided" })
-    if won == nil then return nil, err end
-    if won then
-      eng:event("void", { id = T._id, amount = T.hold.amount })
-      T = won
+    local go
+    go, err = may_decide(eng, T, "void", checked)
+    if not go then return nil, err end
+    if go ~= true then
+      T = go -- decided meanwhile: answered as it stands
     else
-      T, err = after_lost(eng, T)
-      if not T then return nil, err end
+      checked = true
+      local cond
+      cond, err = expiry(eng, false)
+      if not cond then return nil, err end
+      local won
+      won, err = decide(eng, T, "void", cond,
+        { state = "canceling", reason = "voided", cause = "voided" })
+      if won == nil then return nil, err end
+      if won then
+        eng:event("void", { id = T._id, amount = T.hold.amount })
+        T = won
+      else
+        T, err = after_lost(eng, T)
+        if not T then return nil, err end
+      end
     end
   end
   return nil, errors.new("state", "the hold did not settle", { step = "void", id = T._id })
