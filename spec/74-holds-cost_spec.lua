@@ -3,7 +3,7 @@
 -- the client's counters count them; and the opener sends each apply once,
 -- so a hold decided between an apply and its lost answer is never applied
 -- twice (the reason a hold needs no write after its applies); and a
--- decision that counts the marks after another decided the hold answers
+-- decision that reads the marks after another decided the hold answers
 -- with that outcome, not "opening".
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
@@ -42,7 +42,7 @@ describe("#server what a hold costs", function()
       db.client:reset_counters()
       assert(tm:transfer("accounts", "A", "B", 1, opts))
       assert.are.same({ commands = 5 + guard + clock_reads, writes = 7 }, db.client:counters())
-      -- the hold: create, the applies; the capture: its read, the count
+      -- the hold: create, the applies; the capture: its read, the find
       -- of the marks, the decision, both finishes in one bulk write, done
       db.client:reset_counters()
       assert(tm:hold("accounts", "A", "B", 10, { id = "h1", min = opts.min }))
@@ -53,7 +53,7 @@ describe("#server what a hold costs", function()
       local capture = db.client:counters()
       assert.are.same({ commands = 5 + clock_reads, writes = 4 }, capture)
       assert.are.equal(7, hold.writes + capture.writes)
-      -- a void: its read, the count, the decision, both undos, cancelled
+      -- a void: its read, the find, the decision, both undos, cancelled
       assert(tm:hold("accounts", "A", "B", 5, { id = "h2", min = opts.min }))
       db.client:reset_counters()
       assert(tm:void("h2"))
@@ -99,7 +99,7 @@ describe("#server what a hold costs", function()
     other_db:close()
   end)
 
-  it("answers a void with the capture another made between its read and its count of the marks",
+  it("answers a void with the capture another made between its read and its find of the marks",
      function()
     -- the capture's finish pulls the marks: without both on, the hold
     -- would look as if it never opened
@@ -110,7 +110,7 @@ describe("#server what a hold costs", function()
     local first = true
     tm.engine.colls.accounts = setmetatable({}, { __index = function(_, name)
       return function(_, ...)
-        if name == "count" and first then
+        if name == "find_all" and first then
           first = false
           assert(other:capture("h1", 4))
         end

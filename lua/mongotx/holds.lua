@@ -23,7 +23,7 @@
 -- transfer's writes.  The opener sends each apply once (Engine:retry,
 -- `once`: no resend after a lost answer), so once both marks are on the
 -- documents no apply of it can land any more; a capture or void checks
--- that (`opened`, a count) before it decides, and a hold without both
+-- that (`opened`, one find) before it decides, and a hold without both
 -- marks is `opening`.  Nobody owns an open hold: the decisions are
 -- conditioned on its state and epoch, not on an owner, and recovery
 -- claims a pending hold only past its expiry and its deadline, so one
@@ -80,19 +80,20 @@ function _M.status(T, now, opened)
 end
 
 -- Are both marks of the pending hold T on its documents (every apply of
--- its opener landed)?  One count; true, false, or nil, err.
+-- its opener landed)?  One find of their ids (a count scans the whole
+-- collection on some servers); true, false, or nil, err.
 local function opened(eng, T)
   local a, b = T.ops[1], T.ops[2]
-  local n, err = eng:coll(a.collection):count({ _id = { ["$in"] = { a.id, b.id } },
-    [eng:form(T).marker] = stored.mark(T) })
-  if not n then return nil, errors.wrap(err, "hold", T._id) end
-  return n == 2
+  local docs, err = eng:coll(a.collection):find_all({ _id = { ["$in"] = { a.id, b.id } },
+    [eng:form(T).marker] = stored.mark(T) }, { projection = { _id = 1 }, limit = 2 })
+  if not docs then return nil, errors.wrap(err, "hold", T._id) end
+  return #docs == 2
 end
 
 -- T (a transaction document) with hold.status set, when it is a hold (a
 -- pending one's marks read: a failed read leaves it "held"), or the hold
 -- as it is now when it was decided since T was read (its finish or undo
--- may have pulled the marks before the count).
+-- may have pulled the marks before the find).
 function _M.view(eng, T)
   if type(T) == "table" and type(T.hold) == "table" then
     local open
@@ -170,7 +171,7 @@ end
 -- May the decision `step` be taken on the pending hold T as read?  true
 -- when it is open (`checked`: seen so before); T as it is now when it
 -- was decided meanwhile (its finish or undo may have pulled the marks
--- before the count); nil, err (`state`, status "opening", when it is
+-- before the find); nil, err (`state`, status "opening", when it is
 -- still pending at that epoch without both marks).
 local function may_decide(eng, T, step, checked)
   if checked then return true end
