@@ -260,6 +260,24 @@ describe("#server holds", function()
     assert.are.same({ 0, 0, 0, 0 }, seen("B"))
   end)
 
+  it("recovery expires a hold shorter than the opener's lease once its expiry passed", function()
+    -- the opener's applies are fenced by the expiry, not by its lease of 60 s
+    setup({ A = 100, B = 0 }, { application = "app-1", stale_after = 0, lease = 60 })
+    local H = assert(tm:hold("accounts", "A", "B", 60, { id = "h1", expires = 0.5 }))
+    assert.are.equal(H.hold.expires:value(), assert(txs:find_one({ _id = "h1" })).deadline:value())
+    local other = assert(db:manager { application = "app-2", stale_after = 0 })
+    local report
+    for _ = 1, 100 do -- until the server's clock is past the expiry
+      report = assert(other:recover())
+      if report.cancelled == 1 then break end
+      mongotx.core.sleep(0.05)
+    end
+    assert.are.equal(1, report.cancelled)
+    assert.are.equal("expired", assert(tm:get("h1")).hold.status)
+    assert.are.same({ 100, 0, 0, 0 }, seen("A"))
+    assert.are.same({ 0, 0, 0, 0 }, seen("B"))
+  end)
+
   it("recovery in batches expires many holds, leaving the others", function()
     setup({ A = 1000, B = 0 }, { application = "app-1", stale_after = 0, lease = 0 })
     for i = 1, 12 do assert(tm:hold("accounts", "A", "B", 10, { id = "h" .. i, expires = 600 })) end

@@ -17,9 +17,9 @@
 --            capture or void that meets it, or recovery: recovery.lua
 --            asks `triage` and `stale_way` here).
 --
--- Opening is the create (pending, its deadline the expiry, or the
--- opener's fence when that is later) and the applies (fenced by the
--- opener's deadline, as a transfer's), nothing more: a hold costs a
+-- Opening is the create (pending, its deadline the expiry) and the
+-- applies (fenced, as a transfer's, by the opener's deadline: its lease,
+-- or the expiry when that comes first), nothing more: a hold costs a
 -- transfer's writes.  The opener sends each apply once (Engine:retry,
 -- `once`: no resend after a lost answer), so once both marks are on the
 -- documents no apply of it can land any more; a capture or void checks
@@ -42,7 +42,7 @@ local checks = require "mongotx.manager.checks"
 local live, canon = stored.live, validate.canon
 local Date = core.Date
 local pairs, ipairs, type, tostring = pairs, ipairs, type, tostring
-local floor, format, huge, max = math.floor, string.format, math.huge, math.max
+local floor, format, huge, min = math.floor, string.format, math.huge, math.min
 local setmetatable = setmetatable
 
 local _M = {}
@@ -251,16 +251,16 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
   local now
   now, err = eng:clock()
   if not now then return nil, err end
-  local deadline -- the opener's: it fences the applies
+  local deadline -- the opener's: it fences the applies, and ends by the expiry
   deadline, err = eng:new_deadline()
   if err then return nil, err end
+  local at = floor(now + expires * 1000)
+  if deadline then deadline = Date(min(at, deadline:value())) end
   local id = spec.id
   if id == nil then id = core.ObjectId() end
-  local at = floor(now + expires * 1000)
   local T = { _id = id, state = "pending", ops = spec.ops, epoch = 1, attempts = 1,
               application = eng.application, instance = eng.instance,
-              lease = eng.policy.lease, meta = spec.meta,
-              deadline = Date(deadline and max(at, deadline:value()) or at),
+              lease = eng.policy.lease, meta = spec.meta, deadline = Date(at),
               markerField = eng.marker, versionField = eng.version_field,
               mark = stored.new_mark(eng.vctx.collection, id),
               source = from, destination = to, value = amount,
@@ -284,7 +284,7 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
   batch.apply(opener, { e }, deadline, versions)
   if e.err then
     eng:hold(id, nil)
-    return nil, e.err -- pending: recovery rolls it back after the lease
+    return nil, e.err -- pending: recovery rolls it back once it expired
   end
   if e.slow then
     local vs = {}
@@ -528,9 +528,10 @@ end
 
 -- What recovery does with the hold T (mongotx.recovery's triage): a
 -- pending one (open, or whose opener died) is claimed once past its
--- expiry by `now` (the claim itself waits for its deadline, the expiry or
--- the opener's fence, by the server's clock), whoever holds it, and
--- never by the "own" route; a decided one as any transaction.
+-- expiry by `now` (the claim itself waits for its deadline, the expiry,
+-- or later where an opener that had to wait renewed it, by the server's
+-- clock), whoever holds it, and never by the "own" route; a decided one
+-- as any transaction.
 function _M.triage(eng, T, now, age, me)
   if T.state ~= "pending" then
     return eng.policy.may_recover(T, age, me) and "claim" or "skipped"
