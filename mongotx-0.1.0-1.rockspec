@@ -103,6 +103,7 @@ build = {
     ["mongotx.queue.worker"] = "lua/mongotx/queue/worker.lua",
     ["mongotx.metrics"] = "lua/mongotx/metrics.lua",
     ["mongotx.metrics.exposition"] = "lua/mongotx/metrics/exposition.lua",
+    ["mongotx.metrics.marks"] = "lua/mongotx/metrics/marks.lua",
     ["mongotx.metrics.backlog"] = "lua/mongotx/metrics/backlog.lua",
     ["mongotx.metrics.shared"] = "lua/mongotx/metrics/shared.lua",
     ["mongotx.cli"] = "lua/mongotx/cli.lua",

@@ -147,6 +147,23 @@ describe("#server the mongotx command", function()
     assert.are.same({ ["$inc"] = { balance = -10 } }, s.transaction.ops[1].update)
     assert.are.same({ "half" }, s.documents[1].marker)
     assert.are.equal(1, s.documents[1].version)
+    -- a credit in escrow: the document's txPending and txEscrow
+    assert(accounts:insert_many{ { _id = "C", balance = 5 }, { _id = "D", balance = 0 } })
+    local e = assert(tm:begin({
+      { collection = "accounts", id = "C", update = { ["$inc"] = { balance = -3 } } },
+      { collection = "accounts", id = "D", update = { ["$inc"] = { balance = 3 } } },
+    }, { id = "esc" }))
+    assert(tm:step("claim", e))
+    assert(tm:step("apply", e, 1))
+    assert(tm:step("apply", e, 2))
+    code, out, err = cli("show", "esc")
+    assert.are.equal(0, code, err)
+    assert.truthy(out:find("%sESCROW\n"), out)
+    assert.truthy(out:find('\n2%s+update%s+accounts%s+D%s+.-{"balance":3}%s+%["esc"%]\n'), out)
+    s = json_ok("show", "esc")[1]
+    assert.are.same({ "esc" }, s.documents[2].escrow)
+    assert.are.same({ balance = 3 }, s.documents[2].pending)
+    assert.is_nil(s.documents[1].escrow)
     -- typed ids: the number 7 and the string "7" are two transactions
     transfer(1, 7)
     transfer(2, "7")

@@ -14,7 +14,10 @@
 --
 -- Where the figures live is a store: { incr = function(self, key, n),
 -- set = function(self, key, v), get = function(self, key), keys =
--- function(self) -> list }.  By default a table of this Lua state;
+-- function(self) -> list }, and the marks of the transactions counted
+-- begun and not yet ended (mark, unmark, marked, touch: mongotx.metrics.marks;
+-- a store without them keeps them in this Lua state).  By default
+-- a table of this Lua state;
 -- mongotx.metrics.shared keeps them in an nginx lua_shared_dict, summed
 -- over the workers of an instance.  A key is "<family>\t<labels>\t<part>"
 -- (labels as rendered, part "" for a counter or gauge, "b<i>", "s" or "c"
@@ -24,6 +27,7 @@
 -- @module mongotx.metrics
 
 local exposition = require "mongotx.metrics.exposition"
+local marks = require "mongotx.metrics.marks"
 local core = require "mongotx.core"
 local engine = require "mongotx.engine"
 
@@ -41,11 +45,11 @@ local SIZES = { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512 }
 -- The families, in the order rendered: name, type, help, histogram bounds.
 local FAMILIES = {
   { "mongotx_transactions_begun_total", "counter",
-    "Transactions this manager created (begin, run, transfer and their batches)." },
+    "Transactions this registry's managers created (begin, run, transfer and their batches)." },
   { "mongotx_transactions_done_total", "counter",
-    "Transactions this manager moved to done." },
+    "Of the transactions counted begun, those that ended done, whoever moved them." },
   { "mongotx_transactions_cancelled_total", "counter",
-    "Transactions this manager moved to cancelled, by reason: an op that could not apply " ..
+    "Of the transactions counted begun, those that ended cancelled, by reason: an op that could not apply " ..
     "(guard, missing, conflict, busy, removing, contention), rollback (a caller or operator), " ..
     "recovery (a stale pending one rolled back), expired (a stale initial one, or a hold past " ..
     "its expiry), voided (a hold voided), unknown." },
@@ -103,17 +107,6 @@ local Table = {}
 Table.__index = Table
 
 function Table:incr(key, n) self.values[key] = (self.values[key] or 0) + n end
--- The transactions counted begun and not yet ended (Metrics:begin_mark).
-function Table:mark(k)
-  if self.marks[k] then return "exists" end
-  self.marks[k] = true
-  return "new"
-end
-function Table:unmark(k)
-  local was = self.marks[k]
-  self.marks[k] = nil
-  return was == true
-end
 function Table:set(key, v) self.values[key] = v end
 function Table:get(key) return self.values[key] end
 function Table:keys()
@@ -124,12 +117,14 @@ end
 
 --- The default store: the figures in a table of this Lua state.
 -- @syntax store = metrics.table_store()
--- @treturn table a store: `incr(key, n)`, `set(key, v)`, `get(key)`, `keys()`, and `mark(k)`, `unmark(k)`
---   (the transactions counted begun and not yet ended)
+-- @treturn table a store: `incr(key, n)`, `set(key, v)`, `get(key)`, `keys()`, and the marks of the
+--   transactions counted begun and not yet ended: `mark(k, id, ms)`, `unmark(k)`, `marked(prefix)`,
+--   `touch(k, ms)`
 -- @usage local m = metrics.new{ store = metrics.table_store() }
 function _M.table_store()
   return setmetatable({ values = {}, marks = {} }, Table)
 end
+marks.mix(Table)
 
 -- How many transactions a Lua state times at once (two generations of
 -- this many: one that never ends here, taken over by another process,
@@ -151,7 +146,7 @@ Metrics.__index = Metrics
 function _M.new(opts)
   opts = opts or {}
   return setmetatable({ store = opts.store or _M.table_store(), client = opts.client,
-                        keys = {}, started = {}, older = {}, timed = 0,
+                        keys = {}, tags = {}, started = {}, older = {}, timed = 0,
                         -- the passes under way, by their report (weak: a
                         -- pass that raised is forgotten)
                         passes = setmetatable({}, { __mode = "k" }) }, Metrics)
@@ -240,12 +235,12 @@ function Metrics:start(id)
   self.started[k], self.timed = now_ms(), self.timed + 1
 end
 
---- Internal: ends a transaction's timing and observes its seconds.
+--- Internal: ends a transaction's timing and observes its seconds (none without `app`).
 -- @local
--- @syntax m:stop(id, app, outcome)
+-- @syntax m:stop(id [, app, outcome])
 -- @param id the transaction's id
--- @string app the application label
--- @string outcome `"done"` or `"cancelled"`
+-- @string[opt] app the application label
+-- @string[opt] outcome `"done"` or `"cancelled"`
 -- @usage -- used by the done and cancelled events
 function Metrics:stop(id, app, outcome)
   local k = key_of(id)
@@ -253,7 +248,9 @@ function Metrics:stop(id, app, outcome)
   if not t0 then return end
   if self.started[k] then self.started[k], self.timed = nil, self.timed - 1
   else self.older[k] = nil end
-  self:observe("mongotx_transaction_seconds", app, "outcome", outcome, (now_ms() - t0) / 1000)
+  if app then
+    self:observe("mongotx_transaction_seconds", app, "outcome", outcome, (now_ms() - t0) / 1000)
+  end
 end
 
 local OUTCOMES = { "done", "cancelled", "parked", "skipped", "failed" }
@@ -262,54 +259,64 @@ local OUTCOMES = { "done", "cancelled", "parked", "skipped", "failed" }
 -- result is false did not move the transaction (somebody else did).
 local ON = {}
 
--- Each transaction is counted begun once and ended (done or cancelled)
--- once by a registry, whoever drives it: begun is counted where it is
--- marked (the store's mark: shared by the workers of an nginx instance),
--- and an end that finds no mark (a worker killed between its create and
--- the count, another process's transaction recovered here) counts it
--- begun then.  So begun - done - cancelled is the number of marks, never
--- below 0, and 0 once all finished.  A store without marks (a caller's
--- own) keeps them in this Lua state.
-local function marks_of(m)
-  local store = m.store
-  if store.mark and store.unmark then return store end
-  m.own_marks = m.own_marks or _M.table_store()
-  return m.own_marks
-end
-
-local function ended(m, app, id)
-  if not marks_of(m):unmark(key_of(id)) then m:count("mongotx_transactions_begun_total", app) end
-end
-
+-- Each transaction is counted begun, then done or cancelled, once, by
+-- the registry whose mark it took (mongotx.metrics.marks).
 function ON.create(m, app, info)
   local res = info.result
   if res == false or type(res) == "table" and res.created == false then return end
-  -- (no room for the mark: counted begun at its end instead)
-  if marks_of(m):mark(key_of(info.id)) == "new" then
+  -- (no room for the mark: counted nowhere, and the store says so)
+  if marks.add(m, app, info.id, now_ms()) then
     m:count("mongotx_transactions_begun_total", app)
+    m:start(info.id)
   end
-  m:start(info.id)
 end
 
 function ON.claim(m, _, info)
   if info.result ~= false then m:start(info.id) end
 end
 
+-- Counts T ended with its outcome (from the stored reason and cause).
+local function count_end(m, app, outcome, reason, cause)
+  if outcome == "done" then
+    m:count("mongotx_transactions_done_total", app)
+  else
+    m:count("mongotx_transactions_cancelled_total", app, "reason", cancel_reason(reason, cause))
+  end
+end
+
 function ON.done(m, app, info)
   if info.result == false then return end
-  ended(m, app, info.id)
-  m:count("mongotx_transactions_done_total", app)
-  m:stop(info.id, app, "done")
+  if marks.take(m, app, info.id) then
+    count_end(m, app, "done")
+    m:stop(info.id, app, "done")
+  else
+    m:stop(info.id)
+  end
 end
 
 function ON.cancelled(m, app, info)
   local res = info.result
   if res == false then return end
   local from = type(res) == "table" and res or info
-  local reason = cancel_reason(from.reason, from.cause)
-  ended(m, app, info.id)
-  m:count("mongotx_transactions_cancelled_total", app, "reason", reason)
-  m:stop(info.id, app, "cancelled")
+  if marks.take(m, app, info.id) then
+    count_end(m, app, "cancelled", from.reason, from.cause)
+    m:stop(info.id, app, "cancelled")
+  else
+    m:stop(info.id)
+  end
+end
+
+-- At most this many marks are read back per reconcile (one find).
+_M.RECONCILE = 100
+
+local function reconcile(m, app, find, age)
+  return marks.reconcile(m, app, find, age, _M.RECONCILE, count_end)
+end
+
+-- The recovery pass's last event: its `find` reads this manager's
+-- transactions collection.
+function ON.reconcile(m, app, info)
+  if type(info.find) == "function" then reconcile(m, app, info.find, info.age) end
 end
 
 function ON.retry(m, app, info)
@@ -393,6 +400,26 @@ function Metrics:on_event(app, chained)
     if f and type(info) == "table" then pcall(f, m, app, info) end
     if chained then return chained(name, info) end
   end
+end
+
+-- Reconciles now (what tm:recover's pass does at its end) this
+-- registry's marks of tm's application against tm's transactions.
+
+--- Counts the transactions of `tm`'s application this registry counted begun that ended uncounted.
+-- `tm:recover` does it at the end of each pass; call it where a process counts transactions and runs
+-- no recovery (docs/metrics.md). Marks older than `age` seconds are read back, at most `metrics.RECONCILE`
+-- in one find; with none due it reads nothing.
+-- @syntax n, err = m:reconcile(tm [, { age = seconds }])
+-- @tparam table tm a manager whose events count into this registry
+-- @tparam[opt] table opts `age` (default the manager's `stale_after`)
+-- @treturn number how many it counted done or cancelled now
+-- @return[2] nil
+-- @return[2] err the read's error
+-- @usage local n = assert(m:reconcile(tm))
+function Metrics:reconcile(tm, opts)
+  local eng = tm.engine
+  local age = opts and opts.age or eng.policy.stale_after
+  return reconcile(self, tostring(tm.application), function(ids) return eng:states(ids) end, age)
 end
 
 -- A copy of db:manager's options `opts` whose on_event counts into this

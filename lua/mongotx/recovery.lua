@@ -510,6 +510,12 @@ function _M.recover(eng, limit, size)
   end
   cursor:close()
   eng:event("recover", report)
+  -- then a listener that counts transactions (mongotx.metrics) reads
+  -- back those it counted begun and saw no end of
+  if eng:listening() then
+    eng:event("reconcile", { age = eng.policy.stale_after,
+                             find = function(ids) return eng:states(ids) end })
+  end
   return report
 end
 

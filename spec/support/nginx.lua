@@ -29,6 +29,8 @@
 --   log_level      error_log's level ("notice")
 --   reuseport      a listening socket per worker (the kernel spreads new
 --                  connections evenly over the workers)
+--   env            { NAME = value }: set in the workers' environment (such
+--                  as MONGOTX_FAULT, a crash point: csrc/fault.c)
 --
 -- The nginx master runs in the foreground of a shell that also watches the
 -- Lua process which started it: when that process is gone, nginx is
@@ -62,6 +64,8 @@ if CPATH:sub(1, 1) ~= "/" then CPATH = ROOT .. "/" .. CPATH:gsub("^%./", "") end
 M.MODULES = "/usr/lib/nginx/modules"
 
 local function conf(o)
+  local env = {}
+  for k, v in pairs(o.env or {}) do env[#env + 1] = ("env %s=%s;\n"):format(k, v) end
   local paths = table.concat({ ROOT .. "/examples/openresty/?.lua", ROOT .. "/lua/?.lua",
                                ROOT .. "/lua/?/init.lua", ROOT .. "/?.lua" }, ";")
   local recovery = o.recovery == false and "" or "  bank.init_worker()\n"
@@ -74,7 +78,7 @@ master_process on;
 pid logs/nginx.pid;
 error_log logs/error.log %s;
 worker_shutdown_timeout 5s;
-env MONGOTX_URI;
+%senv MONGOTX_URI;
 env MONGOTX_DATABASE;
 thread_pool mongotx threads=%d;
 events { worker_connections 1024; }
@@ -116,7 +120,8 @@ http {
     %s
   }
 }
-]]):format(M.MODULES, M.MODULES, o.workers or 1, o.log_level or "notice", o.threads or 4, paths, CPATH, o.vms or 8,
+]]):format(M.MODULES, M.MODULES, o.workers or 1, o.log_level or "notice", table.concat(env),
+           o.threads or 4, paths, CPATH, o.vms or 8,
            o.metrics_dict or "1m", o.check_client_abort and "on" or "off", o.http or "", o.configure or "{}",
            recovery, o.init_worker or "", o.port, o.reuseport and " reuseport" or "", o.locations or "")
 end

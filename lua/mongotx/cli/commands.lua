@@ -184,10 +184,11 @@ function _M.show(tm, o, fail)
                 shorten(cell(change), 40), shorten(cell(op.undo), 30), shorten(cell(op.where), 30),
                 d.exists == nil and "?" or (d.exists and "yes" or "no"),
                 cell(d.marker), cell(d.version), cell(d.held), cell(d.removing),
-                cell(d.pending) }
+                cell(d.pending), cell(d.escrow) }
   end
   output.table(stdout, { "OP", "KIND", "COLLECTION", "DOCUMENT", "CHANGE", "UNDO", "WHERE",
-                         "EXISTS", "MARKER", "VERSION", "HELD", "REMOVING", "PENDING" }, rows)
+                         "EXISTS", "MARKER", "VERSION", "HELD", "REMOVING", "PENDING", "ESCROW" },
+               rows)
   return OK
 end
 

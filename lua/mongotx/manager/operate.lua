@@ -345,7 +345,8 @@ end
 -- The transaction with this id and, for each of its ops, what that op's
 -- document carries now: { collection, id, exists, marker (the ids in the
 -- marker field), version, held (txHeld), removing (txRemoving), pending
--- (txPending: the escrowed credits of open transactions) }.  Returns
+-- (txPending: the escrowed credits of open transactions), escrow
+-- (txEscrow: the transactions whose credits those are) }.  Returns
 -- T, docs; nil when there is no such transaction; nil, err.  The documents
 -- of a malformed transaction (validate.malformed: its op ids may not be
 -- fit for a filter) are not read: docs is empty and the third value says
@@ -355,7 +356,7 @@ end
 -- @syntax T, docs, problem = tm:inspect(id)
 -- @param id the transaction's id
 -- @treturn ?table the transaction, or nil
--- @treturn table per op `{ collection, id, exists, marker, version, held, removing, pending }`
+-- @treturn table per op `{ collection, id, exists, marker, version, held, removing, pending, escrow }`
 -- @treturn ?string for a malformed transaction, what is wrong (docs is then empty)
 -- @errors nil, err: database errors
 -- @usage local T, docs = tm:inspect("o-1")
@@ -367,7 +368,7 @@ function Manager:inspect(id)
   if why then return T, docs, why end
   local f, form = eng.fields, eng:form(T)
   local projection = { [form.marker] = 1, [form.version] = 1, [f.held] = 1, [f.removing] = 1,
-                       [f.pending] = 1 }
+                       [f.pending] = 1, [f.escrow] = 1 }
   for i, op in ipairs(T.ops) do
     local doc
     doc, err = eng:coll(op.collection):find_one({ _id = op.id }, { projection = projection })
@@ -375,7 +376,7 @@ function Manager:inspect(id)
     docs[i] = { collection = op.collection, id = op.id, exists = doc ~= nil,
                 marker = doc and doc[form.marker], version = doc and doc[form.version],
                 held = doc and doc[f.held], removing = doc and doc[f.removing],
-                pending = doc and doc[f.pending] }
+                pending = doc and doc[f.pending], escrow = doc and doc[f.escrow] }
   end
   return T, docs
 end

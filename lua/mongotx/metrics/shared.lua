@@ -23,7 +23,7 @@
 local metrics = require "mongotx.metrics"
 local exposition = require "mongotx.metrics.exposition"
 
-local setmetatable, error, type, tostring = setmetatable, error, type, tostring
+local setmetatable, error, type, tostring, ipairs = setmetatable, error, type, tostring, ipairs
 
 local _M = {}
 
@@ -44,22 +44,88 @@ function Store:incr(key, n)
   self:dropped()
 end
 
--- The transactions counted begun and not yet ended (mongotx.metrics):
--- one key each, shared by the workers, so that a worker that ends one
--- another (killed) worker began counts it once.  Kept MARK_TTL seconds
--- at most (a transaction open longer is counted begun again at its end).
-local MARK, MARK_TTL = "mongotx_begun\t", 7 * 24 * 3600
-function Store:mark(k)
-  local ok, err = self.dict:safe_add(MARK .. k, 1, MARK_TTL)
-  if ok then return "new" end
-  if err == "exists" then return "exists" end
-  return false
+-- The transactions counted begun and not yet counted ended
+-- (mongotx.metrics): one key each, MARK .. k, shared by the workers, so
+-- that a worker that ends one another (killed) worker began counts it,
+-- and the recovery pass of any worker reconciles them.  Its value is the
+-- time of the mark (core.monotonic_ms, one clock for the host's
+-- processes), >= 0 while it is live; ending it is one atomic incr by
+-- -CLAIM, so of two workers that end one, only the one that took it from
+-- >= 0 counts it (a later touch adds less than CLAIM: a taken mark stays
+-- below 0).  No TTL: every mark ends at its transaction's end or at a
+-- reconcile.  The id is read back from k (the key of a string, an
+-- integer or an ObjectId: every id mongotx makes), else from a second key,
+-- ID .. k, holding its BSON.
+local MARK, ID, CLAIM = "mongotx_begun\t", "mongotx_begid\t", 2 ^ 50
+local core = require "mongotx.core"
+
+-- The id whose key (engine.key) is `key` (a string's, an integer's or an
+-- ObjectId's; nil for another's).
+local function id_of(key)
+  local kind, rest = key:sub(1, 1), key:sub(2)
+  if kind == "o" then return core.ObjectId(rest) end
+  if kind == "i" then return core.Int64(rest) end
+  if kind == "s" then return rest:match("^%d+:(.*)$") end
 end
+
+-- Does mark k's key ("<application>\t<key>") tell its id?  (Its first
+-- byte: no string is made, as the events of every transaction ask.)
+local TOLD = { [("o"):byte()] = true, [("i"):byte()] = true, [("s"):byte()] = true }
+local function told(k)
+  local at = k:find("\t", 1, true)
+  return at ~= nil and TOLD[k:byte(at + 1)] == true
+end
+
+function Store:mark(k, id, t)
+  local dict = self.dict
+  local ok, err = dict:safe_add(MARK .. k, t)
+  if not ok then
+    if err == "exists" then return "exists" end
+    self:dropped()
+    return false
+  end
+  if not told(k) and not dict:safe_set(ID .. k, core.encode { id = id }) then
+    dict:delete(MARK .. k)
+    self:dropped()
+    return false
+  end
+  return "new"
+end
+
 function Store:unmark(k)
-  local left = self.dict:incr(MARK .. k, -1)
+  local dict = self.dict
+  local left = dict:incr(MARK .. k, -CLAIM)
   if left == nil then return false end
-  self.dict:delete(MARK .. k)
-  return left == 0
+  dict:delete(MARK .. k)
+  if not told(k) then dict:delete(ID .. k) end
+  return left >= -CLAIM
+end
+
+function Store:touch(k, dt)
+  self.dict:incr(MARK .. k, dt)
+end
+
+-- The live marks whose k starts with prefix: a copy of the dict's keys
+-- (get_keys locks it while it copies them, as a scrape does).
+function Store:marked(prefix)
+  local dict, list, from = self.dict, {}, #MARK + 1
+  local head = MARK .. prefix
+  for _, name in ipairs(dict:get_keys(0)) do
+    if name:sub(1, #head) == head then
+      local t, k = dict:get(name), name:sub(from)
+      local id
+      if told(k) then
+        id = id_of(k:sub(#prefix + 1))
+      else
+        local bson = dict:get(ID .. k)
+        id = bson and core.decode(bson).id
+      end
+      if type(t) == "number" and t >= 0 and id ~= nil then
+        list[#list + 1] = { k = k, id = id, t = t }
+      end
+    end
+  end
+  return list
 end
 
 function Store:set(key, v)
