@@ -166,7 +166,7 @@ end
 -- @usage local T = tm:get("o-1")
 function Manager:get(id)
   local T, err = self:_get(id, "get", CALLER)
-  if T then holds.view(self.engine, T) end
+  if T then T = holds.view(self.engine, T) end
   return T, err
 end
 
