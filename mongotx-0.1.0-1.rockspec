@@ -91,6 +91,7 @@ build = {
     ["mongotx.resty"] = "lua/mongotx/resty.lua",
     ["mongotx.resty.wire"] = "lua/mongotx/resty/wire.lua",
     ["mongotx.resty.group"] = "lua/mongotx/resty/group.lua",
+    ["mongotx.resty.held"] = "lua/mongotx/resty/held.lua",
     ["mongotx.clock"] = "lua/mongotx/clock.lua",
     ["mongotx.ledger"] = "lua/mongotx/ledger.lua",
     ["mongotx.ledger.accounts"] = "lua/mongotx/ledger/accounts.lua",

@@ -13,7 +13,7 @@
 --
 --   luajit bench/openresty.lua [--seconds 4] [--accounts 100] [--threads 4]
 --                              [--runs 3] [--delay 0] [--inflight 1] [--loopback 1|0]
---                              [--metrics 3] [--workers 1|2] [--conns n] [--hot 3]
+--                              [--metrics 3] [--workers 1|2] [--conns n] [--hot 3] [--holds 1]
 --
 -- --workers and --conns run one of those only.  Then hot accounts: the
 -- same load on --hot accounts (3; 0: none) and on 1 000, 2 workers, 16
@@ -21,6 +21,11 @@
 -- ones, at 0.8 x the requests/s of the 1 000 (issue 33).  A second table gives the
 -- CPU each request cost nginx, the server, wrk and toxiproxy: on 2 cores
 -- shared by all four, their sum bounds the requests/s of either mode.
+--
+-- Then holds (issue 44): POST /hold and /capture of all of it (about
+-- one capture per hold: bench/openresty-wrk.lua) against /transfer, both
+-- modes, 2 workers, 16 connections, runs interleaved (--holds 0: none);
+-- the holds still open when wrk stops are voided before the check.
 --
 -- Then the cost of mongotx.metrics.shared (bench/openresty-metrics.lua):
 -- --metrics rounds (0: none) with the manager's metrics off and on.
@@ -39,7 +44,7 @@ local latency = require "bench.latency"
 local cpu = require "bench.servercpu"
 
 local opts = { seconds = 4, accounts = 100, threads = 4, runs = 3, delay = 0, inflight = 1, loopback = 0, metrics = 3,
-               workers = 0, conns = 0, hot = 3 }
+               workers = 0, conns = 0, hot = 3, holds = 1 }
 do
   local i = 1
   while arg[i] do
@@ -47,7 +52,7 @@ do
     if not name or opts[name] == nil or not tonumber(arg[i + 1]) then
       io.stderr:write("usage: bench/openresty.lua [--seconds n] [--accounts n] [--threads n] " ..
                       "[--runs n] [--delay s] [--inflight n] [--loopback 1] [--metrics rounds] [--workers n] " ..
-                      "[--conns n] [--hot n]\n")
+                      "[--conns n] [--hot n] [--holds 0|1]\n")
       os.exit(2)
     end
     opts[name] = tonumber(arg[i + 1])
@@ -102,12 +107,13 @@ local function check(name)
     sum == BALANCE * accounts and "unchanged" or "CHANGED")
 end
 
--- wrk's output, with its CPU seconds as wrk_cpu=<s> (/usr/bin/time).
-local function wrk(n, conns, seconds)
+-- wrk's output, with its CPU seconds as wrk_cpu=<s> (/usr/bin/time);
+-- path: /transfer (default) or /hold (holds and their captures).
+local function wrk(n, conns, seconds, path)
   return capture(string.format(
-    "BENCH_ACCOUNTS=%d BENCH_PATH=/transfer /usr/bin/time -f 'wrk_cpu=%%U+%%S' " ..
+    "BENCH_ACCOUNTS=%d BENCH_PATH=%s /usr/bin/time -f 'wrk_cpu=%%U+%%S' " ..
     "wrk -t %d -c %d -d %ds -s bench/openresty-wrk.lua %s 2>&1",
-    accounts, math.min(conns, 2), conns, seconds, n:url("/")))
+    accounts, path or "/transfer", math.min(conns, 2), conns, seconds, n:url("/")))
 end
 
 -- CPU seconds so far of each process of the stack but wrk: nginx's
@@ -129,9 +135,9 @@ end
 
 -- wrk against nginx n: { requests, rps, p50, p99 (ms), non2xx, socket,
 -- nginx, server, wrk, proxy (CPU microseconds a request), out }.
-local function measure(n, conns)
+local function measure(n, conns, path)
   local before = stack_cpu(n)
-  local out = wrk(n, conns, opts.seconds)
+  local out = wrk(n, conns, opts.seconds, path)
   local after = stack_cpu(n)
   local r = {}
   for k, v in out:gmatch("([%w_]+)=(%d+)") do r[k] = tonumber(v) end
@@ -145,15 +151,32 @@ local function measure(n, conns)
   return x
 end
 
--- One run: requests/s, p50 and p99 (ms), errors, database ok, what.
+-- The holds of run `name` that wrk left open, voided; returns how many
+-- were captured.
+local function settle_holds(name)
+  local db = assert(require("mongotx").connect(srv.uri, { database = name }))
+  local tm = assert(db:manager { application = "bench" })
+  local txs = db:collection("transactions")
+  for _, T in ipairs(assert(txs:find_all({ state = "pending", hold = { ["$exists"] = true } },
+                                          { projection = { _id = 1 } }))) do
+    assert(tm:void(T._id))
+  end
+  local captured = assert(txs:count({ state = "done", hold = { ["$exists"] = true } }))
+  db:close()
+  return captured
+end
+
+-- One run: requests/s, p50 and p99 (ms), errors, database ok, what; with
+-- path /hold also captured/s (holds captured a second).
 local failed = 0
-local function run(uri, workers, mode, conns)
+local function run(uri, workers, mode, conns, path)
   local name = fresh()
   local n = start(uri, name, workers, mode)
   -- every worker makes its manager before the timed part
   for _ = 1, 4 * workers do n:request("POST", "/transfer", '{"from":"a1","to":"a2","amount":1}') end
-  local r = measure(n, conns)
+  local r = measure(n, conns, path)
   n:stop()
+  if path == "/hold" then r.captured = settle_holds(name) / opts.seconds end
   local ok, what = check(name)
   if not r.requests then ok, what = false, "wrk: " .. r.out end
   if not ok then failed = failed + 1 end
@@ -385,6 +408,39 @@ if #hot_rows > 0 then
     opts.hot, COLD, opts.hot, COLD, opts.hot))
   print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
   for _, row in ipairs(hot_rows) do print(row) end
+end
+-- Holds against transfers (issue 44), the same load, runs interleaved.
+local hold_rows = {}
+if opts.holds > 0 then
+  for _, mode in ipairs { "ungrouped", "grouped" } do
+    local tr, ho = {}, {}
+    for i = 1, opts.runs do
+      tr[i] = run(srv.uri, 2, mode, 16, "/transfer")
+      ho[i] = run(srv.uri, 2, mode, 16, "/hold")
+      io.stderr:write(string.format("holds: %s run %d: %.0f transfers/s; %.0f requests/s, %.0f " ..
+        "holds captured/s, %d non-2xx, %s\n", mode, i, tr[i].rps, ho[i].rps, ho[i].captured,
+        ho[i].non2xx, ho[i].what))
+    end
+    local non2xx, ok, ratios = 0, true, {}
+    for i = 1, opts.runs do
+      non2xx, ok = non2xx + ho[i].non2xx, ok and ho[i].ok and tr[i].ok
+      ratios[i] = { r = ho[i].captured / math.max(tr[i].rps, 1) } -- of the runs side by side
+    end
+    hold_rows[#hold_rows + 1] = string.format("| %s | %.0f | %.0f | %.0f | %.2f | %.2f / %.2f | %d | %s |",
+      mode, median(tr, "rps"), median(ho, "rps"), median(ho, "captured"), median(ratios, "r"),
+      median(ho, "p50"), median(ho, "p99"), non2xx, ok and "ok" or "FAILED")
+  end
+end
+if #hold_rows > 0 then
+  print()
+  print(string.format("Holds (medians of %d runs of %d s, loopback, 2 workers, 16 connections): a " ..
+    "hold and its capture are two requests, so captured/s is what replaces transfers/s:", opts.runs,
+    opts.seconds))
+  print()
+  print("| mode | transfers/s | hold or capture requests/s | holds captured/s | captured / transfers " ..
+    "(median of each run's) | p50 / p99 ms (holds run) | non-2xx (holds, all runs) | database after every run |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+  for _, row in ipairs(hold_rows) do print(row) end
 end
 print()
 print("Targets (issues 22, 33 and 41):")

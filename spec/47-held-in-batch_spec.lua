@@ -129,6 +129,40 @@ describe("#server a held key in a batch", function()
     assert.are.equal(2, #assert(accounts:find_one({ _id = "A" })).pendingTransactions)
   end)
 
+  it("tm:later answers held keys at once and names them, for the caller to wait (mongotx.resty)", function()
+    hold(2)
+    local tm = assert(db:manager { application = "shop", holder_wait = 5,
+      sleep = function() error("tm:later slept") end })
+    local t0 = core.monotonic_ms()
+    local held, results, errs = tm:later("commit_many", { { ops = pay("A", "B", 1), id = "h1" },
+                                                          { ops = pay("C", "D", 10), id = "free" },
+                                                          { ops = pay("A", "B", 1), id = "h2" } })
+    assert.are.equal("done", results[2].state, tostring(errs[2]))
+    assert.are.same({ "in_progress", "in_progress" }, { errs[1].code, errs[3].code })
+    assert.are.same({ { 1, "h1", 5 }, { 3, "h2", 5 } },
+      { { held[1].i, held[1].id, held[1].wait }, { held[2].i, held[2].id, held[2].wait } })
+    assert.is_true(held[1].lapse > 3000, "lapse " .. tostring(held[1].lapse)) -- the holder's lease: an hour
+    local T, err
+    held, T, err = tm:later("transfer", "accounts", "A", "B", 1, { id = "h1" })
+    assert.is_nil(T)
+    assert.are.equal("in_progress", err.code)
+    assert.are.same({ "h1" }, { held[1].id })
+    held, T, err = tm:later("commit", { _id = "h2" })
+    assert.is_nil(T)
+    assert.are.equal("in_progress", err.code)
+    assert.are.same({ "h2" }, { held[1].id })
+    -- a call that meets no held key names none, and answers as itself
+    held, T = tm:later("run", pay("C", "D", 1), { id = "free2" })
+    assert.are.same({}, held)
+    assert.are.equal("done", T.state)
+    assert.is_true(core.monotonic_ms() - t0 < 2000, "tm:later waited")
+    assert.are.same({ "pending", "pending", "done", "done" }, {
+      assert(txs:find_one({ _id = "h1" })).state, assert(txs:find_one({ _id = "h2" })).state,
+      assert(txs:find_one({ _id = "free" })).state, assert(txs:find_one({ _id = "free2" })).state })
+    assert.are.same({ A = 998, B = 0, C = 489, D = 11 }, balances(accounts))
+    assert.has_error(function() tm:later("recover") end)
+  end)
+
   it("group commit: the unrelated calls of the batch answer at once, the held one on its own", function()
     hold(2)
     local tm = assert(db:manager { application = "shop", holder_wait = 1 })

@@ -81,9 +81,10 @@ local function show(v)
   return "{" .. table.concat(parts, ",") .. "}"
 end
 
--- Applies one op of a done transaction to the model; a message when it
--- cannot (then the database cannot be right either).
-local function replay(model, op, tid)
+-- Applies one op of a done transaction to the model (of a hold, `hold`:
+-- its hold field); a message when it cannot (then the database cannot be
+-- right either).
+local function replay(model, op, tid, hold)
   if op.collection == serial.COLLECTION then return end -- serial.final's
   local coll = model.docs[op.collection] or {}
   model.docs[op.collection] = coll
@@ -108,7 +109,11 @@ local function replay(model, op, tid)
   elseif op.kind == "update" then
     for operator, fields in pairs(op.update) do
       for f, v in pairs(fields) do
-        if operator == "$inc" then
+        if operator == "$inc" and hold then
+          -- a captured hold moves what it captured (`settle` gives the
+          -- rest back: csrc/txn_ops.c, build_finish), whatever it held
+          doc[f] = (doc[f] or 0) + (v < 0 and -1 or 1) * (hold.captured or hold.amount)
+        elseif operator == "$inc" then
           doc[f] = (doc[f] or 0) + v
         elseif operator == "$set" then
           doc[f] = v
@@ -255,7 +260,7 @@ function M.database(db, fixture, opts)
         orig, tostring(r.states[orig]))
     end
     for _, op in ipairs(T.ops) do
-      local why = replay(model, op, T.key or canon(T._id))
+      local why = replay(model, op, T.key or canon(T._id), type(T.hold) == "table" and T.hold)
       if why then violation("%s", why) end
     end
   end

@@ -19,6 +19,8 @@
 --                random kill -9 / SIGSTOP run   torture/queue.lua
 --   ledger       mongotx.ledger: its crash points, then random kill -9 of
 --                workers moving money with min = 0  torture/ledger.lua
+--   holds        holds, captures, voids, expiries and transfers on one hot
+--                account under random kill -9    torture/holds.lua
 --   server       server kill -9, durability, connection drop
 --                                                torture/server_faults.lua
 --   sync, versioned  mongotx.sync / mongotx.versioned: their crash
@@ -108,6 +110,8 @@ local sections = {
       return with_server("memory", require("torture.queue").kills) end },
   { name = "ledger", run = function()
       return with_server("memory", require("torture.ledger").run) end },
+  { name = "holds", run = function()
+      return with_server("memory", require("torture.holds").run) end },
   { name = "server", run = function()
       return with_server(nil, require("torture.server_faults").run) end },
   { name = "sync", run = function()

@@ -418,6 +418,24 @@ for _, s in ipairs {
     other = { cancelled = true }, manager = BUSY, run = serial_T },
 } do M.list[#M.list + 1] = s end
 
+-- Holds (docs/holds.md): T holds 100 from A to B (expiring in 3 s),
+-- then captures 60 of it (40 back to A) or voids it; a crash anywhere
+-- leaves it to recovery, which expires a hold nobody decided once its
+-- expiry passed (the checks' model replays what a capture took).
+local function hold_then(decide)
+  return function(tm)
+    assert(tm:hold("accounts", "A", "B", M.AMOUNT, { id = M.ID, min = 0, expires = 3 }))
+    return decide(tm)
+  end
+end
+
+for _, s in ipairs {
+  { name = "hold-capture", kinds = { "update" }, allowed = ALL,
+    run = hold_then(function(tm) return tm:capture(M.ID, 60) end) },
+  { name = "hold-void", kinds = { "update" }, allowed = CANCELLED,
+    run = hold_then(function(tm) return tm:void(M.ID) end) },
+} do M.list[#M.list + 1] = s end
+
 function M.find(name)
   for _, s in ipairs(M.list) do
     if s.name == name then return s end

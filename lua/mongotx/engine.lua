@@ -146,13 +146,14 @@ function Engine:coll(name)
 end
 
 -- Calls fn(...) again after a backoff while it fails with a transient
--- error, at most policy.retries times.
+-- error, at most policy.retries times; never step `self.once` (a hold's
+-- opener sends each apply once: mongotx.holds).
 function Engine:retry(step, id, fn, ...)
   local attempt = 0
   while true do
     local res, err = fn(...)
     if res ~= nil then return res end
-    if not (err and err.transient) or attempt >= self.policy.retries then
+    if not (err and err.transient) or attempt >= self.policy.retries or step == self.once then
       return nil, errors.wrap(err, step, id)
     end
     attempt = attempt + 1

@@ -172,16 +172,8 @@ local function answer(T, err)
   return { n = 2, nil, err or errors.new("internal", "no result", { step = "group" }) }
 end
 
--- What the caller of a call whose transaction another call holds within
--- its lease waits for (await_held): its id, policy.holder_wait, and the
--- seconds until the lease passes (then the call alone takes it over).
-local function held_info(tm, T)
-  local _, lapse = tm.engine:lapsed(T)
-  return { id = T._id, wait = tm.policy.holder_wait, lapse = lapse }
-end
-
 -- The caller's side of a call the batch answered `in_progress` at once
--- (its `held`, held_info's), so that it held none of the others: reads
+-- (its `held`: Engine:held_info's), so that it held none of the others: reads
 -- the transaction every backoff (policy.backoff's default: the policy's
 -- own may not reach the caller's side).
 
@@ -217,7 +209,7 @@ end
 -- group.AGAIN (the call conflicts with one before it here); and the
 -- order the calls answered took effect in.  A call whose transaction
 -- another call holds within its lease is not waited for: { n = 2, nil,
--- <in_progress>, held = <held_info> }, and its caller waits
+-- <in_progress>, held = <Engine:held_info> }, and its caller waits
 -- (await_held), then runs it alone.
 --
 -- The transfers and runs go first, as one batch (mongotx.batch); then the
@@ -287,14 +279,14 @@ function _M.run_calls(tm, calls, wait)
     results, errs, late, held = shared(batches.run_batch, tm, specs, errs, true)
     for k, i in ipairs(where) do
       out[i], part[i] = results and answer(results[k], errs[k]) or { raise = errs }, late and late[k] and 2 or 1
-      if held and held[k] then out[i].held = held_info(tm, held[k]) end
+      if held and held[k] then out[i].held = tm.engine:held_info(held[k]) end
     end
   end
   if #items > 0 then
     local results, cerrs, late, held = shared(forward.commit, tm.engine, items)
     for k, i in ipairs(cwhere) do
       out[i], part[i] = results and answer(results[k], cerrs[k]) or { raise = cerrs }, late and late[k] and 4 or 3
-      if held and held[k] then out[i].held = held_info(tm, held[k]) end
+      if held and held[k] then out[i].held = tm.engine:held_info(held[k]) end
     end
   end
   local order = {}

@@ -17,15 +17,18 @@
 --            capture or void that meets it, or recovery: recovery.lua
 --            asks `triage` and `stale_way` here).
 --
--- Opening: the create (pending, owned, the creator's short deadline
--- fencing its applies as for a transfer), the applies, then `ready`: the
--- owner's deadline moved to the expiry and `hold.ready` set, by the
--- owner at its epoch.  Only a ready hold is decided; one whose opener
--- died before `ready` is rolled back by recovery after the opener's
--- lease, like any transaction, never forward.  After `ready` nobody owns
--- the hold: the decisions are conditioned on its state and epoch, not on
--- an owner, and recovery cannot claim it before its deadline, the expiry.
--- Writes issued here pass the crash points hold.<step> (mongotx.points).
+-- Opening is the create (pending, its deadline the expiry) and the
+-- applies (fenced, as a transfer's, by the opener's deadline: its lease,
+-- or the expiry when that comes first), nothing more: a hold costs a
+-- transfer's writes.  The opener sends each apply once (Engine:retry,
+-- `once`: no resend after a lost answer), so once both marks are on the
+-- documents no apply of it can land any more; a capture or void checks
+-- that (`opened`, one find) before it decides, and a hold without both
+-- marks is `opening`.  Nobody owns an open hold: the decisions are
+-- conditioned on its state and epoch, not on an owner, and recovery
+-- claims a pending hold only past its expiry and its deadline, so one
+-- whose opener died is rolled back then, never forward.  Writes issued
+-- here pass the crash points hold.<step> (mongotx.points).
 
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
@@ -39,7 +42,8 @@ local checks = require "mongotx.manager.checks"
 local live, canon = stored.live, validate.canon
 local Date = core.Date
 local pairs, ipairs, type, tostring = pairs, ipairs, type, tostring
-local floor, format, huge = math.floor, string.format, math.huge
+local floor, format, huge, min = math.floor, string.format, math.huge, math.min
+local setmetatable = setmetatable
 
 local _M = {}
 
@@ -57,28 +61,48 @@ local function state_error(T, step, status, message)
     captured = T.hold and T.hold.captured })
 end
 
--- What a hold is: "opening" (not ready yet), "held", "captured",
--- "voided", "expired" (decided, or past its expiry and not yet voided:
--- `now`, the server's ms, says), or "failed" (it never opened: a guard
--- refused its debit, or recovery rolled an unfinished opening back).
-function _M.status(T, now)
+-- What a hold is: "opening" (pending without both marks: `opened` is
+-- false), "held", "captured", "voided", "expired" (decided, or past its
+-- expiry and not yet voided: `now`, the server's ms, says), or "failed"
+-- (it never opened: a guard refused its debit).
+function _M.status(T, now, opened)
   local h, state = T.hold, T.state
   if state == "applied" or state == "done" then return "captured" end
   if state == "canceling" or state == "cancelled" then
     if T.cause == "voided" or T.cause == "expired" then return T.cause end
     return "failed"
   end
-  if not h.ready then return "opening" end
+  if opened == false then return "opening" end
   if now and core.type(h.expires) == "date" and h.expires:value() <= now then
     return "expired"
   end
   return "held"
 end
 
--- T (a transaction document) with hold.status set, when it is a hold.
+-- Are both marks of the pending hold T on its documents (every apply of
+-- its opener landed)?  One find of their ids (a count scans the whole
+-- collection on some servers); true, false, or nil, err.
+local function opened(eng, T)
+  local a, b = T.ops[1], T.ops[2]
+  local docs, err = eng:coll(a.collection):find_all({ _id = { ["$in"] = { a.id, b.id } },
+    [eng:form(T).marker] = stored.mark(T) }, { projection = { _id = 1 }, limit = 2 })
+  if not docs then return nil, errors.wrap(err, "hold", T._id) end
+  return #docs == 2
+end
+
+-- T (a transaction document) with hold.status set, when it is a hold (a
+-- pending one's marks read: a failed read leaves it "held"), or the hold
+-- as it is now when it was decided since T was read (its finish or undo
+-- may have pulled the marks before the find).
 function _M.view(eng, T)
   if type(T) == "table" and type(T.hold) == "table" then
-    T.hold.status = _M.status(T, eng:clock())
+    local open
+    if T.state == "pending" then
+      open = opened(eng, T)
+      local now = open == false and eng:get(T._id)
+      if now and (now.state ~= "pending" or now.epoch ~= T.epoch) then T, open = now, nil end
+    end
+    T.hold.status = _M.status(T, eng:clock(), open)
   end
   return T
 end
@@ -97,13 +121,13 @@ local function expiry(eng, past)
   return { ["hold.expires"] = { [op] = Date(floor(now)) } }
 end
 
--- The decision `step` (capture, void, expire) on the ready hold T as
+-- The decision `step` (capture, void, expire) on the open hold T as
 -- read: one findAndModify conditioned on its state and epoch and on
 -- `cond`, setting `set` (and this manager as the one that drives it on).
 -- Returns T as the write left it, false when the condition did not hold,
 -- or nil, err.
 local function decide(eng, T, step, cond, set)
-  local query = { _id = T._id, state = "pending", epoch = T.epoch, ["hold.ready"] = true }
+  local query = { _id = T._id, state = "pending", epoch = T.epoch }
   for k, v in pairs(cond) do query[k] = v end
   set.application, set.instance, set.lease = eng.application, eng.instance, eng.policy.lease
   local update = { ["$set"] = set, ["$inc"] = { epoch = 1 },
@@ -144,7 +168,24 @@ local function settle(eng, T)
   return T
 end
 
--- The expiry decision on T (ready and pending): true when T is now
+-- May the decision `step` be taken on the pending hold T as read?  true
+-- when it is open (`checked`: seen so before); T as it is now when it
+-- was decided meanwhile (its finish or undo may have pulled the marks
+-- before the find); nil, err (`state`, status "opening", when it is
+-- still pending at that epoch without both marks).
+local function may_decide(eng, T, step, checked)
+  if checked then return true end
+  local open, err = opened(eng, T)
+  if open then return true end
+  if open == nil then return nil, err end
+  local now
+  now, err = eng:get(T._id)
+  if err then return nil, err end
+  if now and (now.state ~= "pending" or now.epoch ~= T.epoch) then return now end
+  return nil, state_error(T, step, "opening", "the hold is not open yet")
+end
+
+-- The expiry decision on T (open and pending): true when T is now
 -- decided (by this call or another), or nil, err.
 local function expire(eng, T)
   local cond, err = expiry(eng, true)
@@ -210,19 +251,20 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
   local now
   now, err = eng:clock()
   if not now then return nil, err end
-  local deadline
+  local deadline -- the opener's: it fences the applies, and ends by the expiry
   deadline, err = eng:new_deadline()
   if err then return nil, err end
+  local at = floor(now + expires * 1000)
+  if deadline then deadline = Date(min(at, deadline:value())) end
   local id = spec.id
   if id == nil then id = core.ObjectId() end
   local T = { _id = id, state = "pending", ops = spec.ops, epoch = 1, attempts = 1,
               application = eng.application, instance = eng.instance,
-              lease = eng.policy.lease, deadline = deadline, meta = spec.meta,
+              lease = eng.policy.lease, meta = spec.meta, deadline = Date(at),
               markerField = eng.marker, versionField = eng.version_field,
               mark = stored.new_mark(eng.vctx.collection, id),
               source = from, destination = to, value = amount,
-              hold = { amount = amount, expires = Date(floor(now + expires * 1000)),
-                       ready = false } }
+              hold = { amount = amount, expires = Date(at) } }
   local versions
   if not deadline then
     -- fenced by versions, read before the create, which is the claim
@@ -237,11 +279,12 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
   if not res then return nil, err end
   if not res.created then return _M.again(tm, T, spec) end
   eng:hold(id, 1)
+  local opener = setmetatable({ once = "apply" }, { __index = eng })
   local e = { T = T, doc = doc, err = false, slow = false, applied = false }
-  batch.apply(eng, { e }, deadline, versions)
+  batch.apply(opener, { e }, deadline, versions)
   if e.err then
     eng:hold(id, nil)
-    return nil, e.err -- pending: recovery rolls it back after the lease
+    return nil, e.err -- pending: recovery rolls it back once it expired
   end
   if e.slow then
     local vs = {}
@@ -249,7 +292,7 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
       vs[i] = { marked = e.applied[i] or false, deadline = deadline,
                 version = versions and versions[1][i].version or false }
     end
-    local ok, why, failure = eng:apply_ops(T, vs)
+    local ok, why, failure = opener:apply_ops(T, vs)
     if ok ~= true then
       eng:hold(id, nil)
       if ok and ok.state == "canceling" then
@@ -260,31 +303,10 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
         "opened", { step = "hold", id = id })
     end
   end
-  return _M.ready(eng, T)
-end
-
--- The opener's last write: T (applied, pending, this engine's at epoch 1)
--- becomes ready, its deadline moved to its expiry.
-function _M.ready(eng, T)
-  local update = { ["$set"] = { ["hold.ready"] = true, deadline = T.hold.expires },
-                   ["$inc"] = { epoch = 1 }, ["$currentDate"] = { lastModified = true } }
-  local res, err = eng:retry("ready", T._id, points.write, "hold", "ready",
-    eng.tx.find_and_modify, eng.tx, { _id = T._id, state = "pending", epoch = T.epoch,
-      instance = eng.instance }, { update = update, new = true,
-      write_concern = eng.wopts.write_concern })
-  eng:hold(T._id, nil)
-  if not res then return nil, err end
-  if not res.value then
-    -- taken over (the opener outlived its lease): where does it stand?
-    local now
-    now, err = eng:get(T._id)
-    if not now then return nil, err or errors.new("state", "the hold disappeared", { id = T._id }) end
-    _M.view(eng, now)
-    return nil, state_error(now, "hold", now.hold.status, "the hold did not open: " ..
-      tostring(now.reason or now.hold.status))
-  end
-  eng:event("hold", { id = T._id, amount = T.hold.amount })
-  return _M.view(eng, live(res.value))
+  eng:hold(id, nil)
+  eng:event("hold", { id = id, amount = amount })
+  T.hold.status = "held"
+  return T
 end
 
 -- A hold whose id exists already: the same hold (ops and amount) is
@@ -310,7 +332,7 @@ function _M.again(tm, T, spec)
     return nil, errors.new("idempotency", "this id was used for another transaction",
       { step = "hold", id = T._id })
   end
-  _M.view(tm.engine, existing)
+  existing = _M.view(tm.engine, existing)
   local status = existing.hold.status
   if status == "opening" then
     return nil, errors.new("in_progress", "another call is opening this hold: ask again " ..
@@ -365,6 +387,7 @@ function _M.capture(tm, id, amount, level)
     amount = T.hold.amount
   end
   local eng = tm.engine
+  local checked = false -- both marks seen on (opened): no apply can land any more
   for _ = 1, MAX_ROUNDS do
     local state = T.state
     if state == "applied" or state == "done" then
@@ -381,24 +404,30 @@ function _M.capture(tm, id, amount, level)
       if err and err.code ~= "cancelled" then return nil, err end
       local status = _M.status(T)
       return nil, state_error(T, "capture", status, "the hold was " .. status)
-    elseif not T.hold.ready then
-      return nil, state_error(T, "capture", "opening", "the hold is not open yet")
     end
-    local cond
-    cond, err = expiry(eng, false)
-    if not cond then return nil, err end
-    local won
-    won, err = decide(eng, T, "capture", cond,
-      settles(T, amount, { state = "applied", ["hold.captured"] = amount }))
-    if won == nil then return nil, err end
-    if won then
-      eng:event("capture", { id = T._id, amount = amount, held = T.hold.amount })
-      T, err = settle(eng, won)
+    local go
+    go, err = may_decide(eng, T, "capture", checked)
+    if not go then return nil, err end
+    if go ~= true then
+      T = go -- decided meanwhile: answered as it stands
+    else
+      checked = true
+      local cond
+      cond, err = expiry(eng, false)
+      if not cond then return nil, err end
+      local won
+      won, err = decide(eng, T, "capture", cond,
+        settles(T, amount, { state = "applied", ["hold.captured"] = amount }))
+      if won == nil then return nil, err end
+      if won then
+        eng:event("capture", { id = T._id, amount = amount, held = T.hold.amount })
+        T, err = settle(eng, won)
+        if not T then return nil, err end
+        return _M.view(eng, T)
+      end
+      T, err = after_lost(eng, T)
       if not T then return nil, err end
-      return _M.view(eng, T)
     end
-    T, err = after_lost(eng, T)
-    if not T then return nil, err end
   end
   return nil, errors.new("state", "the hold did not settle", { step = "capture", id = T._id })
 end
@@ -408,6 +437,7 @@ function _M.void(tm, id, level)
   local T, err = load(tm, id, "void", level + 1)
   if not T then return nil, err end
   local eng = tm.engine
+  local checked = false -- both marks seen on (opened)
   for _ = 1, MAX_ROUNDS do
     local state = T.state
     if state == "applied" or state == "done" then
@@ -422,22 +452,28 @@ function _M.void(tm, id, level)
       if err and err.code ~= "cancelled" then return nil, err end
       T = final or eng:get(T._id) or T
       return _M.view(eng, T)
-    elseif not T.hold.ready then
-      return nil, state_error(T, "void", "opening", "the hold is not open yet")
     end
-    local cond
-    cond, err = expiry(eng, false)
-    if not cond then return nil, err end
-    local won
-    won, err = decide(eng, T, "void", cond,
-      { state = "canceling", reason = "voided", cause = "voided" })
-    if won == nil then return nil, err end
-    if won then
-      eng:event("void", { id = T._id, amount = T.hold.amount })
-      T = won
+    local go
+    go, err = may_decide(eng, T, "void", checked)
+    if not go then return nil, err end
+    if go ~= true then
+      T = go -- decided meanwhile: answered as it stands
     else
-      T, err = after_lost(eng, T)
-      if not T then return nil, err end
+      checked = true
+      local cond
+      cond, err = expiry(eng, false)
+      if not cond then return nil, err end
+      local won
+      won, err = decide(eng, T, "void", cond,
+        { state = "canceling", reason = "voided", cause = "voided" })
+      if won == nil then return nil, err end
+      if won then
+        eng:event("void", { id = T._id, amount = T.hold.amount })
+        T = won
+      else
+        T, err = after_lost(eng, T)
+        if not T then return nil, err end
+      end
     end
   end
   return nil, errors.new("state", "the hold did not settle", { step = "void", id = T._id })
@@ -491,33 +527,29 @@ function _M.settle_error(op, update)
 end
 
 -- What recovery does with the hold T (mongotx.recovery's triage): a
--- ready one is claimed once past its expiry by `now` (the claim itself
--- waits for its deadline, the expiry, by the server's clock), whoever
--- holds it; an opening one as any transaction (may_recover), but never
--- driven forward by its own opener's recovery ("own"): the claim waits
--- for the opener's deadline.
+-- pending one (open, or whose opener died) is claimed once past its
+-- expiry by `now` (the claim itself waits for its deadline, the expiry,
+-- or later where an opener that had to wait renewed it, by the server's
+-- clock), whoever holds it, and never by the "own" route; a decided one
+-- as any transaction.
 function _M.triage(eng, T, now, age, me)
   if T.state ~= "pending" then
     return eng.policy.may_recover(T, age, me) and "claim" or "skipped"
   end
-  if T.hold.ready then
-    local at = core.type(T.hold.expires) == "date" and T.hold.expires:value()
-    return at and at <= now and "claim" or "skipped"
-  end
-  return eng.policy.may_recover(T, age, me) and "claim" or "skipped"
+  local at = core.type(T.hold.expires) == "date" and T.hold.expires:value()
+  return at and at <= now and "claim" or "skipped"
 end
 
 -- How recovery ends a pending hold it claimed: always back (forward
--- would capture it); the reason and cause of the cancel.
-function _M.stale_way(T)
-  if T.hold.ready then return "back", "expired", "expired" end
-  return "back", "rolled back by recovery", "recovery"
+-- would capture it), as expired; the reason and cause of the cancel.
+function _M.stale_way()
+  return "back", "expired", "expired"
 end
 
--- The part of recovery's filter that leaves out the ready holds not yet
--- past their expiry at `now` (the server's ms): no pass reads them.
+-- The part of recovery's filter that leaves out the pending holds not
+-- yet past their expiry at `now` (the server's ms): no pass reads them.
 function _M.not_due(now)
-  return { ["hold.ready"] = true, state = "pending", deadline = { ["$gt"] = Date(floor(now)) } }
+  return { state = "pending", ["hold.expires"] = { ["$gt"] = Date(floor(now)) } }
 end
 
 return _M

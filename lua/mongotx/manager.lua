@@ -166,7 +166,7 @@ end
 -- @usage local T = tm:get("o-1")
 function Manager:get(id)
   local T, err = self:_get(id, "get", CALLER)
-  if T then holds.view(self.engine, T) end
+  if T then T = holds.view(self.engine, T) end
   return T, err
 end
 
@@ -280,7 +280,11 @@ function Manager:commit(t)
     return nil, errors.new("invalid", "a hold is decided by capture or void, not commit",
       { step = "commit", id = T._id })
   end
-  return self.engine:drive(T, nil)
+  local later = self.held_later -- (batches.later: held ones answered at once)
+  local final, why, held = self.engine:drive(T, nil, later ~= nil)
+  if held then later[#later + 1] = self.engine:held_info(held) end
+  if final then return final end
+  return nil, why
 end
 
 -- begin + commit in one go, the fast way (batch.lua): the transaction is
@@ -341,6 +345,9 @@ function Manager:run_calls(calls, wait)
   local out, order = group.run_calls(self, calls, wait)
   return out, order
 end
+
+-- tm:later(method, ...): mongotx.manager.batches.later (mongotx.resty).
+Manager.later = batches.later
 
 local many_options = { ops = true, id = true, meta = true }
 

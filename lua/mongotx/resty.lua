@@ -25,7 +25,8 @@
 --
 -- This module owns the thread side (thread()), the handles a handler
 -- holds (connect, db, tm) and recovery inside nginx; mongotx.resty.wire
--- owns the crossing (pack, call), mongotx.resty.group group commit.
+-- owns the crossing (pack, call), mongotx.resty.group group commit,
+-- mongotx.resty.held the handler's wait for a key another call holds.
 
 --- The engine for nginx handlers, without blocking the worker (docs/openresty.md).
 -- @module mongotx.resty
@@ -38,6 +39,7 @@ local validate = require "mongotx.validate"
 local group = require "mongotx.group"
 local wire = require "mongotx.resty.wire"
 local resty_group = require "mongotx.resty.group"
+local held = require "mongotx.resty.held"
 
 local type, pairs, ipairs, select, tostring, error, pcall, setmetatable =
   type, pairs, ipairs, select, tostring, error, pcall, setmetatable
@@ -382,23 +384,23 @@ end
 function Database.close() end -- the pool lives as long as the worker process
 
 -- tm:<method>(...) for every method of a manager but step (a stepwise
--- walk holds versions in one manager, and calls land on any VM).
+-- walk holds versions in one manager, and calls land on any VM); a held
+-- key is waited for here, not in a thread (mongotx.resty.held).
 for _, method in ipairs(pool.METHODS) do
-  if method ~= "step" and method ~= "run_calls" then
+  if method ~= "step" and method ~= "run_calls" and method ~= "later" then
     Manager[method] = function(self, ...)
+      if held.LATER[method] and self.db.offload and held.YIELDS[ngx.get_phase()] then -- luacheck: ignore 113
+        return held.call(self, method, 1, ...)
+      end
       return call(self.db, 1, "call", self.spec, method, ...)
     end
   end
 end
 
--- Where a handler may wait on a semaphore: elsewhere a call goes alone,
--- and fails as it would have anyway.
-local YIELDS = { rewrite = true, server_rewrite = true, access = true, content = true, timer = true }
-
 for _, method in ipairs(group.METHODS) do
   local alone = Manager[method]
   Manager[method] = function(self, ...)
-    if not self.group or not YIELDS[ngx.get_phase()] then return alone(self, ...) end -- luacheck: ignore 113
+    if not self.group or not held.YIELDS[ngx.get_phase()] then return alone(self, ...) end -- luacheck: ignore 113
     return grouped(self, method, alone, ...)
   end
 end

@@ -50,6 +50,15 @@ function Engine:held_error(T)
     tostring(T.application), self.policy.holder_wait), { id = T._id })
 end
 
+-- What a caller that waits for T itself (not this engine: a handler in
+-- nginx, mongotx.group's caller) needs: T's id, policy.holder_wait, and
+-- the seconds until its owner's lease passes (then a call takes it over).
+function Engine:held_info(T)
+  local lapsed, lapse = self:lapsed(T)
+  -- (unknown when the clock could not be read: until holder_wait)
+  return { id = T._id, wait = self.policy.holder_wait, lapse = lapsed ~= nil and lapse or nil }
+end
+
 -- Waits for the transactions of `list`, pending and held by other owners,
 -- all at once: every policy.backoff, one read of them all, until each
 -- left pending or its owner's lease passed (lapsed), for at most
@@ -139,6 +148,53 @@ function Engine:take_over(T)
     return moved, nil, err
   end
   return claimed, versions
+end
+
+-- How many takeovers one call nests: a holder taken over by resolve meets
+-- a holder of its own, which it takes over in turn, and so on.  Past this
+-- depth a holder is waited for as any open one (`busy`).
+local MAX_NESTED = 4
+
+-- H, another owner's transaction whose mark holds a document an op of
+-- this engine needs (Engine:release): open (pending or canceling) or
+-- committed (applied).  Once its owner's lease passed (lapsed) it is
+-- driven to the end that recovery would give, whoever meets it: a
+-- pending one taken over (take_over: forward, or back where
+-- policy.stale_pending says so), a canceling one undone, an applied one
+-- finished; then nothing of it holds the document.  So an op never
+-- waits for, nor is cancelled `busy` by, a holder whose owner died.
+-- Returns true when H ended (done or cancelled), false when it holds on
+-- (its lease has not passed; a hold, which capture, void or expiry
+-- decides; this engine's own; another owner took it over first; nested
+-- past MAX_NESTED), or nil, err.
+function Engine:resolve(H)
+  local state = H.state
+  if H.hold ~= nil or self:holding(H) or (self.resolving or 0) >= MAX_NESTED
+     or not (state == "pending" or state == "canceling" or state == "applied") then
+    return false
+  end
+  local lapsed, err = self:lapsed(H)
+  if lapsed == nil then return nil, err end
+  if not lapsed then return false end
+  self.resolving = (self.resolving or 0) + 1
+  local ok, T, why = pcall(function()
+    local versions
+    if state == "pending" then
+      local now, vs, e = self:take_over(H)
+      if not now then return nil, e end
+      if now.state == "pending" and not vs and not self:holds(now) then return false end
+      H, versions = now, vs
+    end
+    -- later: a holder that another owner took over meanwhile is not waited for
+    return self:drive(H, versions, true)
+  end)
+  self.resolving = self.resolving - 1
+  if not ok then error(T, 0) end
+  if T then return T.state == "done" or T.state == "cancelled" end
+  if T == false then return false end
+  if why.code == "cancelled" then return true end
+  if why.code == "in_progress" then return false end
+  return nil, why
 end
 
 return _M

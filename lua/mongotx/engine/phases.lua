@@ -250,8 +250,9 @@ end
 -- document (any manager may help a committed transaction along), so that
 -- the op reads (a guard) or follows (an exclusive op) their effect.  A
 -- `held` entry whose marker is gone (the tutorial's recipe finished it)
--- is pulled.  The others hold it: those blockers names (their effect may
--- still be undone).  Returns how many were finished or pulled, whether an
+-- is pulled.  One whose owner's lease passed is driven to its end here,
+-- as recovery would (Engine:resolve).  The others hold it: those
+-- blockers names (their effect may still be undone).  Returns how many were finished or pulled, whether an
 -- open one that matters is left and whether one of those outranks T (an
 -- older mark: Engine:apply_all), or nil, err.
 function Engine:release(T, op, doc)
@@ -270,7 +271,7 @@ function Engine:release(T, op, doc)
     if err then return nil, err end
     if H and validate.malformed(H, self.vctx) then H = nil end
     local form = H and self:form(H) or gone and self:form(T)
-    local hop, stale
+    local hop, stale, resolved
     if form and has_marker(doc, HELD, holder) and not has_marker(doc, form.marker, holder) then
       -- its marker is gone (a writer following the tutorial's recipe
       -- finished or undid it), or its transaction (pruned since):
@@ -278,7 +279,14 @@ function Engine:release(T, op, doc)
       stale, err = unhold(coll, op.id, holder, form)
       if stale == nil then return nil, err end
       if stale then finished = finished + 1 end
-    elseif H and (H.state == "applied" or H.state == "done") then
+    elseif H and (matters[key(holder)] or H.state == "applied") then
+      -- its owner's lease passed: driven to its end here (resolve)
+      resolved, err = self:resolve(H)
+      if resolved == nil then return nil, err end
+    end
+    if resolved then
+      finished = finished + 1
+    elseif stale == nil and H and (H.state == "applied" or H.state == "done") then
       for _, o in ipairs(H.ops) do
         if o.collection == op.collection and id_key(o.id) == k then hop = o end
       end
@@ -288,7 +296,7 @@ function Engine:release(T, op, doc)
       res, err = self:op_step(H, "finish", coll, hop)
       if not res then return nil, err end
       if res.finished then finished = finished + 1 end
-    elseif matters[key(holder)] and stale == nil then
+    elseif matters[key(holder)] and stale == nil and not resolved then
       open = true
       if key(holder) < mine then outranked = true end
     end

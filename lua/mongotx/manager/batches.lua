@@ -2,12 +2,19 @@
 -- checked (mongotx.manager.checks), as functions taking the manager:
 -- batches of at most CHUNK through mongotx.batch, the committed
 -- transactions then finished at once or queued for tm:finish
--- (policy.finish).  mongotx.group runs its batches through run_batch too.
+-- (policy.finish).  mongotx.group runs its batches through run_batch too;
+-- mongotx.resty's ungrouped calls go through tm:later.
+
+--- The manager's internal call for mongotx.resty (`tm:later`).
+-- @submodule mongotx.manager
 
 local batch = require "mongotx.batch"
 local errors = require "mongotx.errors"
 
-local ipairs, pairs, pcall, error = ipairs, pairs, pcall, error
+local ipairs, pairs, pcall, error, select, tostring = ipairs, pairs, pcall, error, select, tostring
+local unpack = table.unpack or unpack -- luacheck: ignore 143
+
+local function pack(...) return { n = select("#", ...), ... } end
 
 local _M = {}
 
@@ -51,7 +58,7 @@ end
 -- lease hold none of the others: they are waited for once the others
 -- finished (await_held), or with `answer_held` answered at once,
 -- `in_progress`, and held[i] the transaction as read (mongotx.group:
--- their callers wait).
+-- their callers wait); within _M.later, answered at once too and listed.
 function _M.run_batch(self, specs, errs, answer_held)
   local results, late, held, todo, where, m = {}, {}, {}, {}, {}, 0
   local any = false
@@ -76,8 +83,45 @@ function _M.run_batch(self, specs, errs, answer_held)
   end
   if m > 0 then run() end
   if answer_held then return results, errs, late, held end
-  if any then await_held(self, held, results, errs) end
+  if any and self.held_later then
+    local eng, list = self.engine, self.held_later
+    for i, T in pairs(held) do
+      local info = eng:held_info(T)
+      info.i, list[#list + 1] = i, info
+    end
+  elseif any then
+    await_held(self, held, results, errs)
+  end
   return results, errs, late
+end
+
+-- The calls _M.later runs.
+local LATER = { transfer = true, run = true, commit = true, commit_many = true,
+                transfer_many = true }
+_M.LATER = LATER
+
+-- tm:later(method, ...): tm[method](...) as itself, but a transaction
+-- another call holds within its lease is not waited for here: the call
+-- answers it `in_progress` at once (a batch: that item; the others as
+-- usual) and lists it, so that its caller waits elsewhere (mongotx.resty:
+-- the handler, not a worker thread) and then asks again.
+
+--- Internal: `tm[method](...)` that waits for no transaction another call holds (mongotx.resty's handler waits).
+-- @local
+-- @syntax held, ... = tm:later(method, ...)
+-- @string method "transfer", "run", "commit", "commit_many" or "transfer_many"
+-- @treturn table the held ones, answered `in_progress`: `{ id, wait, lapse [, i] }` each (`i`: a batch's item)
+-- @return the call's results
+-- @usage -- mongotx.resty's ungrouped calls use it
+-- @function Manager:later
+function _M.later(self, method, ...)
+  if not LATER[method] then error("no call " .. tostring(method) .. " answers held keys later", 2) end
+  local list = {}
+  self.held_later = list
+  local res = pack(pcall(self[method], self, ...))
+  self.held_later = nil
+  if not res[1] then error(res[2], 0) end
+  return list, unpack(res, 2, res.n)
 end
 
 -- One spec, as tm:run and tm:transfer run it: the transaction, or nil,

@@ -24,7 +24,7 @@ local CALLER = 2
 -- @number amount finite and positive
 -- @tparam[opt] table opts `field`, `min`, `id`, `meta` as for `transfer`; `expires`: seconds until it expires
 --   (default 3600)
--- @treturn table the hold's transaction, `hold = { amount, expires, ready, status = "held" }` on it
+-- @treturn table the hold's transaction, `hold = { amount, expires, status = "held" }` on it
 -- @errors `guard` (below `min`: nothing stays applied), `missing`, `invalid` (also on a manager with
 --   `escrow = false`), `idempotency`, `state` (it did not open: `err.status`), database errors
 -- @usage local H = assert(tm:hold("accounts", "buyer", "shop", 100, { min = 0, id = "cart-7", expires = 900 }))
