@@ -43,7 +43,10 @@ print("state " .. (T and T.state or tostring(err)))
 local HOLDER_WAIT = 3
 
 -- POST /many: tm:transfer_many of the body's list (as JSON), on bank's
--- manager options; answers { states = [...], codes = [...] }.
+-- manager options; answers { states = [...], codes = [...] }.  POST
+-- /refusing: tm:commit_many of the body's list, on a manager whose
+-- on_op_failure raises (spec.support.refusing_policy); answers their
+-- messages too.
 local MANY = ([[
 location = /many { content_by_lua_block {
   local cjson = require "cjson"
@@ -59,7 +62,23 @@ location = /many { content_by_lua_block {
   end
   ngx.say(cjson.encode({ states = states, codes = codes }))
 } }
-]]):format(HOLDER_WAIT)
+location = /refusing { content_by_lua_block {
+  local cjson = require "cjson"
+  local resty = require "mongotx.resty"
+  local db = assert(resty.connect(os.getenv("MONGOTX_URI"), { database = os.getenv("MONGOTX_DATABASE") }))
+  local tm = assert(db:manager { application = "refusing", group = false, holder_wait = %d,
+    policies = "spec.support.refusing_policy" })
+  ngx.req.read_body()
+  local results, errs = tm:commit_many(cjson.decode(ngx.req.get_body_data()))
+  local states, codes, messages = {}, {}, {}
+  for i = 1, #errs do
+    states[i] = results[i] and results[i].state or "none"
+    codes[i] = errs[i] and errs[i].code or "none"
+    messages[i] = errs[i] and errs[i].message or "none"
+  end
+  ngx.say(cjson.encode({ states = states, codes = codes, messages = messages }))
+} }
+]]):format(HOLDER_WAIT, HOLDER_WAIT)
 
 describe("#openresty a held key without group commit", function()
   local srv, db, name, n
@@ -195,5 +214,56 @@ describe("#openresty a held key without group commit", function()
     assert.are.equal("done", state("k3"))
     local b = balances()
     assert.are.same({ 979, 1021, 992, 1008 }, { b.C, b.D, b.E, b.F })
+  end)
+
+  -- The held items of /refusing: pending, claimed by this process's
+  -- manager (lease `lease`), their first op guarded (P >= 500: false).
+  local GUARDED = {
+    { collection = "accounts", id = "P", update = { ["$inc"] = { balance = -500 } },
+      where = { balance = { ["$gte"] = 500 } } },
+    { collection = "accounts", id = "Q", update = { ["$inc"] = { balance = 500 } } } }
+
+  local function claimed(id, lease)
+    local owner = assert(db:manager { application = "owner", lease = lease })
+    assert(owner:step("claim", assert(owner:begin(GUARDED, { id = id }))))
+    return { id = id, ops = GUARDED }
+  end
+
+  local function credit(id, to)
+    return { id = id, ops = { { collection = "accounts", id = to, update = { ["$inc"] = { balance = 1 } } } } }
+  end
+
+  it("commit_many: a policy that raises for the held item is that item's error, the others answer", function()
+    assert(db:collection("accounts"):insert_many { { _id = "P", balance = 100 }, { _id = "Q", balance = 0 },
+                                                   { _id = "R", balance = 0 } })
+    local held = claimed("r1", 1)
+    local status, res, took = n:request("POST", "/refusing", cjson.encode { credit("r2", "R"), held })
+    -- (on the old code the policy's raise failed the whole call: a 500)
+    assert.are.equal(200, status, res)
+    local t = cjson.decode(res)
+    assert.are.same({ states = { "done", "none" }, codes = { "none", "policy" } },
+                    { states = t.states, codes = t.codes })
+    assert.truthy(t.messages[2]:find("policy says no", 1, true), t.messages[2])
+    -- taken over once its lease passed (1 s), not at holder_wait's end
+    assert.is_true(took > 0.8 and took < HOLDER_WAIT, ("answered after %.2f s"):format(took))
+    assert.are.same({ "done", "pending" }, { state("r2"), state("r1") })
+    local b = balances()
+    assert.are.same({ 100, 0, 1 }, { b.P, b.Q, b.R })
+  end)
+
+  it("commit_many: a held item whose transaction vanished during the wait answers so", function()
+    local held = claimed("r3", 3600)
+    local waiting = n:spawn("POST", "/refusing", cjson.encode { credit("r4", "R"), held })
+    core.sleep(0.5) -- it is in its wait
+    assert.are.equal(1, assert(db:collection("transactions"):delete_one({ _id = "r3" })).deleted)
+    local status, res, took = waiting:wait(30)
+    assert.are.equal(200, status, res)
+    -- (on the old code: "no such transaction", from a commit of it by id)
+    assert.are.same({ states = { "done", "none" }, codes = { "none", "state" },
+                      messages = { "none", "the transaction disappeared" } }, cjson.decode(res))
+    assert.is_true(took < HOLDER_WAIT, ("answered after %.2f s"):format(took))
+    assert.are.same({ "done", 0 }, { state("r4"), db:collection("transactions"):count({ _id = "r3" }) })
+    local b = balances()
+    assert.are.same({ 100, 0, 2 }, { b.P, b.Q, b.R })
   end)
 end)

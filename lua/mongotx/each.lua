@@ -288,8 +288,7 @@ local function await_earlier(tm, report, held, wait)
     for _, e in ipairs(held) do
       local T, err = tm:get(e.id)
       if not T then
-        failed(report, e, err or errors.new("state", "the transaction disappeared",
-          { step = "each", id = e.id }))
+        failed(report, e, err or errors.disappeared(e.id, "each"))
       elseif T.state == "done" then
         report.skipped = report.skipped + 1
       elseif T.state == "cancelled" then

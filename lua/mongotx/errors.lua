@@ -40,6 +40,11 @@ function _M.new(code, message, fields)
   return core.error(err)
 end
 
+-- A transaction that was there a read ago is not: `state` (of `step`).
+function _M.disappeared(id, step)
+  return _M.new("state", "the transaction disappeared", { id = id, step = step })
+end
+
 -- The raise of a policy function, told apart from any other (an
 -- interrupt, out of memory, a bug of mongotx): recovery counts the first
 -- as a failure of the transaction it drove, and lets the others through,

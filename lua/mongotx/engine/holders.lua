@@ -97,7 +97,7 @@ function Engine:await_many(list)
         if lapsed == nil then errs[w.i] = err end
       end
       if not now then
-        errs[w.i] = errors.new("state", "the transaction disappeared", { id = w.T._id })
+        errs[w.i] = errors.disappeared(w.T._id)
       elseif now.state ~= "pending" or lapsed then
         out[w.i] = now
       elseif lapsed == false then
@@ -138,7 +138,7 @@ function Engine:take_over(T)
     local now
     now, err = self:get(T._id)
     if not now then
-      return nil, nil, err or errors.new("state", "the transaction disappeared", { id = T._id })
+      return nil, nil, err or errors.disappeared(T._id)
     end
     return now
   end

@@ -14,9 +14,10 @@ local errors = require "mongotx.errors"
 local ipairs, pairs, pcall, error, select, tostring = ipairs, pairs, pcall, error, select, tostring
 local unpack = table.unpack or unpack -- luacheck: ignore 143
 
+-- Its arguments as a list, and how many (n).
 local function pack(...) return { n = select("#", ...), ... } end
 
-local _M = {}
+local _M = { pack = pack }
 
 -- The most transactions one batch.run takes: a caller's bigger batch runs
 -- as several.  The server matches each transaction of a commit or done
@@ -26,30 +27,57 @@ local _M = {}
 -- steps (bench/README.md, "Client CPU and batch size").
 local CHUNK = 100
 
+-- The held ones of a batch once waited for (out[k]: T as read, it left
+-- pending or its owner's lease passed; else false and bad[k]: why not),
+-- each driven alone into results[where[k]], errs[where[k]]: its outcome
+-- (finished where it committed; taken over where its owner's lease
+-- passed) or its error, a policy's raise included (the others' answers
+-- stand).  Within _M.later one held again is answered `in_progress` and
+-- listed.
+local function settle(self, out, bad, where, results, errs)
+  local eng, later = self.engine, self.held_later
+  for k, i in ipairs(where) do
+    local T, err = out[k], bad[k]
+    if T then
+      local ok, held
+      ok, T, err, held = pcall(eng.drive, eng, T, nil, later ~= nil)
+      if not ok then
+        if not errors.is_policy(T) then error(T, 0) end
+        T, err = nil, T
+      elseif held then
+        local info = eng:held_info(held)
+        info.i, later[#later + 1] = i, info
+      end
+    end
+    results[i], errs[i] = T or false, not T and err or false
+  end
+end
+
 -- The held ones of a batch (batch.run's held: transactions other calls
 -- hold within their lease), once the others finished: waited for all at
--- once (Engine:await_many, at most policy.holder_wait), then each driven
--- alone (its outcome, finished where it committed; taken over where its
--- owner's lease passed meanwhile), or answered `in_progress`.
+-- once (Engine:await_many, at most policy.holder_wait), then settled, or
+-- answered `in_progress`.
 local function await_held(self, held, results, errs)
   local list, where = {}, {}
   for i, T in pairs(held) do
     list[#list + 1], where[#where + 1] = T, i
   end
-  local eng = self.engine
-  local out, bad = eng:await_many(list)
-  for k, i in ipairs(where) do
-    local T, err = out[k], bad[k]
-    if T then
-      local ok
-      ok, T, err = pcall(eng.drive, eng, T, nil)
-      if not ok then
-        if not errors.is_policy(T) then error(T, 0) end
-        T, err = nil, T
-      end
-    end
-    results[i], errs[i] = T or false, not T and err or false
+  local out, bad = self.engine:await_many(list)
+  settle(self, out, bad, where, results, errs)
+end
+
+-- tm:later("held", ids): the held items of a batch that mongotx.resty's
+-- handler waited for (they left pending, or their owner's lease passed),
+-- read again and settled as await_held settles them: results[k], errs[k]
+-- for ids[k].
+local function held_by_id(self, ids)
+  local eng, out, bad, where, results, errs = self.engine, {}, {}, {}, {}, {}
+  for k, id in ipairs(ids) do
+    local T, err = eng:get(id)
+    out[k], bad[k], where[k] = T or false, err or not T and errors.disappeared(id), k
   end
+  settle(self, out, bad, where, results, errs)
+  return results, errs
 end
 
 -- Runs specs as batches of at most CHUNK; the i-th result, or false and
@@ -104,21 +132,25 @@ _M.LATER = LATER
 -- another call holds within its lease is not waited for here: the call
 -- answers it `in_progress` at once (a batch: that item; the others as
 -- usual) and lists it, so that its caller waits elsewhere (mongotx.resty:
--- the handler, not a worker thread) and then asks again.
+-- the handler, not a worker thread) and then asks again: a call of one
+-- transaction is made again, a batch's held items settled by their id
+-- (method "held": held_by_id).
 
 --- Internal: `tm[method](...)` that waits for no transaction another call holds (mongotx.resty's handler waits).
 -- @local
 -- @syntax held, ... = tm:later(method, ...)
--- @string method "transfer", "run", "commit", "commit_many" or "transfer_many"
+-- @string method "transfer", "run", "commit", "commit_many", "transfer_many", or "held" (a batch's held items,
+--   by id, once waited for: results, errs)
 -- @treturn table the held ones, answered `in_progress`: `{ id, wait, lapse [, i] }` each (`i`: a batch's item)
 -- @return the call's results
 -- @usage -- mongotx.resty's ungrouped calls use it
 -- @function Manager:later
 function _M.later(self, method, ...)
-  if not LATER[method] then error("no call " .. tostring(method) .. " answers held keys later", 2) end
+  local call = method == "held" and held_by_id or LATER[method] and self[method]
+  if not call then error("no call " .. tostring(method) .. " answers held keys later", 2) end
   local list = {}
   self.held_later = list
-  local res = pack(pcall(self[method], self, ...))
+  local res = pack(pcall(call, self, ...))
   self.held_later = nil
   if not res[1] then error(res[2], 0) end
   return list, unpack(res, 2, res.n)

@@ -9,7 +9,7 @@ local wire = require "mongotx.resty.wire"
 local type, pairs, ipairs, select, tostring, error, pcall =
   type, pairs, ipairs, select, tostring, error, pcall
 local pack, unpack, unpack_list, unpack_all = wire.pack, wire.unpack, wire.unpack_list, wire.unpack_all
-local reraise, call = wire.reraise, wire.call
+local reraise, call, now = wire.reraise, wire.call, wire.now
 
 local _M = {}
 
@@ -78,10 +78,7 @@ local function new_group(tm, o)
     max = o.max, delay = o.delay, inflight = o.inflight, run = group_runner(tm),
     signal = semaphore.new,
     spawn = function(fn) return ngx.timer.at(0, function() fn() end) end,
-    now = function()
-      ngx.update_time()
-      return ngx.now()
-    end,
+    now = now,
   }
 end
 
@@ -99,8 +96,7 @@ local function grouped(self, method, alone, ...)
   if r.raise then reraise(r.raise, 2) end
   -- another call holds its transaction: this handler waits (ngx.sleep
   -- between reads, no worker thread held), then runs it alone
-  if r.held and group.await_held(r.held, function(id) return self:get(id) end, ngx.sleep,
-      function() ngx.update_time() return ngx.now() end) then
+  if r.held and group.await_held(r.held, function(id) return self:get(id) end, ngx.sleep, now) then
     return alone(self, ...)
   end
   return unpack_all(r.ok)

@@ -7,14 +7,16 @@
 -- most holder_wait in all, and asks again once it left pending or its
 -- owner's lease passed (then the call takes it over).  So a held key
 -- never holds one of the pool's threads while it waits, and calls on
--- other keys are answered meanwhile.
+-- other keys are answered meanwhile.  Each answer is the plain path's
+-- (the call waiting in its own process: mongotx.manager.batches).
 
 local group = require "mongotx.group"
 local batches = require "mongotx.manager.batches"
 local wire = require "mongotx.resty.wire"
 
-local ipairs, select = ipairs, select
+local ipairs = ipairs
 local unpack = table.unpack or unpack -- luacheck: ignore 143
+local pack, now = batches.pack, wire.now
 
 local _M = {}
 
@@ -25,56 +27,80 @@ _M.YIELDS = { rewrite = true, server_rewrite = true, access = true, content = tr
 -- The calls that answer a held key later (tm:later).
 _M.LATER = batches.LATER
 
-local function pack(...) return { n = select("#", ...), ... } end
-
-local function now()
-  local ngx = ngx -- luacheck: ignore 113
-  ngx.update_time()
-  return ngx.now()
-end
-
 -- Waits for held ({ id, wait, lapse }, as the thread answered `took`
 -- seconds ago) at most `left` seconds: true when the call should ask
--- again (it left pending, or its owner's lease passed).
+-- again (it left pending, is gone, or its owner's lease passed), false
+-- when its holder kept it; nil and the error when a read failed (the
+-- call's answer, as on the plain path: Engine:await_many).
 local function await(tm, held, took, left)
   local lapse = held.lapse and math.max(held.lapse - took, 0)
-  return group.await_held({ id = held.id, wait = left, lapse = lapse },
-    function(id) return tm:get(id) end, ngx.sleep, now) -- luacheck: ignore 113
+  local failed
+  local again = group.await_held({ id = held.id, wait = left, lapse = lapse }, function(id)
+    local T, err = tm:get(id)
+    failed = err
+    return T
+  end, ngx.sleep, now) -- luacheck: ignore 113
+  if failed then return nil, failed end
+  return again
+end
+
+-- The held items of a batch ({ id, wait, lapse, i } each; results and
+-- errs its answer, filled in here): waited for, then those that left
+-- pending or whose owner's lease passed settled by id in a thread
+-- (tm:later("held"): a policy's raise is that item's error), and any held
+-- again waited for again, until give_up; then the `in_progress` answer
+-- stands.  (Making the batch again would make its other items again.)
+local function settle(tm, up, held, give_up, results, errs)
+  while held[1] do
+    local asked, ids, where = now(), {}, {}
+    for _, h in ipairs(held) do
+      local again, err = await(tm, h, now() - asked, give_up - now())
+      if again then
+        ids[#ids + 1], where[#where + 1] = h.id, h.i
+      elseif err then
+        results[h.i], errs[h.i] = false, err
+      end
+    end
+    if not ids[1] then return end
+    local res = pack(wire.call(tm.db, up + 1, "call", tm.spec, "later", "held", ids))
+    held = res[1]
+    for k, i in ipairs(where) do
+      if held == nil then
+        results[i], errs[i] = false, res[2] -- no thread came free: each one's answer
+      else
+        results[i], errs[i] = res[2][k], res[3][k]
+      end
+    end
+    if held == nil or now() >= give_up then return end
+    for _, h in ipairs(held) do h.i = where[h.i] end
+  end
 end
 
 -- tm[method](...) through tm:later in a worker thread (wire.call's `up`:
 -- 1 when the public method tail-calls this).  The held ones are waited
--- for here, until `give_up` (now() + holder_wait when nil): a call of one
--- transaction (transfer, run, commit) is made again; a batch's held
--- items are committed alone by their id (the others are done: making the
--- batch again would make its items without an id again).  Past
--- `give_up` the `in_progress` answer stands.
-local function ask(tm, method, up, give_up, ...)
+-- for here, at most holder_wait: a call of one transaction (transfer,
+-- run, commit) is made again; a batch's held items are settled
+-- (settle).  Past holder_wait the `in_progress` answer stands.
+function _M.call(tm, method, up, ...)
   local res = pack(wire.call(tm.db, up + 1, "call", tm.spec, "later", method, ...))
   local held = res[1]
   if held == nil then return nil, res[2] end -- no thread, no manager: nil, err
-  if held[1] and not give_up then give_up = now() + held[1].wait end
+  if not held[1] then return unpack(res, 2, res.n) end
+  local give_up = now() + held[1].wait
   if method == "commit_many" or method == "transfer_many" then
-    local asked, results, errs = now(), res[2], res[3]
-    for _, h in ipairs(held) do
-      if await(tm, h, now() - asked, give_up - now()) then
-        local T, err = ask(tm, "commit", up + 1, give_up, { _id = h.id })
-        results[h.i], errs[h.i] = T or false, not T and err or false
-      end
-    end
-  else
-    -- (a lapse of 0 answers at once: asked again until give_up at most)
-    while held[1] and now() < give_up and await(tm, held[1], 0, give_up - now()) do
-      res = pack(wire.call(tm.db, up + 1, "call", tm.spec, "later", method, ...))
-      held = res[1]
-      if held == nil then return nil, res[2] end
-    end
+    settle(tm, up + 1, held, give_up, res[2], res[3])
+    return unpack(res, 2, res.n)
+  end
+  -- (a lapse of 0 answers at once: asked again until give_up at most)
+  while held[1] and now() < give_up do
+    local again, err = await(tm, held[1], 0, give_up - now())
+    if err then return nil, err end
+    if not again then break end
+    res = pack(wire.call(tm.db, up + 1, "call", tm.spec, "later", method, ...))
+    held = res[1]
+    if held == nil then return nil, res[2] end
   end
   return unpack(res, 2, res.n)
-end
-
-function _M.call(tm, method, up, ...)
-  return ask(tm, method, up, nil, ...)
 end
 
 return _M

@@ -73,6 +73,13 @@ end
 
 -- The crossing ------------------------------------------------------------
 
+-- nginx's clock, in seconds (its cached time brought up to date first).
+local function now()
+  local ngx = ngx -- luacheck: ignore 113
+  ngx.update_time()
+  return ngx.now()
+end
+
 -- Messages of ngx.run_worker_thread that mean "wait and try again": every
 -- worker-thread VM is in a call (lua_worker_thread_vm_pool_size), or the
 -- thread pool's queue is full (thread_pool's max_queue).
@@ -149,8 +156,7 @@ local function call(self, up, kind, spec, method, ...)
   else
     local ngx = ngx -- luacheck: ignore 113
     local line = line_of(self.thread_pool)
-    ngx.update_time()
-    local started = ngx.now()
+    local started = now()
     -- others wait for a VM: behind them
     if line:count() < 0 then line:wait(min(self.wait, RETRY)) end
     while true do
@@ -165,8 +171,7 @@ local function call(self, up, kind, spec, method, ...)
         end
         error("mongotx.resty: " .. tostring(status), up + 1)
       end
-      ngx.update_time()
-      local left = self.wait - (ngx.now() - started)
+      local left = self.wait - (now() - started)
       if left <= 0 then return overloaded(self, status) end
       line:wait(min(left, RETRY))
     end
@@ -178,6 +183,6 @@ local function call(self, up, kind, spec, method, ...)
 end
 
 _M.pack, _M.unpack, _M.unpack_list, _M.unpack_all = pack, unpack, unpack_list, unpack_all
-_M.reraise, _M.call = reraise, call
+_M.reraise, _M.call, _M.now = reraise, call, now
 
 return _M
