@@ -163,6 +163,36 @@ describe("#server a held key in a batch", function()
     assert.has_error(function() tm:later("recover") end)
   end)
 
+  it("tm:later(\"held\") settles a batch's held items by id, as commit_many's own wait does (mongotx.resty)", function()
+    local held = hold(2)
+    assert.are.equal("done", assert(holder:commit(held[2])).state) -- h2 left pending
+    -- g1: its owner's lease (1 s) passes; its guard is false (C has 500)
+    local owner = assert(db:manager { application = "owner", lease = 1 })
+    assert(owner:step("claim", assert(owner:begin({
+      { collection = "accounts", id = "C", update = { ["$inc"] = { balance = -5000 } },
+        where = { balance = { ["$gte"] = 5000 } } },
+      { collection = "accounts", id = "D", update = { ["$inc"] = { balance = 5000 } } } }, { id = "g1" }))))
+    core.sleep(1.2)
+    local tm = assert(db:manager { application = "shop", holder_wait = 5,
+      sleep = function() error("tm:later slept") end,
+      on_op_failure = function() error("policy says no") end })
+    local again, results, errs = tm:later("held", { "h1", "h2", "gone", "g1" })
+    -- h1 held again: named (its index) and answered in_progress, not waited for
+    assert.are.same({ { 1, "h1" } }, { { again[1].i, again[1].id } })
+    assert.are.equal(1, #again)
+    assert.are.same({ false, "in_progress" }, { results[1], errs[1].code })
+    assert.are.same({ "done", false }, { results[2].state, errs[2] })
+    assert.are.same({ false, "state", "the transaction disappeared" },
+                    { results[3], errs[3].code, errs[3].message })
+    -- the policy's raise is g1's error, not the call's
+    assert.are.same({ false, "policy" }, { results[4], errs[4].code })
+    assert.truthy(errs[4].message:find("policy says no", 1, true), errs[4].message)
+    assert.are.same({ "pending", "done", "pending" }, { assert(txs:find_one({ _id = "h1" })).state,
+      assert(txs:find_one({ _id = "h2" })).state, assert(txs:find_one({ _id = "g1" })).state })
+    assert.are.equal(0, txs:count({ _id = "gone" }))
+    assert.are.same({ A = 998, B = 1, C = 500, D = 0 }, balances(accounts))
+  end)
+
   it("group commit: the unrelated calls of the batch answer at once, the held one on its own", function()
     hold(2)
     local tm = assert(db:manager { application = "shop", holder_wait = 1 })
