@@ -316,7 +316,7 @@ describe("#openresty mongotx.metrics.shared in nginx", function()
               update = { ["$inc"] = { balance = -1 } } } }, { id = ngx.var.arg_id }))
             local ttls = {}
             for _, k in ipairs(dict:get_keys(0)) do
-              if k:find("^mongotx_mark\t") then ttls[#ttls + 1] = dict:ttl(k) end
+              if k:find("^mongotx\t") then ttls[#ttls + 1] = dict:ttl(k) end
             end
             ngx.say(table.concat(ttls, " "))
           elseif step == "old" then
@@ -334,7 +334,9 @@ describe("#openresty mongotx.metrics.shared in nginx", function()
       assert.are.equal(200, status, body)
       return body:match("^(.-)%s*$")
     end
-    for ttl in call("step=begin&id=r1"):gmatch("%S+") do
+    local ttls = call("step=begin&id=r1")
+    assert.are.equal(1, select(2, ttls:gsub("%S+", "")), ttls) -- r1's mark
+    for ttl in ttls:gmatch("%S+") do
       assert.is_true(tonumber(ttl) > 7 * 86400 - 60 and tonumber(ttl) <= 7 * 86400, ttl)
     end
     call("step=begin&id=r2")

@@ -72,9 +72,25 @@ local function of(m)
   return m.own_marks
 end
 
--- A mark's key: "<application>\t<namespace>\t<id's key>", the tabs (and
--- %) of application and namespace escaped, so that the second tab ends
--- them (mongotx.metrics.shared); tag_of gives the part up to that tab.
+-- The namespace in 6 characters (a hash of 36 bits: two namespaces of
+-- one application share marks once in 2^36 pairs), so that the key of
+-- an ObjectId's mark stays within 52 bytes (an application of up to 11):
+-- 128 bytes of the shared dict's memory, not 256.
+local DIGITS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+local function short(ns)
+  local h = 0
+  for i = 1, #ns do h = (h * 257 + ns:byte(i)) % 68719476731 end
+  local out = {}
+  for i = 1, 6 do
+    local d = h % 64
+    out[i], h = DIGITS:sub(d + 1, d + 1), (h - d) / 64
+  end
+  return table.concat(out)
+end
+
+-- A mark's key: "<application>\t<namespace's hash>\t<id's key>", the
+-- application's tabs (and %) escaped, so that the second tab ends the
+-- tag (mongotx.metrics.shared); tag_of gives the part up to that tab.
 local ESCAPE = { ["%"] = "%%", ["\t"] = "%t" }
 local function tag_of(m, app, ns)
   ns = ns or ""
@@ -82,7 +98,7 @@ local function tag_of(m, app, ns)
   if not of_app then of_app = {}; m.tags[app] = of_app end
   local tag = of_app[ns]
   if not tag then
-    tag = app:gsub("[%%\t]", ESCAPE) .. "\t" .. ns:gsub("[%%\t]", ESCAPE) .. "\t"
+    tag = app:gsub("[%%\t]", ESCAPE) .. "\t" .. short(ns) .. "\t"
     of_app[ns] = tag
   end
   return tag

@@ -59,7 +59,7 @@ end
 -- makes), else from a second key, ID .. k, holding its BSON.  Marks of
 -- an older build (OLD, keyed without the namespace, never taken now)
 -- are deleted by the next reconcile that lists the marks.
-local MARK, ID, CLAIM = "mongotx_mark\t", "mongotx_markid\t", 2 ^ 50
+local MARK, ID, CLAIM = "mongotx\t", "mongotx_id\t", 2 ^ 50
 local OLD, OLD_ID = "mongotx_begun\t", "mongotx_begid\t"
 _M.TTL = 7 * 86400
 local core = require "mongotx.core"
@@ -73,7 +73,7 @@ local function id_of(key)
   if kind == "s" then return rest:match("^%d+:(.*)$") end
 end
 
--- Does mark k's key ("<application>\t<namespace>\t<key>") tell its id?
+-- Does mark k's key ("<application>\t<namespace's hash>\t<key>") tell its id?
 -- (Its first byte: no string is made, as the events of every transaction
 -- ask.)
 local TOLD = { [("o"):byte()] = true, [("i"):byte()] = true, [("s"):byte()] = true }
