@@ -171,31 +171,32 @@ local MAX_NESTED = 4
 -- (its lease has not passed; a hold, which capture, void or expiry
 -- decides; this engine's own; another owner took it over first; nested
 -- past MAX_NESTED; or its drive failed: it is then waited for as a live
--- one, and whoever meets it next tries again), or nil, err for an error
--- that is T's own.
+-- one, and the next op of this engine that meets it drives it again), or
+-- nil, err for an error that is T's own.
 function Engine:resolve(H, T)
-  local state = H.state
-  if H.hold ~= nil or self:holding(H) or (self.resolving or 0) >= MAX_NESTED
+  local state, k = H.state, key(H._id)
+  local again = self.stalled[k] ~= nil and self.stalled[k] == H.epoch and self:holding(H)
+  if H.hold ~= nil or (self:holding(H) and not again) or (self.resolving or 0) >= MAX_NESTED
      or not (state == "pending" or state == "canceling" or state == "applied") then
     return false
   end
   local once = self.once
-  self.resolving, self.once = (self.resolving or 0) + 1, nil
+  self.resolving, self.once, self.stalled[k] = (self.resolving or 0) + 1, nil, nil
   local ok, ended, why = pcall(function()
-    local lapsed, e = self:lapsed(H)
-    if not lapsed then return lapsed, e end
     local versions
-    if state == "pending" then
+    if not again then -- (again: claimed by a resolve of this engine whose drive failed)
+      local lapsed, e = self:lapsed(H)
+      if not lapsed then return lapsed, e end
       local now, vs
-      now, vs, e = self:take_over(H)
-      if not now then return nil, e end
-      if now.state == "pending" and not vs and not self:holds(now) then return false end
+      if state == "pending" then
+        now, vs, e = self:take_over(H)
+        if not now then return nil, e end
+        if now.state == "pending" and not vs and not self:holds(now) then return false end
+      else
+        now, e = self:claim(H)
+        if not now then return now, e end -- false: someone else moved it first
+      end
       H, versions = now, vs
-    else
-      local claimed
-      claimed, e = self:claim(H)
-      if not claimed then return claimed, e end -- false: someone else moved it first
-      H = claimed
     end
     -- later: a holder that another owner took over meanwhile is not waited for
     return self:drive(H, versions, true)
@@ -205,8 +206,9 @@ function Engine:resolve(H, T)
   if ended then return ended.state == "done" or ended.state == "cancelled" end
   if ended == false then return false end
   local code, id = why and why.code, why and why.id
-  if code == "cancelled" and id ~= nil and key(id) == key(H._id) then return true end
+  if code == "cancelled" and id ~= nil and key(id) == k then return true end
   if T and id ~= nil and key(id) == key(T._id) then return nil, why end
+  if self:holding(H) then self.stalled[k] = H.epoch end
   if code ~= "in_progress" then self:event("resolve", { id = H._id, reason = code }) end
   return false
 end
