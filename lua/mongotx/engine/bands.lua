@@ -13,7 +13,10 @@
 -- document's version by a band (bump) and waits for the reply: the copy
 -- then no longer matches.  A document stays `unsure` until a bump got
 -- its reply; a process that dies meanwhile leaves the transaction to a
--- takeover, which moves the band anyway.
+-- takeover (a claim at a higher epoch: recovery, or an op that meets it
+-- once its lease passed, Engine:resolve), which moves the band anyway.
+-- Where deadlines fence instead, an apply carries no version and no bump
+-- can stop its copy: docs/ownership.md says what fences it there.
 
 local core = require "mongotx.core"
 local validate = require "mongotx.validate"
@@ -24,7 +27,7 @@ local floor = math.floor
 
 local BAND = core.VERSION_BAND
 
-local _M = { BAND = BAND }
+local _M = {}
 
 -- Does a write of T's owner move versions by a band (a takeover)?
 function _M.takeover(T)
@@ -45,10 +48,12 @@ local function unsure_key(name, id)
 end
 
 -- Moves the versions of documents `ids` of collection handle `coll` by a
--- band, in field `field`.  Returns true, or nil, err.
-local function bump(coll, ids, field)
+-- band, in field `field`, with the engine's write concern (the bump is
+-- the fence: one a failover rolls back would let the copy match again).
+-- Returns true, or nil, err.
+local function bump(eng, coll, ids, field)
   local res, err = coll:update_many({ _id = { ["$in"] = ids } },
-    { ["$inc"] = { [field] = core.Int64(BAND) } })
+    { ["$inc"] = { [field] = core.Int64(BAND) } }, eng.wopts)
   if not res then return nil, err end
   return true
 end
@@ -67,7 +72,7 @@ function _M.apply_one(eng, name, field, apply)
     if not fenced(op, version) then return apply(steps, coll, tid, op, version, ...) end
     local k = unsure_key(name, op.id)
     if eng.unsure[k] then
-      local ok, err = bump(coll, { op.id }, field)
+      local ok, err = bump(eng, coll, { op.id }, field)
       if not ok then return nil, err end
       eng.unsure[k] = nil
       return { applied = false }
@@ -85,7 +90,7 @@ function _M.undo_one(eng, name, field, undo)
   return function(steps, coll, tid, op, ...)
     local k = unsure_key(name, op.id)
     if eng.unsure[k] then
-      local ok, err = bump(coll, { op.id }, field)
+      local ok, err = bump(eng, coll, { op.id }, field)
       if not ok then return nil, err end
       eng.unsure[k] = nil
     end
@@ -113,7 +118,7 @@ function _M.apply_many(eng, field, apply)
       end
     end
     if #ids > 0 then
-      local ok, err = bump(coll, ids, field)
+      local ok, err = bump(eng, coll, ids, field)
       if not ok then return nil, err end
       for _, k in ipairs(bumped) do eng.unsure[k] = nil end
     end
