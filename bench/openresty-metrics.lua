@@ -16,13 +16,13 @@ local COST = [[
   location = /_metrics_cost { content_by_lua_block {
     local core = require "mongotx.core"
     local on = require("mongotx.metrics.shared").new("mongotx_metrics"):on_event("cost")
-    local N, ids = 20000, {}
+    local N, ids, NS = 20000, {}, "bank.transactions"
     for i = 1, N do ids[i] = core.ObjectId() end
     local t0 = core.monotonic_ms()
     for i = 1, N do
       local id = ids[i]
-      on("create", { id = id }); on("apply", { id = id }); on("commit", { id = id })
-      on("finish", { id = id }); on("done", { id = id })
+      on("create", { id = id }, NS); on("apply", { id = id }, NS); on("commit", { id = id }, NS)
+      on("finish", { id = id }, NS); on("done", { id = id }, NS)
     end
     ngx.say((core.monotonic_ms() - t0) * 1000 / N)
   } }

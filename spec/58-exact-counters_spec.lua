@@ -15,6 +15,7 @@
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
 local metrics = require "mongotx.metrics"
+local pool = require "mongotx.pool"
 
 -- The child: transfers and a begun transaction it abandons, then a
 -- transfer during which it dies after the done write; every event of
@@ -98,7 +99,8 @@ describe("#server exact transaction counters", function()
     local count = m:on_event("app")
     local n = 0
     for name, id, moved, cause in said:gmatch("([%w_]+)\t([^\t]*)\t([01])\t([^\n]*)\n") do
-      count(name, { id = id, result = moved == "1" and { cause = cause ~= "" and cause or nil } })
+      count(name, { id = id, result = moved == "1" and { cause = cause ~= "" and cause or nil } },
+        db.name .. ".transactions")
       flying(m)
       n = n + 1
     end
@@ -204,5 +206,83 @@ describe("#server exact transaction counters", function()
     assert.are.same({ 1, 1, 0 }, (figures(m)))
     assert.are.equal(0, assert(m:reconcile(tm, { age = 0 })))
     assert.are.equal(0, flying(m))
+  end)
+  it("keeps the marks of each transactions namespace apart: one application, two collections, two databases", function()
+    local m = metrics.new()
+    local other = assert(mongotx.connect(helpers.uri(), { database = helpers.db_name() .. "b" }))
+    assert(other:collection("accounts"):insert_many { { _id = "A", balance = 100 } })
+    local tm1 = assert(db:manager(m:wrap { application = "app" }))
+    local tm2 = assert(db:manager(m:wrap { application = "app", collection = "orders_tx" }))
+    local tm3 = assert(other:manager(m:wrap { application = "app" }))
+    local ops = { { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -1 } } } }
+    local t2 = assert(tm2:begin(ops, { id = "same" }))
+    local t3 = assert(tm3:begin(ops, { id = "same" })) -- the same id, in another database
+    assert.are.equal(2, flying(m))
+    -- tm1 reads back only its own namespace's marks: none, nothing sent
+    local commands = db.client:counters().commands
+    assert.are.equal(0, assert(m:reconcile(tm1, { age = 0 })))
+    assert.are.equal(commands, db.client:counters().commands)
+    assert.are.same({ 2, 0, 0 }, (figures(m)))
+    -- each end counts once, in its own namespace
+    assert(tm2:commit(t2))
+    assert.are.same({ 2, 1, 0 }, (figures(m)))
+    assert.are.equal(0, assert(m:reconcile(tm2, { age = 0 })))
+    assert.are.equal(0, assert(m:reconcile(tm3, { age = 0 }))) -- open there
+    assert.are.same({ 2, 1, 0 }, (figures(m)))
+    assert(tm3:rollback(t3))
+    local f, by = figures(m)
+    assert.are.same({ 2, 1, 1 }, f)
+    assert.are.same({ rollback = 1 }, by)
+    assert.are.equal("done", assert(db:collection("orders_tx"):find_one({ _id = "same" })).state)
+    assert.are.equal("cancelled", assert(other:collection("transactions"):find_one({ _id = "same" })).state)
+    assert(other.client:command(other.name, { dropDatabase = 1 }))
+    other:close()
+  end)
+
+  it("reconciles through a pooled manager (no engine of its own)", function()
+    local m = metrics.new()
+    local pdb = assert(pool.connect(helpers.uri(), { database = db.name }))
+    local ptm = assert(pdb:manager(m:wrap { application = "app" }))
+    assert.is_nil(ptm.engine)
+    local ops = { { collection = "accounts", id = "A", update = { ["$inc"] = { balance = -1 } } } }
+    assert(ptm:begin(ops, { id = "p1" }))
+    assert(ptm:transfer("accounts", "A", "B", 1, { id = "p2" }))
+    assert.are.equal(1, assert(txs:delete_many({ _id = "p1" })).deleted)
+    assert.are.equal(1, assert(m:reconcile(ptm, { age = 0 })))
+    local f, by = figures(m)
+    assert.are.same({ 2, 1, 1 }, f)
+    assert.are.same({ unknown = 1 }, by)
+  end)
+
+  it("an open hold's mark is read back only after its expiry, even when its event was lost", function()
+    local m = metrics.new()
+    local count = m:on_event("app")
+    local lost = false
+    local tm = assert(db:manager { application = "app", on_event = function(name, info, ns)
+      if name == "hold" and lost then return end -- a kill between the open and its event
+      return count(name, info, ns)
+    end })
+    -- the hold event moves its mark to the expiry: nothing to read before
+    local h2 = assert(tm:hold("accounts", "A", "B", 10, { id = "h2", expires = 3600 }))
+    local commands = db.client:counters().commands
+    assert.are.equal(0, assert(m:reconcile(tm, { age = 0 })))
+    assert.are.equal(commands, db.client:counters().commands)
+    lost = true
+    local h1 = assert(tm:hold("accounts", "A", "B", 10, { id = "h1", expires = 3600 }))
+    assert.are.equal(2, flying(m))
+    -- h1's mark is read once, found open, moved to its stored deadline (the expiry)
+    commands = db.client:counters().commands
+    assert.are.equal(0, assert(m:reconcile(tm, { age = 0 })))
+    assert.is_true(db.client:counters().commands > commands)
+    commands = db.client:counters().commands
+    for _ = 1, 3 do assert.are.equal(0, assert(m:reconcile(tm, { age = 0 }))) end
+    assert.are.equal(commands, db.client:counters().commands)
+    assert(tm:void(h1._id))
+    assert(tm:capture(h2._id))
+    local f, by = figures(m)
+    assert.are.same({ 2, 1, 1 }, f)
+    assert.are.same({ voided = 1 }, by)
+    assert.are.equal("cancelled", state("h1"))
+    assert.are.equal("done", state("h2"))
   end)
 end)

@@ -39,6 +39,9 @@ local _M = {}
 local Engine = {}
 Engine.__index = Engine
 
+-- The fields of a transaction mongotx.metrics's reconcile reads.
+_M.STATES = { state = 1, reason = 1, cause = 1, deadline = 1 }
+
 
 -- ctx, the engine's context: { db = the database handle, tx = the
 -- transactions collection and `collection` its name, policy = the policy
@@ -57,6 +60,8 @@ function _M.new(ctx)
     tx = ctx.tx,
     policy = ctx.policy,
     application = ctx.application,
+    -- "<database>.<collection>" of its transactions: on_event's third argument
+    namespace = ctx.db.name .. "." .. ctx.collection,
     instance = core.ObjectId():value(),
     marker = ctx.marker,
     version_field = ctx.version_field,
@@ -75,6 +80,7 @@ function _M.new(ctx)
     forms = {},         -- the forms of transactions begun with other fields (form)
     colls = {},         -- collection handles by name (coll)
     held = {},          -- key(id) -> epoch this engine holds (hold, holds)
+    stalled = {},       -- key(id) -> epoch of a holder resolve claimed and could not drive
     server_clock = clock.new(ctx.db), -- (server_now, clock)
     use_deadline = nil, -- does the server evaluate $$NOW (deadlines)
     unsure = {},        -- documents an apply's lost reply left (engine.bands)
@@ -117,11 +123,13 @@ function Engine:form(T)
 end
 
 -- The default on_event does nothing: a batch's events (five per
--- transaction) then cost no table and no call.
+-- transaction) then cost no table and no call.  Every event tells the
+-- namespace of the transactions (a registry keeps the marks of each
+-- apart: mongotx.metrics.marks).
 local quiet = require("mongotx.policy").on_event
 
 function Engine:event(name, info)
-  pcall(self.policy.on_event, name, info)
+  pcall(self.policy.on_event, name, info, self.namespace)
 end
 
 -- Does anyone listen (policy.on_event other than the default)?  A batch
@@ -133,7 +141,7 @@ end
 -- event(name, { id = id }), when anyone listens.
 function Engine:event_id(name, id)
   local on_event = self.policy.on_event
-  if on_event ~= quiet then pcall(on_event, name, { id = id }) end
+  if on_event ~= quiet then pcall(on_event, name, { id = id }, self.namespace) end
 end
 
 function Engine:coll(name)
@@ -231,14 +239,14 @@ function Engine:get(id)
   return live(doc)
 end
 
--- The state (and reason, cause) of the transactions with these ids (at
--- most 1000, each checked like a caller's), in one bounded read, for
--- mongotx.metrics's reconcile; nil, err.
+-- The state (and reason, cause, deadline) of the transactions with these
+-- ids (at most 1000, each checked like a caller's), in one bounded read,
+-- for mongotx.metrics's reconcile; nil, err.
 function Engine:states(ids)
   local sent = {}
   for i = 1, math.min(#ids, 1000) do sent[#sent + 1] = validate.check_tid(ids[i]) end
   local docs, err = self.tx:find_all({ _id = { ["$in"] = sent } },
-    { projection = { state = 1, reason = 1, cause = 1 }, sort = { _id = 1 }, limit = #sent })
+    { projection = _M.STATES, sort = { _id = 1 }, limit = #sent })
   if not docs then return nil, errors.wrap(err, "reconcile") end
   return docs
 end

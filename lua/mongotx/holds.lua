@@ -304,7 +304,7 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
     end
   end
   eng:hold(id, nil)
-  eng:event("hold", { id = id, amount = amount })
+  eng:event("hold", { id = id, amount = amount, expires = expires })
   T.hold.status = "held"
   return T
 end

@@ -119,8 +119,9 @@ function _M.new(db, opts)
     finishing = {}, -- committed transactions waiting for finish() (policy.finish)
     stepped = { versions = {}, undone = {} }, -- what tm:step remembers (stepwise)
   }, Manager)
-  -- read by callers and examples
+  -- read by callers and examples (namespace: "<database>.<collection>")
   self.application, self.instance = self.engine.application, self.engine.instance
+  self.namespace = self.engine.namespace
   local err
   ok, err = tx:create_index(core.doc("state", 1, "lastModified", 1))
   if not ok then return nil, err end

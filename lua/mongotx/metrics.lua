@@ -261,11 +261,11 @@ local ON = {}
 
 -- Each transaction is counted begun, then done or cancelled, once, by
 -- the registry whose mark it took (mongotx.metrics.marks).
-function ON.create(m, app, info)
+function ON.create(m, app, info, ns)
   local res = info.result
   if res == false or type(res) == "table" and res.created == false then return end
   -- (no room for the mark: counted nowhere, and the store says so)
-  if marks.add(m, app, info.id, now_ms()) then
+  if marks.add(m, app, ns, info.id, now_ms()) then
     m:count("mongotx_transactions_begun_total", app)
     m:start(info.id)
   end
@@ -284,9 +284,9 @@ local function count_end(m, app, outcome, reason, cause)
   end
 end
 
-function ON.done(m, app, info)
+function ON.done(m, app, info, ns)
   if info.result == false then return end
-  if marks.take(m, app, info.id) then
+  if marks.take(m, app, ns, info.id) then
     count_end(m, app, "done")
     m:stop(info.id, app, "done")
   else
@@ -294,11 +294,11 @@ function ON.done(m, app, info)
   end
 end
 
-function ON.cancelled(m, app, info)
+function ON.cancelled(m, app, info, ns)
   local res = info.result
   if res == false then return end
   local from = type(res) == "table" and res or info
-  if marks.take(m, app, info.id) then
+  if marks.take(m, app, ns, info.id) then
     count_end(m, app, "cancelled", from.reason, from.cause)
     m:stop(info.id, app, "cancelled")
   else
@@ -309,14 +309,16 @@ end
 -- At most this many marks are read back per reconcile (one find).
 _M.RECONCILE = 100
 
-local function reconcile(m, app, find, age)
-  return marks.reconcile(m, app, find, age, _M.RECONCILE, count_end)
+local function reconcile(m, app, ns, find, clock, age)
+  return marks.reconcile(m, app, ns, find, clock, age, _M.RECONCILE, count_end)
 end
 
 -- The recovery pass's last event: its `find` reads this manager's
--- transactions collection.
-function ON.reconcile(m, app, info)
-  if type(info.find) == "function" then reconcile(m, app, info.find, info.age) end
+-- transactions collection (namespace ns), `clock` gives the server's time.
+function ON.reconcile(m, app, info, ns)
+  if type(info.find) == "function" and type(info.clock) == "function" then
+    reconcile(m, app, ns, info.find, info.clock, info.age)
+  end
 end
 
 function ON.retry(m, app, info)
@@ -354,7 +356,9 @@ local function amount(info, name)
   return type(n) == "number" and n or 0
 end
 
-function ON.hold(m, app, info)
+function ON.hold(m, app, info, ns)
+  -- open until its expiry: its mark is not read back before
+  if type(info.expires) == "number" then marks.later(m, app, ns, info.id, info.expires * 1000) end
   m:count("mongotx_holds_opened_total", app)
   m:count("mongotx_holds_amount", app, nil, nil, amount(info))
 end
@@ -395,31 +399,43 @@ end
 function Metrics:on_event(app, chained)
   app = tostring(app or "mongotx")
   local m = self
-  return function(name, info)
+  return function(name, info, ns)
     local f = ON[name]
-    if f and type(info) == "table" then pcall(f, m, app, info) end
-    if chained then return chained(name, info) end
+    if f and type(info) == "table" then pcall(f, m, app, info, ns) end
+    if chained then return chained(name, info, ns) end
   end
 end
 
 -- Reconciles now (what tm:recover's pass does at its end) this
--- registry's marks of tm's application against tm's transactions.
+-- registry's marks of tm's application and namespace against tm's
+-- transactions: through tm's engine, or (a mongotx.pool or
+-- mongotx.resty manager: in a worker thread) through tm:find.
 
 --- Counts the transactions of `tm`'s application this registry counted begun that ended uncounted.
 -- `tm:recover` does it at the end of each pass; call it where a process counts transactions and runs
 -- no recovery (docs/metrics.md). Marks older than `age` seconds are read back, at most `metrics.RECONCILE`
 -- in one find; with none due it reads nothing.
 -- @syntax n, err = m:reconcile(tm [, { age = seconds }])
--- @tparam table tm a manager whose events count into this registry
+-- @tparam table tm a manager whose events count into this registry (`mongotx`'s, `mongotx.pool`'s or
+--   `mongotx.resty`'s)
 -- @tparam[opt] table opts `age` (default the manager's `stale_after`)
 -- @treturn number how many it counted done or cancelled now
 -- @return[2] nil
 -- @return[2] err the read's error
 -- @usage local n = assert(m:reconcile(tm))
 function Metrics:reconcile(tm, opts)
-  local eng = tm.engine
-  local age = opts and opts.age or eng.policy.stale_after
-  return reconcile(self, tostring(tm.application), function(ids) return eng:states(ids) end, age)
+  local age = opts and opts.age or tm.policy.stale_after
+  local eng, find, clock = tm.engine
+  if eng then
+    find = function(ids) return eng:states(ids) end
+    clock = function() return eng:clock() end
+  else
+    find = function(ids)
+      return tm:find({ _id = { ["$in"] = ids } }, { projection = engine.STATES, limit = #ids })
+    end
+    clock = function() return tm:server_now() end
+  end
+  return reconcile(self, tostring(tm.application), tm.namespace, find, clock, age)
 end
 
 -- A copy of db:manager's options `opts` whose on_event counts into this

@@ -149,7 +149,8 @@ function Database:manager(opts)
   if raised then reraise(raised, 2) end
   if not slot then return nil, err end
   return setmetatable({ db = self, opts = opts, free = { slot }, slots = 1,
-                        application = slot.tm.application, instance = slot.tm.instance },
+                        application = slot.tm.application, instance = slot.tm.instance,
+                        namespace = slot.tm.namespace, policy = slot.tm.policy },
                       Pooled)
 end
 

@@ -516,7 +516,8 @@ function _M.recover(eng, limit, size)
   -- back those it counted begun and saw no end of
   if eng:listening() then
     eng:event("reconcile", { age = eng.policy.stale_after,
-                             find = function(ids) return eng:states(ids) end })
+                             find = function(ids) return eng:states(ids) end,
+                             clock = function() return eng:clock() end })
   end
   return report
 end

@@ -190,7 +190,8 @@ local function run(kind, spec, method, args)
     return pack(2, db and true or nil, err)
   elseif kind == "manager" then
     local tm, err = get_manager(spec)
-    return pack(2, tm and { application = tm.application } or nil, err)
+    return pack(2, tm and { application = tm.application, namespace = tm.namespace,
+                            stale_after = tm.policy.stale_after } or nil, err)
   elseif kind == "db" then
     local db, err = get_db(spec)
     if not db then return pack(2, nil, err) end
@@ -219,7 +220,6 @@ function _M.thread(kind, spec, method, args)
 end
 
 -- The worker side ----------------------------------------------------------
-
 
 local Database = {}
 Database.__index = Database
@@ -272,7 +272,6 @@ end
 -- The groups of this worker, by manager (and thread pool and options).
 local groups = {}
 
-
 -- db:manager(opts): opts are db:manager's, as data: a function cannot
 -- reach a worker thread, so policies that are functions come from a
 -- module named by `policies` (a module that returns a table of them, which
@@ -322,7 +321,8 @@ function Database:manager(opts)
   if not ok then error("options of manager must be BSON data: " .. tostring(spec), 2) end
   local info, err = call(self, 2, "manager", spec, nil)
   if not info then return nil, err end
-  local tm = setmetatable({ db = self, spec = spec, application = info.application }, Manager)
+  local tm = setmetatable({ db = self, spec = spec, application = info.application,
+    namespace = info.namespace, policy = { stale_after = info.stale_after } }, Manager)
   if g and self.offload then
     -- one group per manager (its spec) and worker: managers made for the
     -- same options, as by concurrent first requests, share it

@@ -155,46 +155,62 @@ end
 -- depth a holder is waited for as any open one (`busy`).
 local MAX_NESTED = 4
 
--- H, another owner's transaction whose mark holds a document an op of
--- this engine needs (Engine:release): open (pending or canceling) or
--- committed (applied).  Once its owner's lease passed (lapsed) it is
--- driven to the end that recovery would give, whoever meets it: a
--- pending one taken over (take_over: forward, or back where
--- policy.stale_pending says so), a canceling one undone, an applied one
--- finished; then nothing of it holds the document.  So an op never
--- waits for, nor is cancelled `busy` by, a holder whose owner died.
+-- H, another owner's transaction whose mark holds a document that T, an
+-- op of this engine, needs (Engine:release): open (pending or canceling)
+-- or committed (applied).  Once its owner's lease passed (lapsed) it is
+-- driven to the end recovery gives it, whoever meets it, and claimed
+-- first as recovery claims it (epoch + 1: a takeover, whose undos move
+-- each version by a band and fence the documents not applied, so a lost
+-- apply of the dead owner can no longer land): a pending one taken over
+-- (take_over: forward, or back where policy.stale_pending says so), a
+-- canceling one undone, an applied one finished; then nothing of it
+-- holds the document.  So an op never waits for, nor is cancelled `busy`
+-- by, a holder whose owner died.  The drive retries every step as any
+-- would (a hold's opener sends only its own applies once: `once`).
 -- Returns true when H ended (done or cancelled), false when it holds on
 -- (its lease has not passed; a hold, which capture, void or expiry
 -- decides; this engine's own; another owner took it over first; nested
--- past MAX_NESTED), or nil, err.
-function Engine:resolve(H)
-  local state = H.state
-  if H.hold ~= nil or self:holding(H) or (self.resolving or 0) >= MAX_NESTED
+-- past MAX_NESTED; or its drive failed: it is then waited for as a live
+-- one, and the next op of this engine that meets it drives it again), or
+-- nil, err for an error that is T's own.
+function Engine:resolve(H, T)
+  local state, k = H.state, key(H._id)
+  local again = self.stalled[k] ~= nil and self.stalled[k] == H.epoch and self:holding(H)
+  if H.hold ~= nil or (self:holding(H) and not again) or (self.resolving or 0) >= MAX_NESTED
      or not (state == "pending" or state == "canceling" or state == "applied") then
     return false
   end
-  local lapsed, err = self:lapsed(H)
-  if lapsed == nil then return nil, err end
-  if not lapsed then return false end
-  self.resolving = (self.resolving or 0) + 1
-  local ok, T, why = pcall(function()
+  local once = self.once
+  self.resolving, self.once, self.stalled[k] = (self.resolving or 0) + 1, nil, nil
+  local ok, ended, why = pcall(function()
     local versions
-    if state == "pending" then
-      local now, vs, e = self:take_over(H)
-      if not now then return nil, e end
-      if now.state == "pending" and not vs and not self:holds(now) then return false end
+    if not again then -- (again: claimed by a resolve of this engine whose drive failed)
+      local lapsed, e = self:lapsed(H)
+      if not lapsed then return lapsed, e end
+      local now, vs
+      if state == "pending" then
+        now, vs, e = self:take_over(H)
+        if not now then return nil, e end
+        if now.state == "pending" and not vs and not self:holds(now) then return false end
+      else
+        now, e = self:claim(H)
+        if not now then return now, e end -- false: someone else moved it first
+      end
       H, versions = now, vs
     end
     -- later: a holder that another owner took over meanwhile is not waited for
     return self:drive(H, versions, true)
   end)
-  self.resolving = self.resolving - 1
-  if not ok then error(T, 0) end
-  if T then return T.state == "done" or T.state == "cancelled" end
-  if T == false then return false end
-  if why.code == "cancelled" then return true end
-  if why.code == "in_progress" then return false end
-  return nil, why
+  self.resolving, self.once = self.resolving - 1, once
+  if not ok then error(ended, 0) end
+  if ended then return ended.state == "done" or ended.state == "cancelled" end
+  if ended == false then return false end
+  local code, id = why and why.code, why and why.id
+  if code == "cancelled" and id ~= nil and key(id) == k then return true end
+  if T and id ~= nil and key(id) == key(T._id) then return nil, why end
+  if self:holding(H) then self.stalled[k] = H.epoch end
+  if code ~= "in_progress" then self:event("resolve", { id = H._id, reason = code }) end
+  return false
 end
 
 return _M

@@ -281,7 +281,7 @@ function Engine:release(T, op, doc)
       if stale then finished = finished + 1 end
     elseif H and (matters[key(holder)] or H.state == "applied") then
       -- its owner's lease passed: driven to its end here (resolve)
-      resolved, err = self:resolve(H)
+      resolved, err = self:resolve(H, T)
       if resolved == nil then return nil, err end
     end
     if resolved then

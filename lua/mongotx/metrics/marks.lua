@@ -13,6 +13,11 @@
 -- reconcile: so begun - done - cancelled is the number of marks, never
 -- below 0, and back to 0 once all finished and reconciled.  A store
 -- without marks (a caller's own) keeps them in this Lua state.
+--
+-- Marks are kept by application and by namespace ("<database>.<collection>"
+-- of the transactions, on_event's third argument): two managers of one
+-- application on two transactions collections (or databases) count into
+-- one registry, and each reconciles only its own marks.
 
 --- The marks of the transactions a metrics registry counted begun (internal).
 -- @module mongotx.metrics.marks
@@ -27,7 +32,7 @@ local key_of, now_ms = engine.key, core.monotonic_ms
 
 local _M = {}
 
--- The marks of a table store: k = "<application>\t<id's key>" ->
+-- The marks of a table store: k = "<application>\t<namespace>\t<id's key>" ->
 -- { t = ms, id = id }.
 local Table = {}
 function Table:mark(k, id, t)
@@ -67,46 +72,75 @@ local function of(m)
   return m.own_marks
 end
 
--- A mark's key: "<application>\t<id's key>", the application's tabs (and
--- %) escaped, so that its first tab ends it (mongotx.metrics.shared);
--- tag_of gives the part up to that tab.
-local function tag_of(m, app)
-  local tag = m.tags[app]
+-- The namespace in 6 characters (a hash of 36 bits: two namespaces of
+-- one application share marks once in 2^36 pairs), so that the key of
+-- an ObjectId's mark stays within 52 bytes (an application of up to 11):
+-- 128 bytes of the shared dict's memory, not 256.
+local DIGITS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+local function short(ns)
+  local h = 0
+  for i = 1, #ns do h = (h * 257 + ns:byte(i)) % 68719476731 end
+  local out = {}
+  for i = 1, 6 do
+    local d = h % 64
+    out[i], h = DIGITS:sub(d + 1, d + 1), (h - d) / 64
+  end
+  return table.concat(out)
+end
+
+-- A mark's key: "<application>\t<namespace's hash>\t<id's key>", the
+-- application's tabs (and %) escaped, so that the second tab ends the
+-- tag (mongotx.metrics.shared); tag_of gives the part up to that tab.
+local ESCAPE = { ["%"] = "%%", ["\t"] = "%t" }
+local function tag_of(m, app, ns)
+  ns = ns or ""
+  local of_app = m.tags[app]
+  if not of_app then of_app = {}; m.tags[app] = of_app end
+  local tag = of_app[ns]
   if not tag then
-    tag = app:gsub("[%%\t]", { ["%"] = "%%", ["\t"] = "%t" }) .. "\t"
-    m.tags[app] = tag
+    tag = app:gsub("[%%\t]", ESCAPE) .. "\t" .. short(ns) .. "\t"
+    of_app[ns] = tag
   end
   return tag
 end
 
-local function key(m, app, id) return tag_of(m, app) .. key_of(id) end
+local function key(m, app, ns, id) return tag_of(m, app, ns) .. key_of(id) end
 
 --- Marks `id` begun at `t` ms: true when this call made the mark (no room
 -- for it: false, and the store says so).
-function _M.add(m, app, id, t)
-  return of(m):mark(key(m, app, id), id, t) == "new"
+function _M.add(m, app, ns, id, t)
+  return of(m):mark(key(m, app, ns, id), id, t) == "new"
 end
 
 --- Ends `id`'s count: true when this call removed its mark (and counts).
-function _M.take(m, app, id)
-  return of(m):unmark(key(m, app, id))
+function _M.take(m, app, ns, id)
+  return of(m):unmark(key(m, app, ns, id))
+end
+
+--- Moves `id`'s mark `ms` later: it is read back that much later (a hold,
+-- open until its expiry).
+function _M.later(m, app, ns, id, ms)
+  of(m):touch(key(m, app, ns, id), ms)
 end
 
 local ENDED = { done = "done", cancelled = "cancelled" }
 
---- Reconciles app's marks older than `age` seconds with what the database
--- holds: `find(ids)` answers the stored states (at most `limit` ids, one
--- bounded read); a mark whose transaction is done or cancelled, or gone
--- (pruned, or removed by hand: counted cancelled, reason unknown), is
--- counted ended now, once, by `count_end(m, app, outcome, reason,
--- cause)`; one still open is looked at again after `age`.  The store
+--- Reconciles the marks of app's transactions in namespace `ns` older
+-- than `age` seconds with what the database holds: `find(ids)` answers
+-- the stored states (at most `limit` ids, one bounded read); a mark whose
+-- transaction is done or cancelled, or gone (pruned, or removed by hand:
+-- counted cancelled, reason unknown), is counted ended now, once, by
+-- `count_end(m, app, outcome, reason, cause)`; one still open is looked
+-- at again `age` after its stored deadline (a hold's is its expiry), or
+-- after now if that is later: `clock()` gives the server's time the
+-- deadline is compared with (asked only when one is open).  The store
 -- keeps the time of the oldest mark left unread, so a call with none due
 -- reads one value.  Returns how many it counted, or nil, err.
-function _M.reconcile(m, app, find, age, limit, count_end)
+function _M.reconcile(m, app, ns, find, clock, age, limit, count_end)
   local marks, store = of(m), m.store
   local now, age_ms = now_ms(), max(0, age or 0) * 1000
   -- no live mark left unread is older than this
-  local tag = tag_of(m, app)
+  local tag = tag_of(m, app, ns)
   local oldest_key = "mongotx_oldest\t" .. tag
   local oldest = store:get(oldest_key)
   if type(oldest) == "number" and oldest + age_ms > now then return 0 end
@@ -132,12 +166,18 @@ function _M.reconcile(m, app, find, age, limit, count_end)
   end
   local by_key = {}
   for _, doc in ipairs(docs) do by_key[key_of(doc._id)] = doc end
-  local counted = 0
+  local counted, server = 0, nil
   for _, e in ipairs(batch) do
     local doc = by_key[key_of(e.id)]
     local outcome = not doc and "cancelled" or ENDED[doc.state]
     if not outcome then
-      marks:touch(e.k, now - e.t)
+      -- open: its mark's time becomes its deadline (now if past or none)
+      local later = 0
+      if core.type(doc.deadline) == "date" then
+        server = server or clock() or false
+        if server then later = max(0, doc.deadline:value() - server) end
+      end
+      marks:touch(e.k, now + later - e.t)
     elseif marks:unmark(e.k) then
       count_end(m, app, outcome, doc and doc.reason, doc and doc.cause)
       m:stop(e.id)

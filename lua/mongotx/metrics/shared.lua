@@ -52,11 +52,16 @@ end
 -- processes), >= 0 while it is live; ending it is one atomic incr by
 -- -CLAIM, so of two workers that end one, only the one that took it from
 -- >= 0 counts it (a later touch adds less than CLAIM: a taken mark stays
--- below 0).  No TTL: every mark ends at its transaction's end or at a
--- reconcile.  The id is read back from k (the key of a string, an
--- integer or an ObjectId: every id mongotx makes), else from a second key,
--- ID .. k, holding its BSON.
-local MARK, ID, CLAIM = "mongotx_begun\t", "mongotx_begid\t", 2 ^ 50
+-- below 0).  A mark ends at its transaction's end or at a reconcile; one
+-- left (no reconcile of its namespace runs) expires after TTL seconds,
+-- so that it cannot fill the dict for good.  The id is read back from k
+-- (the key of a string, an integer or an ObjectId: every id mongotx
+-- makes), else from a second key, ID .. k, holding its BSON.  Marks of
+-- an older build (OLD, keyed without the namespace, never taken now)
+-- are deleted by the next reconcile that lists the marks.
+local MARK, ID, CLAIM = "mongotx\t", "mongotx_id\t", 2 ^ 50
+local OLD, OLD_ID = "mongotx_begun\t", "mongotx_begid\t"
+_M.TTL = 7 * 86400
 local core = require "mongotx.core"
 
 -- The id whose key (engine.key) is `key` (a string's, an integer's or an
@@ -68,23 +73,25 @@ local function id_of(key)
   if kind == "s" then return rest:match("^%d+:(.*)$") end
 end
 
--- Does mark k's key ("<application>\t<key>") tell its id?  (Its first
--- byte: no string is made, as the events of every transaction ask.)
+-- Does mark k's key ("<application>\t<namespace's hash>\t<key>") tell its id?
+-- (Its first byte: no string is made, as the events of every transaction
+-- ask.)
 local TOLD = { [("o"):byte()] = true, [("i"):byte()] = true, [("s"):byte()] = true }
 local function told(k)
   local at = k:find("\t", 1, true)
+  at = at and k:find("\t", at + 1, true)
   return at ~= nil and TOLD[k:byte(at + 1)] == true
 end
 
 function Store:mark(k, id, t)
   local dict = self.dict
-  local ok, err = dict:safe_add(MARK .. k, t)
+  local ok, err = dict:safe_add(MARK .. k, t, _M.TTL)
   if not ok then
     if err == "exists" then return "exists" end
     self:dropped()
     return false
   end
-  if not told(k) and not dict:safe_set(ID .. k, core.encode { id = id }) then
+  if not told(k) and not dict:safe_set(ID .. k, core.encode { id = id }, _M.TTL) then
     dict:delete(MARK .. k)
     self:dropped()
     return false
@@ -111,7 +118,9 @@ function Store:marked(prefix)
   local dict, list, from = self.dict, {}, #MARK + 1
   local head = MARK .. prefix
   for _, name in ipairs(dict:get_keys(0)) do
-    if name:sub(1, #head) == head then
+    if name:sub(1, #OLD) == OLD or name:sub(1, #OLD_ID) == OLD_ID then
+      dict:delete(name)
+    elseif name:sub(1, #head) == head then
       local t, k = dict:get(name), name:sub(from)
       local id
       if told(k) then
