@@ -50,8 +50,7 @@ local _M = {}
 -- Seconds a hold lasts when `expires` is not given.
 _M.EXPIRES = 3600
 
--- How many times a decision is tried again after it lost to a write that
--- did not settle the hold (a recovery claim of an expired one).
+-- Tries of a decision that lost to a write not settling the hold (a recovery claim of an expired one).
 local MAX_ROUNDS = 10
 
 local hold_options = { field = true, min = true, id = true, meta = true, expires = true }
@@ -90,10 +89,9 @@ local function opened(eng, T)
   return #docs == 2
 end
 
--- T (a transaction document) with hold.status set, when it is a hold (a
--- pending one's marks read: a failed read leaves it "held"), or the hold
--- as it is now when it was decided since T was read (its finish or undo
--- may have pulled the marks before the find).
+-- T (a transaction document) with hold.status set when it is a hold (a pending
+-- one's marks read: a failed read leaves it "held"), or the hold as it is now
+-- when decided since T was read (its finish or undo may have pulled the marks).
 function _M.view(eng, T)
   if type(T) == "table" and type(T.hold) == "table" then
     local open
@@ -107,10 +105,9 @@ function _M.view(eng, T)
   return T
 end
 
--- The condition on hold.expires of a decision: ahead of the server's
--- clock (past = false) or not (past = true), by $$NOW where the server
--- evaluates it in a write, else by its clock read now (the engine's
--- claims do the same there).
+-- The condition on hold.expires of a decision: ahead of the server's clock
+-- (past = false) or not (past = true), by $$NOW where the server evaluates
+-- it in a write, else by its clock read now (as the engine's claims).
 local function expiry(eng, past)
   local op = past and "$lte" or "$gt"
   if eng:server_deadlines() then
@@ -121,11 +118,10 @@ local function expiry(eng, past)
   return { ["hold.expires"] = { [op] = Date(floor(now)) } }
 end
 
--- The decision `step` (capture, void, expire) on the open hold T as
--- read: one findAndModify conditioned on its state and epoch and on
--- `cond`, setting `set` (and this manager as the one that drives it on).
--- Returns T as the write left it, false when the condition did not hold,
--- or nil, err.
+-- The decision `step` (capture, void, expire) on the open hold T as read:
+-- one findAndModify conditioned on its state, epoch and `cond`, setting
+-- `set` (and this manager as the one that drives it on).  Returns T as
+-- the write left it, false when the condition did not hold, or nil, err.
 local function decide(eng, T, step, cond, set)
   local query = { _id = T._id, state = "pending", epoch = T.epoch }
   for k, v in pairs(cond) do query[k] = v end
@@ -203,8 +199,7 @@ local function expire(eng, T)
   return true
 end
 
--- Reads the hold `id` for `step`: T, or nil, err (`state` when there is
--- none, `invalid` when it is no hold).
+-- Reads the hold `id` for `step`: T, or nil, err (`state`: none; `invalid`: no hold).
 local function load(tm, id, step, level)
   local T, err = tm:_get(id, step, level + 1)
   if err then return nil, err end

@@ -120,8 +120,8 @@ function _M.new(db, opts)
     stepped = { versions = {}, undone = {} }, -- what tm:step remembers (stepwise)
   }, Manager)
   -- read by callers and examples (namespace: "<database>.<collection>")
-  self.application, self.instance = self.engine.application, self.engine.instance
-  self.namespace = self.engine.namespace
+  local e = self.engine
+  self.application, self.instance, self.namespace = e.application, e.instance, e.namespace
   local err
   ok, err = tx:create_index(core.doc("state", 1, "lastModified", 1))
   if not ok then return nil, err end
@@ -196,9 +196,8 @@ end
 
 -- The public API ------------------------------------------------------------
 
--- Checks ops and opts ({ id, meta }) as begin does, writing nothing:
--- true, or nil and the error begin would return (mongotx.each checks its
--- items so).
+-- Checks ops and opts ({ id, meta }) as begin does, writing nothing: true,
+-- or nil and begin's error (mongotx.each checks its items so).
 
 --- Runs `begin`'s checks on ops and opts, writing nothing.
 -- @syntax ok, err = tm:check(ops [, { id, meta }])
