@@ -52,12 +52,18 @@ local function fail(e, err) e.err = e.err or err end
 -- so that concurrent bulk writes lock the documents they share in one
 -- order: FerretDB v2 runs a bulk write in one PostgreSQL transaction,
 -- and two that lock two hot rows in opposite orders deadlock (PostgreSQL
--- finds it after a second and aborts one).
+-- finds it after a second and aborts one).  The sort is stable: of two
+-- items on one document the earlier in the batch goes first and takes it
+-- (table.sort alone let a later batch-mate take one of two documents and
+-- cross the earlier, which only a give-back undoes).
 local function by_document(items, op)
   if #items < 2 then return items end
-  local k = {}
-  for _, item in ipairs(items) do k[item] = id_key(op(item).id) or "" end
-  table.sort(items, function(a, b) return k[a] < k[b] end)
+  local k, at = {}, {}
+  for i, item in ipairs(items) do k[item], at[item] = id_key(op(item).id) or "", i end
+  table.sort(items, function(a, b)
+    if k[a] ~= k[b] then return k[a] < k[b] end
+    return at[a] < at[b]
+  end)
   return items
 end
 
