@@ -175,7 +175,10 @@ if cpath then package.cpath = cpath .. ";" .. package.cpath end
 local mongotx = require "mongotx"
 local mode, uri, dbname, n, seed = arg[1], arg[2], arg[3], tonumber(arg[4]), tonumber(arg[5])
 local db = assert(mongotx.connect(uri, { database = dbname }))
-local tm = assert(db:manager { application = "hot-" .. seed, fencing = arg[6] })
+-- the batches' worker defers its finishes (to one tm:finish at its end):
+-- its credits wait in escrow the whole run, where every poll can see them
+local tm = assert(db:manager { application = "hot-" .. seed, fencing = arg[6],
+  finish = mode == "many" and "deferred" or nil })
 local names = { "H1", "H2", "H3" }
 math.randomseed(seed)
 local function pick()
@@ -205,6 +208,10 @@ for _ = 1, n do
     local res, errs = tm:transfer_many(items)
     for i = 1, 4 do report(res[i], errs[i]) end
   end
+end
+if mode == "many" then
+  local _, err = tm:finish()
+  assert(not err, tostring(err))
 end
 print("exit")
 ]]
