@@ -140,7 +140,10 @@ local t1_ways = {
       assert(env.tm1:step("apply", T, 2))
       env.fire()
       local rep = assert(env.tm3:recover())
-      if rep.cancelled ~= 1 then
+      -- (or T2 met T1 past its lease first and took it over: Engine:resolve)
+      local now = env.tm3:get("T1")
+      local taken = now and (now.epoch or 1) > 1 and (now.state == "done" or now.state == "cancelled")
+      if rep.cancelled ~= 1 and not taken then
         error(("recovery rolled back %d transactions, not T1: %s"):format(rep.cancelled,
           rep.errors[1] and tostring(rep.errors[1].error) or "skipped"), 0)
       end
