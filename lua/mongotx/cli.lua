@@ -136,7 +136,7 @@ end
 -- was written) is bad usage, whenever it is found.
 local function fail(code, message)
   if code == FAILED and type(message) == "table" and message.code == "invalid" then code = USAGE end
-  io.stderr:write("mongotx: ", output.visible((output.error_text(message):gsub("^mongotx: ", "")),
+  io.stderr:write("mongotx: ", output.visible(output.reason(message),
     code ~= USAGE), "\n")
   return code
 end

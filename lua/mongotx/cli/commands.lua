@@ -303,7 +303,7 @@ local function failed_sweep(o, fail, err)
   if now - f.said < SAY_AGAIN_MS then return FAILED end
   f.said = now
   return fail(FAILED, format("%s (still: %d failed sweeps in %.0f s)",
-    output.error_text(err):gsub("^mongotx: ", ""), f.n, (now - f.since) / 1000))
+    output.reason(err), f.n, (now - f.since) / 1000))
 end
 
 local function recover_once(tm, o, fail)
@@ -373,12 +373,12 @@ local function sweep_and_write(tm, o, fail)
   if not o.metrics_file then return code end
   local backlog, err = gauges.render(tm, o.database_name, o.collection)
   if not backlog and not o.failing then -- (a failed sweep said why)
-    fail(FAILED, "--metrics-file: the backlog gauges are left out: " .. tostring(err))
+    fail(FAILED, "--metrics-file: the backlog gauges are left out: " .. output.reason(err))
   end
   local written
   written, err = gauges.write(o.metrics_file, (backlog or "") ..
     gauges.last_pass(o.database_name, o.collection, o.last_pass) .. o.metrics:render())
-  if not written then return fail(FAILED, "--metrics-file: " .. tostring(err)) end
+  if not written then return fail(FAILED, "--metrics-file: " .. output.reason(err)) end
   return backlog and code or FAILED
 end
 
@@ -460,7 +460,7 @@ function _M.prune(tm, o, fail)
     n, err = tm:prune { older_than = o.older_than, limit = o.batch }
     if not n then
       bar:finish(deleted)
-      return fail(FAILED, format("prune: %s (%d deleted before)", output.error_text(err), deleted))
+      return fail(FAILED, format("prune: %s (%d deleted before)", output.reason(err), deleted))
     end
     deleted = deleted + n
     bar:update(deleted)

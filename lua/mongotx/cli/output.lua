@@ -239,10 +239,11 @@ function _M.id_text(id)
   return json(id)
 end
 
--- An error as tostring() writes it, but with its transaction id as the
--- command line takes it (id_text) instead of as Lua prints it.
-function _M.error_text(err)
-  local s = tostring(err)
+-- An error as tostring() writes it, without its leading "mongotx: " (to
+-- be quoted in a line that says it already) and with its transaction id
+-- as the command line takes it (id_text) instead of as Lua prints it.
+function _M.reason(err)
+  local s = tostring(err):gsub("^mongotx: ", "")
   if type(err) == "table" and err.step ~= nil and err.id ~= nil then
     local from = " of " .. tostring(err.id) .. ": " -- as csrc/error.c writes it
     local at = s:find(from, 1, true)
