@@ -94,6 +94,29 @@ describe("#server resolve claims the holder it drives", function()
     assert.are.same({}, doc("B").pendingTransactions)
   end)
 
+  -- tm:rollback and tm:commit of another owner's canceling transaction
+  -- (Engine:drive) claim it first too, live owner or dead.
+  for _, how in ipairs { "rollback", "commit" } do
+    it(("a %s of another owner's canceling transaction claims it: the late apply is fenced"):format(how),
+      function()
+        local owner, t = dead_owner()
+        local other = assert(db:manager { application = "other", fencing = "version" })
+        if how == "rollback" then
+          assert.is_true(other:rollback(t))
+        else
+          local ok, err = other:commit(t)
+          assert.is_nil(ok)
+          assert.are.equal("cancelled", err.code, tostring(err))
+        end
+        assert.is_false(late_apply(owner, t), "the lost apply landed after T was cancelled")
+        local T = assert(owner:get(t._id))
+        assert.are.same({ "cancelled", 2 }, { T.state, T.epoch }, "not claimed: no takeover")
+        assert.are.same({ A = 1000, B = 1000 }, balances())
+        assert.are.same({}, doc("A").pendingTransactions)
+        assert.are.same({}, doc("B").pendingTransactions)
+      end)
+  end
+
   it("a transient failure driving the holder leaves it holding: busy, then driven again", function()
     local owner, t = dead_owner()
     local events = {}

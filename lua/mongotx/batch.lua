@@ -24,7 +24,8 @@
 --
 -- Whatever does not go the fast way (an op that cannot apply, a
 -- transaction taken over, an id that exists already) falls back to the
--- engine's one-at-a-time steps for that transaction only.  Each function
+-- engine's one-at-a-time steps for that transaction only, all such
+-- transactions together (mongotx.batch.settle).  Each function
 -- takes the engine (mongotx.engine) and uses its methods and context.
 
 local core = require "mongotx.core"
@@ -32,12 +33,15 @@ local errors = require "mongotx.errors"
 local stored = require "mongotx.stored"
 local validate = require "mongotx.validate"
 local bands = require "mongotx.engine.bands"
-local canon, id_key = validate.canon, validate.id_key
+local settling = require "mongotx.batch.settle"
+local id_key = validate.id_key
 
-local ipairs, pairs, pcall, error, next = ipairs, pairs, pcall, error, next
+local ipairs, pairs, next = ipairs, pairs, next
 local floor = math.floor
 
 local _M = {}
+
+local fail, raised_in, guarded = settling.fail, settling.raised_in, settling.guarded
 
 -- Entries: { T = <the transaction, ops as tables>, doc = <its own fields
 -- as stored: _id, ops (core.stored_ops), meta and the caller's extra>,
@@ -46,7 +50,6 @@ local _M = {}
 -- <its id's key while the engine holds it (Engine:hold)> }.  The fields
 -- all transactions of a batch share are sent once (`common`).
 
-local function fail(e, err) e.err = e.err or err end
 
 -- Sorts a bulk write's items by their document's _id (op(item) its op),
 -- so that concurrent bulk writes lock the documents they share in one
@@ -65,23 +68,6 @@ local function by_document(items, op)
     return at[a] < at[b]
   end)
   return items
-end
-
--- What a step of entry e alone raised: a policy's raise
--- (errors.guard_policy) fails e only, with that raise as its error (code
--- "policy", and e's id); anything else (an interrupt, out of memory, a
--- bug of mongotx) is not e's failure and goes on up.
-local function raised_in(e, raised)
-  if not errors.is_policy(raised) then error(raised, 0) end
-  fail(e, errors.new("policy", raised.message, { id = e.T._id, policy = raised.policy }))
-end
-
--- fn(eng, e, ...), a step of entry e alone, which may call the policies
--- (on_op_failure, backoff, sleep): one that raises fails e, not the rest
--- of its batch (they settle, commit and finish as usual).
-local function guarded(fn, eng, e, ...)
-  local ok, raised = pcall(fn, eng, e, ...)
-  if not ok then raised_in(e, raised) end
 end
 
 -- The result of a request of a batch that did not fail.
@@ -356,80 +342,6 @@ function _M.finish(eng, list)
   return n, first
 end
 
--- Did this batch's create insert `existing`, the document under T's id?
--- Untouched since (pending, epoch 1), by this manager, with the
--- lastModified this batch stamped: an earlier call's transaction under
--- the same id has moved on (every move sets lastModified) or carries its
--- own batch's stamp.  The bulk reply cannot say: mongo-java-server counts
--- a failed insert as inserted, FerretDB stops at it.
-local function inserted_here(eng, T, existing)
-  local at, stamp = existing.lastModified, T.lastModified
-  return existing.state == "pending" and existing.epoch == 1
-    and existing.instance == eng.instance and at ~= nil and stamp ~= nil
-    and core.type(at) == "date" and at:value() == stamp:value()
-end
-
--- The one-at-a-time way for an entry the batch could not settle.
-local function settle(eng, e, deadline, versions)
-  local T = e.T
-  if e.slow == "create" then
-    local existing, err = eng:get(T._id)
-    if err then return fail(e, err) end
-    if not existing then
-      -- a batch the server cut short: create this one alone
-      local doc = {}
-      for k, v in pairs(T) do doc[k] = v end
-      doc.ops = e.doc.ops
-      local res
-      res, err = eng:step("create", T._id, eng.tx, doc)
-      if not res then return fail(e, err) end
-      existing = res.created and T or eng:get(T._id)
-    end
-    if existing ~= T and canon(existing.ops) ~= canon(T.ops) then
-      return fail(e, errors.new("idempotency", "this id was used for other ops",
-        { step = "begin", id = T._id }))
-    end
-    if existing ~= T and inserted_here(eng, T, existing) then
-      -- the bulk insert did not say it inserted this one: its create
-      -- event is due all the same (metrics count it), once
-      eng:event_id("create", T._id)
-    end
-    T = existing
-    if T.state == "pending" and T.instance == eng.instance and T.epoch == 1 then
-      eng:hold(T._id, 1) -- ours, from an earlier try of this batch
-    end
-  elseif e.slow == "apply" then
-    local vs = {}
-    for i in ipairs(T.ops) do
-      local version = false -- none read: fenced by the deadline alone
-      if versions then version = versions[i].version end
-      -- missed: the batch sent this apply and it did not match
-      vs[i] = { marked = e.applied[i] or false, deadline = deadline, version = version,
-                missed = e.sent[i] and not e.applied[i] }
-    end
-    local moved, err, failure = eng:apply_all(T, vs)
-    if not moved then return fail(e, err) end
-    T, e.failure = moved, failure
-  else -- commit: somebody else moved it; see where it stands
-    local err
-    T, err = eng:get(T._id)
-    if not T then return fail(e, err or errors.new("state", "no such transaction", { id = e.T._id })) end
-  end
-  if T.state == "applied" then
-    eng:hold(T._id, nil)
-    e.T = T -- committed: finished with the others, inline or deferred
-    return
-  end
-  local final, err, held = eng:drive(T, nil, e.later)
-  -- held by another owner within its lease (with e.later): not waited for
-  -- here, so that it holds none of the others (e.held: its caller waits)
-  if held then e.held = held end
-  -- the op failure explains a cancel; when the cancel did not happen (the
-  -- transaction was taken over meanwhile) the caller learns what did
-  if not final then return fail(e, (not err or err.code == "cancelled") and e.failure or err) end
-  e.T = final
-end
-
 -- Runs specs[i] = { ops = <validated ops>, stored = <as stored, when
 -- validate.ops made it>, id =, meta =, extra = <fields
 -- of the transaction document> } as one batch up to the commit point.
@@ -509,11 +421,9 @@ function _M.run(eng, specs)
   if #ready > 0 then commit(eng, ready) end
   local late = {}
   for t, e in ipairs(entries) do
-    if e.slow and not e.err then
-      late[t] = true
-      guarded(settle, eng, e, deadline, versions and versions[t])
-    end
+    if e.slow and not e.err then late[t] = true end
   end
+  settling.settle_all(eng, entries, deadline, versions)
   local committed, held = {}, {}
   for i, e in ipairs(entries) do
     results[i], errs[i], held[i] = not e.err and e.T, e.err or false, e.held or nil
@@ -526,6 +436,7 @@ end
 -- drive the transactions they claimed pending with the same apply, and
 -- settle the ones left behind the same way, each step of one entry
 -- guarded: entries { T, err, slow } as above.
-_M.apply, _M.settle, _M.fail, _M.guarded, _M.raised_in = apply, settle, fail, guarded, raised_in
+_M.apply, _M.settle_all, _M.fail, _M.guarded, _M.raised_in = apply, settling.settle_all, fail, guarded,
+  raised_in
 
 return _M

@@ -17,7 +17,8 @@
 --
 -- This module owns the engine's context, its reads and claims; the
 -- phases of a claimed transaction (apply, finish, cancel, undo, drive)
--- are mongotx.engine.phases, and the waits for and takeovers of one
+-- are mongotx.engine.phases, its applies' retries and give-backs
+-- mongotx.engine.applies, and the waits for and takeovers of one
 -- another owner holds mongotx.engine.holders, methods of the same class.
 
 local core = require "mongotx.core"
@@ -27,6 +28,7 @@ local stored = require "mongotx.stored"
 local clock = require "mongotx.clock"
 local phases = require "mongotx.engine.phases"
 local holders = require "mongotx.engine.holders"
+local applies = require "mongotx.engine.applies"
 local commands = require "mongotx.engine.commands"
 local bands = require "mongotx.engine.bands"
 
@@ -535,6 +537,7 @@ end
 -- mongotx.engine.holders.
 for name, method in pairs(phases.methods) do Engine[name] = method end
 for name, method in pairs(holders.methods) do Engine[name] = method end
+for name, method in pairs(applies.methods) do Engine[name] = method end
 
 _M.key, _M.op_failure, _M.failure_text = key, phases.op_failure, phases.failure_text
 _M.cause_of, _M.cancelled_error = phases.cause_of, phases.cancelled_error

@@ -8,8 +8,9 @@
 --            (Engine:claim_many), each fenced as a single one is;
 --   forward  the claimed pending ones applied as a batch (mongotx.batch:
 --            guarded ops first), committed in one round trip (an update per epoch);
---            those left behind settle one at a time (batch.settle), each
---            guarded, so that a policy's raise fails its own entry only;
+--            those left behind settle alone, together (batch.settle_all:
+--            one wait for those that wait), a policy's raise failing its
+--            own entry only;
 --   commit   (the grouped tm:commit) begun transactions: load in one find,
 --            claim, forward, then finish and done (batch.finish).
 --
@@ -77,7 +78,7 @@ end
 -- pending -> applied for the entries still on the batch's way, in one
 -- round trip, each at its own epoch (claims moved them on from where each
 -- was: an update per epoch); when not all moved, each goes on one at a
--- time (batch.settle looks).
+-- time (batch.settle_all looks).
 local function commit(eng, entries)
   local list, ids, epochs = {}, {}, {}
   for _, e in ipairs(entries) do
@@ -101,16 +102,14 @@ local function commit(eng, entries)
 end
 
 -- The claimed pending entries (versions[t]: entry t's, as claim returns
--- them): apply, commit; those left behind one at a time, a policy's raise
--- failing its entry only (batch.guarded).  The committed ones are left
+-- them): apply, commit; those left behind alone (batch.settle_all), a
+-- policy's raise failing its entry only.  The committed ones are left
 -- `applied` for finish; the others are `done` (settled alone) or carry
 -- their error.
 function _M.forward(eng, entries, versions, deadline)
   batch.apply(eng, entries, deadline, versions)
   commit(eng, entries)
-  for t, e in ipairs(entries) do
-    if e.slow and not e.err then guarded(batch.settle, eng, e, deadline, versions[t]) end
-  end
+  batch.settle_all(eng, entries, deadline, versions)
 end
 
 -- Entry e driven on alone from where it stands now (read again), as

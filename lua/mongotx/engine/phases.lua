@@ -1,6 +1,7 @@
 -- mongotx.engine.phases: the phases of one transaction once claimed:
--- apply (apply_one, apply_ops, apply_all, with refence, renew and release for the
--- documents other transactions hold), the moves of its state (move,
+-- apply (apply_one and apply_all, with refence, renew and release for the
+-- documents other transactions hold; the retries between are
+-- mongotx.engine.applies), the moves of its state (move,
 -- cancel, finish), the way back (undo_op, unwind) and drive, which runs
 -- them from whatever state T is in.  Methods of the Engine class
 -- (mongotx.engine adds `methods` to it), and the text of an op's failure.
@@ -13,7 +14,7 @@ local bands = require "mongotx.engine.bands"
 local key, id_key = validate.tid_key, validate.id_key
 local live, has_marker, mark = stored.live, stored.has_marker, stored.mark
 local REMOVING, HELD, ESCROW = stored.REMOVING, stored.HELD, stored.ESCROW
-local ipairs, pairs, tostring, next, type = ipairs, pairs, tostring, next, type
+local ipairs, pairs, tostring, type = ipairs, pairs, tostring, type
 local format = string.format
 
 local _M = {}
@@ -304,99 +305,6 @@ function Engine:release(T, op, doc)
   return finished, open, outranked
 end
 
--- Undoes the ops of pending T that `applied` lists (i -> true), which
--- T holds and gives back to wait without holding them (apply_all, and a
--- batch's transaction that could not take all its documents); each one
--- undone leaves the list.  Each undo is fenced by this owner's deadline
--- as the applies are: a new owner may drive T forward once it passed,
--- and a late undo would then take a committed effect back.  Without a
--- deadline (fencing by versions alone) nothing is given back: false.
--- Returns true, false, or nil, err.
-function Engine:give_back(T, applied, deadline)
-  if not deadline then return false end
-  for i, op in ipairs(T.ops) do
-    if applied[i] then
-      local res, err = self:op_step(T, "undo", self:coll(op.collection), op, deadline,
-        bands.takeover(T))
-      if not res then return nil, err end
-      if res.undone then applied[i] = nil end
-    end
-  end
-  return true
-end
-
--- pending (held) -> applied, or -> canceling when an op cannot apply.
--- Returns the transaction's next document and, after a cancel, the error
--- that explains it.
-function Engine:apply_all(T, versions)
-  local ok, err, failure = self:apply_ops(T, versions)
-  if ok ~= true then return ok, err, failure end
-  return self:move(T, "commit", T.epoch)
-end
-
--- Applies T's ops not yet applied (versions[i].marked), guarded ops
--- first, under policy.on_op_failure.  Returns true when all applied (T
--- still pending: apply_all commits it, mongotx.holds leaves it open),
--- else what apply_all returns: T as now read (taken over), or cancelled
--- and the failure, or nil, err.
-function Engine:apply_ops(T, versions)
-  -- the guarded ops first: a transaction whose guard fails then has
-  -- nothing else applied to undo, and holds no document meanwhile
-  local order = {}
-  for i, op in ipairs(T.ops) do
-    if op.where then order[#order + 1] = i end
-  end
-  for i, op in ipairs(T.ops) do
-    if not op.where then order[#order + 1] = i end
-  end
-  -- No cycle of waits (docs/guards.md, "Isolation"): a T that holds
-  -- documents and meets an open holder with an older mark gives its
-  -- documents back (undoes its applies, still pending, fenced by its
-  -- deadline: give_back) before it waits, then applies them again.  So a
-  -- T waits holding documents only for younger holders.
-  local held, tries, k = {}, {}, 1
-  for i, v in ipairs(versions) do
-    if v.marked then held[i] = true end
-  end
-  while k <= #order do
-    local i = order[k]
-    if held[i] then
-      k = k + 1
-    else
-      local ok, why, extra = self:apply_one(T, i, versions[i])
-      -- (busy: whether an older holder outranks T; refused: the server's error)
-      local outranked, refusal = why == "busy" and extra, why == "refused" and extra or nil
-      if ok then
-        held[i], k = true, k + 1
-      elseif ok == nil then
-        if why.code == "fenced" then return self:get(T._id) end
-        return nil, why
-      else
-        local decision = self.policy.on_op_failure(T, i, why)
-        tries[i] = (tries[i] or 0) + 1
-        if decision == "retry" and tries[i] <= self.policy.retries then
-          if outranked and next(held) then
-            local gave, err = self:give_back(T, held, versions[i].deadline)
-            if gave == nil then return nil, err end
-            if gave then k = 1 end
-          end
-          self:event("retry", { id = T._id, step = "apply", reason = why })
-          self.policy.sleep(self.policy.backoff(tries[i]))
-        elseif decision == "fail" then
-          return nil, op_failure(T, i, why, refusal)
-        else
-          local failure = op_failure(T, i, why, refusal)
-          failure.cause = why
-          local moved, err = self:cancel(T, failure.message, why, i)
-          if not moved then return nil, err end
-          return moved, nil, failure
-        end
-      end
-    end
-  end
-  return true
-end
-
 -- Runs the state-changing step `name` (commit, done, cancel, cancelled)
 -- on T with the step's further arguments; returns T as it now is: as
 -- moved (the step returns it), or as read when somebody else moved it
@@ -531,6 +439,22 @@ function Engine:drive(T, versions, later)
       end
     elseif state == "applied" then
       T, err = self:finish(T)
+    elseif state == "canceling" and not self:holding(T) and T.hold == nil then
+      -- another owner's (a rollback or commit of it): claimed first, as
+      -- recovery and resolve claim it, so that its undos move each
+      -- version by a band and fence the documents not applied (a lost
+      -- apply of its owner cannot land after it ended cancelled); a
+      -- claim lost: read again (a hold: holds.lua unwinds its own)
+      local claimed
+      claimed, err = self:claim(T)
+      if claimed == nil then return nil, err end
+      if claimed then
+        T = claimed
+      else
+        local id = T._id
+        T, err = self:get(id)
+        if not T and not err then err = errors.disappeared(id) end
+      end
     elseif state == "canceling" then
       T, err = self:unwind(T)
     else
