@@ -155,6 +155,29 @@ describe("#server a batch's items on documents a live transaction holds", functi
     check_db(2)
   end)
 
+  it("an item on a document of an earlier item still waiting waits for it: batch order holds", function()
+    -- w1 pays X1 (held) from W, w2 pays V from W; W has 10 for one of them.
+    -- In batch order w1 waits, ends busy (W is given back), then w2 pays.
+    -- Had w2 gone first, w1 would end `guard`, an answer of the other order.
+    assert(accounts:insert_one({ _id = "W", balance = 10 }))
+    local tm = new_payer()
+    local results, errs = tm:transfer_many {
+      { collection = "accounts", from = "W", to = "X1", amount = 10, min = 0, id = "w1" },
+      { collection = "accounts", from = "W", to = "V", amount = 10, min = 0, id = "w2" } }
+    assert.is_false(results[1])
+    assert.are.equal("busy", errs[1].code, tostring(errs[1]))
+    assert.are.equal("done", results[2] and results[2].state, tostring(errs[2]))
+    assert.are.equal("busy", assert(txs:find_one({ _id = "w1" })).cause)
+    for i = 1, K do assert(holder:rollback(assert(holder:get("h" .. i)))) end
+    local want = { H = 1000, V = 10, W = 0 }
+    for i = 1, K do want["X" .. i], want["U" .. i] = 50, 50 end
+    assert.are.same(want, helpers.balances(accounts))
+    for _, d in ipairs(helpers.dump(accounts)) do
+      assert.are.same({}, d.pendingTransactions or {}, d._id .. " keeps a marker")
+      assert.are.same({}, d.txHeld or {}, d._id .. " keeps a txHeld entry")
+    end
+  end)
+
   it("group commit: the unrelated callers answer after one wait, not " .. K, function()
     local sizes = {}
     local tm = new_payer(nil, function(name, info)
