@@ -9,8 +9,8 @@ local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local canon, id_key = validate.canon, validate.id_key
 
-local ipairs, pairs, pcall, error, next, type, tostring =
-  ipairs, pairs, pcall, error, next, type, tostring
+local ipairs, pairs, pcall, error, next, tostring, tonumber =
+  ipairs, pairs, pcall, error, next, tostring, tonumber
 
 local _M = {}
 
@@ -153,64 +153,77 @@ local function step(eng, e, st, deadline, versions)
   return applied(eng, e, moved, err, failure)
 end
 
+-- Retries of settle_all due within this many ms of the first one due
+-- are waited for with it, so that one sleep serves them all.
+local SLACK_MS = 20
+
 -- The entries a batch left behind (list; vs[n] the versions read for
 -- list[n], when read), each settled as settle settles it, but together,
 -- so that one whose apply waits (a document another open transaction
 -- holds: `busy`, retried after a backoff) holds none of the others.
--- Each round steps every entry not yet settled, in batch order, then
--- sleeps once for all those whose retry is due (the longest backoff they
--- ask): k entries waiting on held documents cost the wait of one, not k.
--- An entry that touches a document of an earlier one not yet settled
--- waits for it, as one at a time it would, unless both only add to it
--- (documents: their order shows nowhere): so none reads an effect of an
--- earlier one that may still be undone, nor applies one an earlier one
--- would read, and batch order stays their order (mongotx.group reports
--- it).
--- A policy's raise fails its entry only; one of the shared sleep, every
--- entry that waited on it.
+-- Each round steps every entry not yet settled whose retry is due, in
+-- batch order, then sleeps until the next retry is due: each entry waits
+-- its own backoffs, and k entries waiting on held documents cost the
+-- wait of one, not k.  An entry that touches a document of an earlier one
+-- not yet settled waits for it, as one at a time it would, unless both
+-- only add to it (documents: their order shows nowhere): so none reads
+-- an effect of an earlier one that may still be undone, nor applies one
+-- an earlier one would read, and batch order stays their order
+-- (mongotx.group reports it).  A policy's raise fails its entry only; one
+-- of a sleep, every entry that waited on it.
 local function settle_all(eng, list, deadline, vs)
-  local open = {}
+  local open, due, ms = {}, {}, core.monotonic_ms
   for n, e in ipairs(list) do
     if e.slow and not e.err then open[n] = true end
   end
   while next(open) do
-    local taken, waiting, longest = {}, {}, nil
+    local taken, now = {}, ms()
     for n, e in ipairs(list) do
       local st, docs = open[n], nil
       if st then
         docs = documents(e)
-        local blocked = false
+        local blocked = st ~= true and due[n] > now -- (its retry is not due yet)
         for d, free in pairs(docs) do
           local t = taken[d]
           blocked = blocked or (t ~= nil and not (t and free))
         end
         if not blocked then
-          local ok, now, wait = pcall(step, eng, e, st, deadline, vs and vs[n])
+          local ok, moved, wait = pcall(step, eng, e, st, deadline, vs and vs[n])
           if not ok then
-            raised_in(e, now)
-            now = nil
+            raised_in(e, moved)
+            moved = nil
           end
-          open[n] = now
-          if now then
-            waiting[#waiting + 1] = n
-            if longest == nil or (type(wait) == "number" and type(longest) == "number"
-                                  and wait > longest) then
-              longest = wait
-            end
-          end
+          open[n] = moved
+          if moved then due[n] = ms() + (tonumber(wait) or 0) * 1000 end
         end
       end
       if open[n] then
         for d, free in pairs(docs) do taken[d] = free and taken[d] ~= false end
       end
     end
-    if #waiting > 0 then
-      local ok, raised = pcall(eng.policy.sleep, longest)
+    -- until the first retry due, and those due just after it
+    local first, until_ms
+    for n, st in pairs(open) do
+      if st ~= true and (first == nil or due[n] < first) then first = due[n] end
+    end
+    for n, st in pairs(open) do
+      if st ~= true and due[n] <= first + SLACK_MS then
+        until_ms = math.max(until_ms or due[n], due[n])
+      end
+    end
+    local left = until_ms and (until_ms - ms()) / 1000
+    if left and left > 0 then
+      local ok, raised = pcall(eng.policy.sleep, left)
       if not ok then
-        for _, n in ipairs(waiting) do
-          open[n] = nil
-          raised_in(list[n], raised)
+        for n, st in pairs(open) do
+          if st ~= true then
+            open[n] = nil
+            raised_in(list[n], raised)
+          end
         end
+      end
+      for n, st in pairs(open) do
+        if st ~= true and due[n] <= until_ms then due[n] = 0 end -- (due now: the sleep said so)
       end
     end
   end
