@@ -41,7 +41,7 @@ local checks = require "mongotx.manager.checks"
 
 local live, canon = stored.live, validate.canon
 local Date = core.Date
-local pairs, ipairs, type, tostring = pairs, ipairs, type, tostring
+local pairs, ipairs, type, tostring, pcall = pairs, ipairs, type, tostring, pcall
 local floor, format, huge, min = math.floor, string.format, math.huge, math.min
 local setmetatable = setmetatable
 
@@ -103,6 +103,89 @@ function _M.view(eng, T)
     T.hold.status = _M.status(T, eng:clock(), open)
   end
   return T
+end
+
+-- The marks field of T's documents, or nil for a hand-edited T whose
+-- recorded field is no field name (Engine:form raises).
+local function marker_of(eng, T)
+  local ok, form = pcall(eng.form, eng, T)
+  return ok and form.marker or nil
+end
+
+-- view for a page of transaction documents (`mongotx list`), in bounded
+-- reads whatever the page holds: the marks of its pending holds in one
+-- find per collection (their documents' ids and marks fields, at most one
+-- document an id), and those found without both marks read again in one
+-- find (decided since the page was read: shown as they are now).  Sets
+-- hold.status on each hold of `list` (a failed read leaves "held");
+-- returns list, or nil, err.
+function _M.views(eng, list)
+  local now, err = eng:clock()
+  if not now then return nil, err end
+  local by_coll, order, pending = {}, {}, {}
+  for _, T in ipairs(list) do
+    local ops, marker = T.ops, nil
+    if type(T.hold) == "table" and T.state == "pending" and type(ops) == "table"
+       and type(ops[1]) == "table" and type(ops[2]) == "table" then
+      marker = marker_of(eng, T)
+    end
+    if marker then
+      pending[#pending + 1] = T
+      for i = 1, 2 do
+        local name = ops[i].collection
+        local g = by_coll[name]
+        if not g then
+          g = { ids = {}, seen = {}, fields = {} }
+          by_coll[name], order[#order + 1] = g, name
+        end
+        local k = validate.id_key(ops[i].id)
+        if k and not g.seen[k] then g.seen[k], g.ids[#g.ids + 1] = true, ops[i].id end
+        g.fields[marker] = true
+      end
+    end
+  end
+  local docs = {} -- docs[collection][id key]: _id and marks fields
+  for _, name in ipairs(order) do
+    local g, projection = by_coll[name], { _id = 1 }
+    for f in pairs(g.fields) do projection[f] = 1 end
+    local found
+    found, err = eng:coll(name):find_all({ _id = { ["$in"] = g.ids } },
+      { projection = projection, limit = #g.ids })
+    if not found then return nil, errors.wrap(err, "hold") end
+    local by_id = {}
+    for _, d in ipairs(found) do by_id[validate.id_key(d._id) or ""] = d end
+    docs[name] = by_id
+  end
+  local open, opening = {}, {}
+  for _, T in ipairs(pending) do
+    local marker, mark, on = marker_of(eng, T), stored.mark(T), true
+    for i = 1, 2 do
+      local op = T.ops[i]
+      local d = docs[op.collection][validate.id_key(op.id) or ""]
+      on = on and stored.has_marker(d, marker, mark)
+    end
+    open[T] = on
+    if not on then opening[#opening + 1] = T._id end
+  end
+  local again = {}
+  if #opening > 0 then
+    local found
+    found, err = eng.tx:find_all({ _id = { ["$in"] = opening } },
+      { projection = { state = 1, epoch = 1, cause = 1, hold = 1 }, limit = #opening })
+    if not found then return nil, errors.wrap(err, "hold") end
+    for _, d in ipairs(found) do again[validate.tid_key(d._id)] = d end
+  end
+  for _, T in ipairs(list) do
+    if type(T.hold) == "table" then
+      local known = open[T]
+      local d = known == false and again[validate.tid_key(T._id)]
+      if d and (d.state ~= "pending" or d.epoch ~= T.epoch) and type(d.hold) == "table" then
+        known, T.state, T.epoch, T.cause, T.hold = nil, d.state, d.epoch, d.cause, d.hold
+      end
+      T.hold.status = _M.status(T, now, known)
+    end
+  end
+  return list
 end
 
 -- The condition on hold.expires of a decision: ahead of the server's clock

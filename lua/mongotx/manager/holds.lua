@@ -64,4 +64,17 @@ function _M.void(self, id)
   return T, err
 end
 
+--- Internal: sets `hold.status` on the holds of a page of transactions (`mongotx list`, `show`), as `tm:get` says it.
+-- The pending ones' marks are read in one find per collection, not one a hold.
+-- @local
+-- @syntax list, err = tm:hold_views(list)
+-- @tparam table list transaction documents (`tm:scan`'s)
+-- @treturn table the list
+-- @errors nil, err: a database error
+-- @usage assert(tm:hold_views({ T }))
+-- @function Manager:hold_views
+function _M.hold_views(self, list)
+  return holds.views(self.engine, list)
+end
+
 return _M
