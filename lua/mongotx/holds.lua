@@ -38,12 +38,14 @@ local batch = require "mongotx.batch"
 local engine = require "mongotx.engine"
 local points = require "mongotx.points"
 local checks = require "mongotx.manager.checks"
+local CHUNK = require("mongotx.manager.batches").CHUNK
 
 local live, canon = stored.live, validate.canon
 local Date = core.Date
 local pairs, ipairs, type, tostring, pcall = pairs, ipairs, type, tostring, pcall
 local floor, format, huge, min = math.floor, string.format, math.huge, math.min
 local setmetatable = setmetatable
+local unpack = table.unpack or unpack -- luacheck: ignore 143
 
 local _M = {}
 
@@ -307,18 +309,17 @@ local function settles(T, amount, set)
   return set
 end
 
--- hold(tm, collection, from, to, amount, opts): see Manager:hold.
-function _M.hold(tm, collection, from, to, amount, opts, level)
-  local err
-  opts, err = validate.options(opts, hold_options, "hold", level + 1)
-  if not opts then return nil, err end
+-- The hold of a checked call (opts: validate.options's) at the server's
+-- `now` (ms): an entry of batch.lua's shape { T, doc (its own fields as
+-- a batch's create inserts them), spec }, or nil, err.  Wrong argument
+-- types raise at `level`.
+local function prepare(tm, collection, from, to, amount, opts, now, level)
   local expires = opts.expires or _M.EXPIRES
   if expires <= 0 then
     return nil, errors.new("invalid", "option expires of hold must be more than 0 seconds",
       { step = "hold" })
   end
-  local spec
-  spec, err = checks.transfer_spec(tm, collection, from, to, amount,
+  local spec, err = checks.transfer_spec(tm, collection, from, to, amount,
     { field = opts.field, min = opts.min, id = opts.id, meta = opts.meta }, level + 1)
   if not spec then return nil, errors.wrap(err, "hold", nil) end
   if spec.ops[2].effect ~= "escrow" then
@@ -326,14 +327,7 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
       "with escrow = false cannot hold (its credit would hold the document)", { step = "hold" })
   end
   local eng = tm.engine
-  local now
-  now, err = eng:clock()
-  if not now then return nil, err end
-  local deadline -- the opener's: it fences the applies, and ends by the expiry
-  deadline, err = eng:new_deadline()
-  if err then return nil, err end
   local at = floor(now + expires * 1000)
-  if deadline then deadline = Date(min(at, deadline:value())) end
   local id = spec.id
   if id == nil then id = core.ObjectId() end
   local T = { _id = id, state = "pending", ops = spec.ops, epoch = 1, attempts = 1,
@@ -343,48 +337,193 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
               mark = stored.new_mark(eng.vctx.collection, id),
               source = from, destination = to, value = amount,
               hold = { amount = amount, expires = Date(at) } }
+  local doc = { _id = id, ops = spec.stored, meta = spec.meta, deadline = T.deadline,
+                mark = T.mark, source = from, destination = to, value = amount, hold = T.hold }
+  return { T = T, doc = doc, spec = spec, expires = expires, err = false, slow = false,
+           created = false, applied = false, sent = false, out = false }
+end
+
+-- The opener's deadline for holds `entries`, which fences their applies:
+-- its lease's, or the earliest expiry when that comes first (nil: fenced
+-- by versions read now, before their create, which is the claim);
+-- deadline, versions, or nil, err.
+local function opener_deadline(eng, entries)
+  local deadline, err = eng:new_deadline()
+  if err then return nil, err end
+  if deadline then
+    local d = deadline:value()
+    for _, e in ipairs(entries) do d = min(d, e.T.hold.expires:value()) end
+    return Date(d)
+  end
+  local list = {}
+  for i, e in ipairs(entries) do list[i] = e.T end
   local versions
-  if not deadline then
-    -- fenced by versions, read before the create, which is the claim
-    versions, err = eng:versions_many({ T })
-    if not versions then return nil, err end
+  versions, err = eng:versions_many(list)
+  if not versions then return nil, err end
+  return false, versions
+end
+
+-- Creates the hold of entry e alone (an upsert): true when this call
+-- created it, else e.out or e.err is its answer (its id exists already:
+-- `again`).  `unsure`: a batch's insert may have created it (the bulk
+-- reply cannot say): one it did is this call's.
+local function create_one(tm, e, unsure)
+  local eng, T = tm.engine, e.T
+  if unsure then
+    local existing, err = eng:get(T._id)
+    if err then e.err = err return false end
+    if existing and batch.inserted_here(eng, T, existing) then return true end
+    if existing then
+      e.out, e.err = _M.again(tm, T, e.spec)
+      return false
+    end
   end
   local doc = {}
   for k, v in pairs(T) do doc[k] = v end
-  doc.ops = spec.stored
-  local res
-  res, err = eng:step("create", id, eng.tx, doc)
-  if not res then return nil, err end
-  if not res.created then return _M.again(tm, T, spec) end
-  eng:hold(id, 1)
+  doc.ops, doc.lastModified = e.doc.ops, nil
+  local res, err = eng:step("create", T._id, eng.tx, doc)
+  if not res then e.err = err return false end
+  if res.created then return true end
+  e.out, e.err = _M.again(tm, T, e.spec)
+  return false
+end
+
+-- The slow way of a hold an opening batch could not apply at once (an op
+-- did not match): its applies one at a time; e.err when it did not open.
+local function open_slow(opener, e, deadline, versions)
+  local eng, T = opener, e.T
+  local vs = {}
+  for i in ipairs(T.ops) do
+    vs[i] = { marked = e.applied[i] or false, deadline = deadline or nil,
+              version = versions and versions[i].version or false }
+  end
+  local ok, why, failure = opener:apply_ops(T, vs)
+  if ok == true then return end
+  eng:hold(T._id, nil)
+  if ok and ok.state == "canceling" then
+    local _, e2 = eng:drive(ok, nil)
+    e.err = (not e2 or e2.code == "cancelled") and failure or e2
+  else
+    e.err = why or errors.new("fenced", "another owner took the hold over while it opened",
+      { step = "hold", id = T._id })
+  end
+end
+
+-- Opens the created holds `entries`: their applies in one bulk write a
+-- collection (two with a floor: the guarded debits first), each sent
+-- once (Engine:retry, `once`: no resend after a lost answer), fenced by
+-- `deadline` or `versions` (versions[k] entry k's); the ones an op did
+-- not match alone (open_slow).  Each ends with e.out (held) or e.err (it
+-- stays pending: recovery rolls it back once it expired).  A policy that
+-- raised fails its hold only (batch.guarded).
+local function open(tm, entries, deadline, versions)
+  local eng = tm.engine
+  for _, e in ipairs(entries) do eng:hold(e.T._id, 1) end
   local opener = setmetatable({ once = "apply" }, { __index = eng })
-  local e = { T = T, doc = doc, err = false, slow = false, applied = false }
-  batch.apply(opener, { e }, deadline, versions)
-  if e.err then
-    eng:hold(id, nil)
-    return nil, e.err -- pending: recovery rolls it back once it expired
-  end
-  if e.slow then
-    local vs = {}
-    for i in ipairs(T.ops) do
-      vs[i] = { marked = e.applied[i] or false, deadline = deadline,
-                version = versions and versions[1][i].version or false }
+  batch.apply(opener, entries, deadline or nil, versions)
+  for k, e in ipairs(entries) do
+    if not e.err and e.slow then
+      batch.guarded(open_slow, opener, e, deadline, versions and versions[k])
     end
-    local ok, why, failure = opener:apply_ops(T, vs)
-    if ok ~= true then
-      eng:hold(id, nil)
-      if ok and ok.state == "canceling" then
-        local _, e2 = eng:drive(ok, nil)
-        return nil, (not e2 or e2.code == "cancelled") and failure or e2
+    eng:hold(e.T._id, nil)
+    if not e.err then
+      eng:event("hold", { id = e.T._id, amount = e.T.hold.amount, expires = e.expires })
+      e.T.hold.status = "held"
+      e.out = e.T
+    end
+  end
+end
+
+-- hold(tm, collection, from, to, amount, opts): see Manager:hold.
+function _M.hold(tm, collection, from, to, amount, opts, level)
+  local err
+  opts, err = validate.options(opts, hold_options, "hold", level + 1)
+  if not opts then return nil, err end
+  local now
+  now, err = tm.engine:clock()
+  if not now then return nil, err end
+  local e
+  e, err = prepare(tm, collection, from, to, amount, opts, now, level + 1)
+  if not e then return nil, err end
+  local deadline, versions = opener_deadline(tm.engine, { e })
+  if deadline == nil then return nil, versions end
+  if create_one(tm, e, false) then open(tm, { e }, deadline, versions) end
+  if errors.is_policy(e.err) then error(e.err, 0) end -- the call's own raise, as transfer's
+  return e.out or nil, e.err or nil
+end
+
+local many_options = { collection = true, from = true, to = true, amount = true }
+for k in pairs(hold_options) do many_options[k] = true end
+
+-- Opens the checked holds `entries` as one batch: one insert of them all
+-- (the fields they share sent once), their applies (open); those whose
+-- insert did not say so created alone (create_one).
+local function open_batch(tm, entries, now)
+  local eng = tm.engine
+  local deadline, versions = opener_deadline(eng, entries)
+  if deadline == nil then
+    for _, e in ipairs(entries) do e.err = versions end
+    return
+  end
+  local stamp = eng:stamp(now)
+  for _, e in ipairs(entries) do e.T.lastModified, e.doc.lastModified = stamp, stamp end
+  batch.create(eng, entries, { state = "pending", epoch = 1, attempts = 1,
+    application = eng.application, instance = eng.instance, lease = eng.policy.lease,
+    markerField = eng.marker, versionField = eng.version_field })
+  local created, vs = {}, versions and {}
+  for k, e in ipairs(entries) do
+    if e.created then
+      created[#created + 1] = e
+      if vs then vs[#created] = versions[k] end
+    end
+  end
+  if #created > 0 then open(tm, created, deadline, vs) end
+  for k, e in ipairs(entries) do
+    if e.slow == "create" and not e.err then
+      e.slow = false
+      if create_one(tm, e, true) then
+        open(tm, { e }, deadline, versions and { versions[k] })
       end
-      return nil, why or errors.new("fenced", "another owner took the hold over while it " ..
-        "opened", { step = "hold", id = id })
     end
   end
-  eng:hold(id, nil)
-  eng:event("hold", { id = id, amount = amount, expires = expires })
-  T.hold.status = "held"
-  return T
+end
+
+-- hold_many(tm, list): see Manager:hold_many.
+function _M.hold_many(tm, list, level)
+  if type(list) ~= "table" then error("hold_many takes a list", level + 1) end
+  local now, err = tm.engine:clock()
+  if not now then return nil, err end
+  local entries, seen = {}, {}
+  for i = 1, #list do
+    local item = list[i]
+    if type(item) ~= "table" then
+      error(format("hold_many: item %d is not a table", i), level + 1)
+    end
+    local opts, e
+    opts, err = validate.options(item, many_options, "hold_many item " .. i, level + 1)
+    if opts then
+      e, err = prepare(tm, opts.collection, opts.from, opts.to, opts.amount, opts, now, level + 1)
+    end
+    if e and opts.id ~= nil then
+      local k = validate.tid_key(e.T._id)
+      if seen[k] then
+        e, err = nil, errors.new("invalid", format("item %d repeats the id of item %d", i,
+          seen[k]), { id = e.T._id })
+      end
+      seen[k] = i
+    end
+    if not e then
+      err.message, err.step, err.item = format("item %d: %s", i, err.message), "hold_many", i
+      return nil, err
+    end
+    entries[i] = e
+  end
+  for first = 1, #entries, CHUNK do -- (as transfer_many: a bigger list opens as several)
+    open_batch(tm, { unpack(entries, first, min(first + CHUNK - 1, #entries)) }, now)
+  end
+  local results, errs = {}, {}
+  for i, e in ipairs(entries) do results[i], errs[i] = e.out or false, e.err or false end
+  return results, errs
 end
 
 -- A hold whose id exists already: the same hold (ops and amount) is

@@ -324,7 +324,7 @@ end
 
 -- hold, capture, void: mongotx.manager.holds.
 Manager.hold, Manager.capture, Manager.void = mholds.hold, mholds.capture, mholds.void
-Manager.hold_views = mholds.hold_views
+Manager.hold_many, Manager.hold_views = mholds.hold_many, mholds.hold_views
 
 -- Runs calls of tm:transfer, tm:run and tm:commit that concurrent
 -- callers made as one batch, each answered as its call alone would be:

@@ -1,8 +1,8 @@
--- mongotx.manager.holds: the manager's calls on holds (hold, capture,
--- void), as functions taking the manager, which mongotx.manager makes its
+-- mongotx.manager.holds: the manager's calls on holds (hold, hold_many,
+-- capture, void), as functions taking the manager, which mongotx.manager makes its
 -- methods; what they do is mongotx.holds.
 
---- The manager's holds (its methods `tm:hold`, `tm:capture`, `tm:void`).
+--- The manager's holds (its methods `tm:hold`, `tm:hold_many`, `tm:capture`, `tm:void`).
 -- @submodule mongotx.manager
 
 local holds = require "mongotx.holds"
@@ -32,6 +32,22 @@ local CALLER = 2
 function _M.hold(self, collection, from, to, amount, opts)
   local T, err = holds.hold(self, collection, from, to, amount, opts, CALLER)
   return T, err
+end
+
+--- Opens several holds in one batch: one insert of them all and their applies in one bulk write.
+-- Each item is a `hold`'s arguments; each hold has its own outcome (one refused by its floor fails
+-- alone) and is then decided as any hold. Bad input in any item: nothing is written.
+-- @syntax results, errs = tm:hold_many(list)
+-- @tparam table list items `{ collection =, from =, to =, amount = [, field, min, id, expires, meta] }`
+-- @treturn table results: `results[i]` item i's hold, as `hold` returns it, or false
+-- @treturn table errs: `errs[i]` why item i did not open (as `hold`'s errors), or false
+-- @errors nil, err: bad input in an item (`err.item` says which; nothing written), or the server's
+--   clock unread
+-- @usage local results, errs = tm:hold_many { { collection = "accounts", from = "A", to = "B", amount = 10 } }
+-- @function Manager:hold_many
+function _M.hold_many(self, list)
+  local results, errs = holds.hold_many(self, list, CALLER)
+  return results, errs
 end
 
 --- Captures a hold: `amount` (default all of it) to `to`, the rest back to `from`, in the finish's writes.
