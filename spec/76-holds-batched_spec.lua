@@ -3,12 +3,18 @@
 -- floor), as the client's counters count them; each hold has its own
 -- outcome (one refused by its floor fails alone); bad input in any item
 -- writes nothing; and a hold opened in a batch is decided, expired,
--- recovered, counted and reported as one opened alone.  Each case checks
+-- recovered, counted and reported as one opened alone.  mongotx.group
+-- (plain Lua, a coroutine scheduler) takes hold calls into its batches
+-- the same way, each caller answered as its call alone.  Each case checks
 -- what the accounts and the transactions hold afterwards.
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
 local errors = require "mongotx.errors"
 local metrics = require "mongotx.metrics"
+local group = require "mongotx.group"
+local scheduler = require "spec.support.scheduler"
+
+local unpack = table.unpack or unpack -- luacheck: ignore 143
 
 local Date = mongotx.core.Date
 -- one read more a call where the server cannot compare with $$NOW in a
@@ -251,5 +257,82 @@ describe("#server batched holds", function()
     assert.are.same({ 100, 0, 0, 0 }, seen("A"))
     assert.are.same({ 0, 0, 0, 0 }, seen("B"))
     assert.are.equal("expired", assert(tm:get("h2")).hold.status)
+  end)
+  -- Runs calls[i] = { method, args... } at once through a group of tm
+  -- (group.wrap under a coroutine scheduler): what each got (pcall's),
+  -- and the group events' sizes.
+  local function grouped(calls)
+    local S, sizes = scheduler(), {}
+    local g = group.wrap(tm, { max = 32, delay = 0.01, signal = S.signal, spawn = S.spawn,
+                               now = S.now })
+    local run = g.group.run
+    g.group.run = function(items, info)
+      sizes[#sizes + 1] = #items
+      return run(items, info)
+    end
+    local got = {}
+    for i, c in ipairs(calls) do
+      S.spawn(function() got[i] = { pcall(g[c[1]], g, unpack(c, 2)) } end)
+    end
+    S.loop()
+    return got, sizes
+  end
+
+  it("mongotx.group opens concurrent holds as one batch, each answered as alone", function()
+    setup { A = 100, B = 0, C = 0 }
+    local calls = {}
+    for i = 1, 6 do
+      calls[i] = { "hold", "accounts", "A", i % 2 == 0 and "B" or "C", 10, { min = 0, id = "g" .. i } }
+    end
+    calls[7] = { "hold", "accounts", "A", "B", -1 }                -- invalid
+    calls[8] = { "hold", "accounts", "A", "B", 1, { bogus = 1 } }  -- raises
+    db.client:reset_counters()
+    local got, sizes = grouped(calls)
+    assert.are.same({ 8 }, sizes)
+    -- the six holds: one insert, the debits, the credits
+    assert.are.same({ commands = 3 + clock_reads, writes = 18 }, db.client:counters())
+    for i = 1, 6 do
+      assert.is_true(got[i][1])
+      assert.are.equal("held", got[i][2].hold.status, tostring(got[i][3]))
+      assert.are.equal("g" .. i, got[i][2]._id)
+    end
+    assert.are.same({ true, nil, "invalid" }, { got[7][1], got[7][2], got[7][3].code })
+    assert.is_false(got[8][1])
+    assert.truthy(tostring(got[8][2]):find("unknown option bogus for hold", 1, true), got[8][2])
+    assert.are.same({ 40, 0, 6, 0 }, seen("A"))
+    assert.are.same({ 0, 30, 3, 0 }, seen("B"))
+    assert.are.same({ 0, 30, 3, 0 }, seen("C"))
+    -- decided as any hold
+    assert(tm:capture("g2", 4))
+    assert(tm:void("g3"))
+    assert.are.same({ 56, 0, 4, 0 }, seen("A"))
+    assert.are.same({ 4, 20, 2, 0 }, seen("B"))
+    -- the same again: the holds as they stand, nothing written
+    got = grouped { { "hold", "accounts", "A", "B", 10, { min = 0, id = "g2" } },
+                    { "hold", "accounts", "A", "C", 10, { min = 0, id = "g3" } } }
+    assert.are.equal("captured", got[1][2].hold.status)
+    assert.are.equal("voided", got[2][2].hold.status)
+    assert.are.same({ 56, 0, 4, 0 }, seen("A"))
+  end)
+
+  it("mongotx.group runs a hold after the transfers of its batch, as alone in that order", function()
+    setup { A = 100, B = 0, C = 0 }
+    -- the transfer takes 70 first: the hold of 40 with a floor is refused,
+    -- as alone after it; the hold and a transfer under one id: the second
+    -- waits for the next batch
+    local got, sizes = grouped {
+      { "hold", "accounts", "A", "C", 40, { min = 0, id = "h1" } },
+      { "transfer", "accounts", "A", "B", 70, { min = 0 } },
+      { "hold", "accounts", "A", "C", 20, { min = 0, id = "h2" } },
+      { "transfer", "accounts", "A", "B", 1, { min = 0, id = "h2" } },
+    }
+    assert.are.same({ 4, 1 }, sizes)
+    assert.are.equal("guard", got[1][3].code)
+    assert.are.equal("done", got[2][2].state)
+    assert.are.equal("held", got[3][2].hold.status)
+    assert.are.equal("idempotency", got[4][3].code)
+    assert.are.same({ 10, 0, 1, 0 }, seen("A"))
+    assert.are.same({ 70, 0, 0, 0 }, seen("B"))
+    assert.are.same({ 0, 20, 1, 0 }, seen("C"))
   end)
 end)

@@ -340,7 +340,7 @@ local function prepare(tm, collection, from, to, amount, opts, now, level)
   local doc = { _id = id, ops = spec.stored, meta = spec.meta, deadline = T.deadline,
                 mark = T.mark, source = from, destination = to, value = amount, hold = T.hold }
   return { T = T, doc = doc, spec = spec, expires = expires, err = false, slow = false,
-           created = false, applied = false, sent = false, out = false }
+           created = false, applied = false, sent = false, out = false, late = false }
 end
 
 -- The opener's deadline for holds `entries`, which fences their applies:
@@ -423,6 +423,7 @@ local function open(tm, entries, deadline, versions)
   batch.apply(opener, entries, deadline or nil, versions)
   for k, e in ipairs(entries) do
     if not e.err and e.slow then
+      e.late = true
       batch.guarded(open_slow, opener, e, deadline, versions and versions[k])
     end
     eng:hold(e.T._id, nil)
@@ -434,16 +435,22 @@ local function open(tm, entries, deadline, versions)
   end
 end
 
--- hold(tm, collection, from, to, amount, opts): see Manager:hold.
-function _M.hold(tm, collection, from, to, amount, opts, level)
+-- A hold call's checks (those of tm:hold): its entry (prepare), or nil,
+-- err; wrong argument types raise at `level`.  mongotx.group checks the
+-- hold calls it batches with it.
+function _M.check(tm, collection, from, to, amount, opts, level)
   local err
   opts, err = validate.options(opts, hold_options, "hold", level + 1)
   if not opts then return nil, err end
   local now
   now, err = tm.engine:clock()
   if not now then return nil, err end
-  local e
-  e, err = prepare(tm, collection, from, to, amount, opts, now, level + 1)
+  return prepare(tm, collection, from, to, amount, opts, now, level + 1)
+end
+
+-- hold(tm, collection, from, to, amount, opts): see Manager:hold.
+function _M.hold(tm, collection, from, to, amount, opts, level)
+  local e, err = _M.check(tm, collection, from, to, amount, opts, level + 1)
   if not e then return nil, err end
   local deadline, versions = opener_deadline(tm.engine, { e })
   if deadline == nil then return nil, versions end
@@ -457,7 +464,8 @@ for k in pairs(hold_options) do many_options[k] = true end
 
 -- Opens the checked holds `entries` as one batch: one insert of them all
 -- (the fields they share sent once), their applies (open); those whose
--- insert did not say so created alone (create_one).
+-- insert did not say so created alone (create_one), and opened after the
+-- others (e.late).
 local function open_batch(tm, entries, now)
   local eng = tm.engine
   local deadline, versions = opener_deadline(eng, entries)
@@ -480,10 +488,26 @@ local function open_batch(tm, entries, now)
   if #created > 0 then open(tm, created, deadline, vs) end
   for k, e in ipairs(entries) do
     if e.slow == "create" and not e.err then
-      e.slow = false
+      e.slow, e.late = false, true
       if create_one(tm, e, true) then
         open(tm, { e }, deadline, versions and { versions[k] })
       end
+    end
+  end
+end
+
+-- Opens the checked holds `entries` (check's, or hold_many's) in batches
+-- of at most CHUNK, as transfer_many runs transfers: each ends with e.out
+-- (the hold, held) or e.err, and e.late when it was opened alone after
+-- the others of its batch.
+function _M.open_entries(tm, entries)
+  local now, err = tm.engine:clock()
+  for first = 1, #entries, CHUNK do
+    local chunk = { unpack(entries, first, min(first + CHUNK - 1, #entries)) }
+    if now then
+      open_batch(tm, chunk, now)
+    else
+      for _, e in ipairs(chunk) do e.err = err end
     end
   end
 end
@@ -518,9 +542,7 @@ function _M.hold_many(tm, list, level)
     end
     entries[i] = e
   end
-  for first = 1, #entries, CHUNK do -- (as transfer_many: a bigger list opens as several)
-    open_batch(tm, { unpack(entries, first, min(first + CHUNK - 1, #entries)) }, now)
-  end
+  _M.open_entries(tm, entries)
   local results, errs = {}, {}
   for i, e in ipairs(entries) do results[i], errs[i] = e.out or false, e.err or false end
   return results, errs
