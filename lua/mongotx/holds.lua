@@ -607,6 +607,44 @@ local function after_lost(eng, T)
   return now
 end
 
+-- The decision `step` (capture, void) on the hold T as read, taken or
+-- met: until T is decided (by this call, another, or an expiry), at most
+-- MAX_ROUNDS times, each a check that it is open (may_decide, once seen
+-- open), the conditioned write (decide: `set`; on_event(step, `info`)
+-- when it won), or T as it is now when it lost (after_lost).  Returns
+-- answer(T) of the decided T (which drives it on and says what the call
+-- answers), or nil, err.
+local function until_decided(eng, T, step, set, info, answer)
+  local checked = false -- both marks seen on (opened): no apply can land any more
+  for _ = 1, MAX_ROUNDS do
+    local state = T.state
+    if state == "applied" or state == "done" or state == "canceling" or state == "cancelled" then
+      return answer(T)
+    end
+    local go, err = may_decide(eng, T, step, checked)
+    if not go then return nil, err end
+    if go ~= true then
+      T = go -- decided meanwhile: answered as it stands
+    else
+      checked = true
+      local cond
+      cond, err = expiry(eng, false)
+      if not cond then return nil, err end
+      local won
+      won, err = decide(eng, T, step, cond, set)
+      if won == nil then return nil, err end
+      if won then
+        eng:event(step, info)
+        T = won
+      else
+        T, err = after_lost(eng, T)
+        if not T then return nil, err end
+      end
+    end
+  end
+  return nil, errors.new("state", "the hold did not settle", { step = step, id = T._id })
+end
+
 -- capture(tm, id, amount): see Manager:capture.
 function _M.capture(tm, id, amount, level)
   local T, err = load(tm, id, "capture", level + 1)
@@ -626,49 +664,24 @@ function _M.capture(tm, id, amount, level)
     amount = T.hold.amount
   end
   local eng = tm.engine
-  local checked = false -- both marks seen on (opened): no apply can land any more
-  for _ = 1, MAX_ROUNDS do
-    local state = T.state
-    if state == "applied" or state == "done" then
-      if T.hold.captured ~= amount and not (T.hold.captured == nil and amount == T.hold.amount) then
-        return nil, state_error(T, "capture", "captured", format("the hold was captured " ..
-          "with %s", tostring(T.hold.captured or T.hold.amount)))
+  return until_decided(eng, T, "capture",
+    settles(T, amount, { state = "applied", ["hold.captured"] = amount }),
+    { id = T._id, amount = amount, held = T.hold.amount },
+    function(D)
+      if D.state == "applied" or D.state == "done" then
+        if D.hold.captured ~= amount and not (D.hold.captured == nil and amount == D.hold.amount) then
+          return nil, state_error(D, "capture", "captured", format("the hold was captured " ..
+            "with %s", tostring(D.hold.captured or D.hold.amount)))
+        end
+        local final, e = settle(eng, D)
+        if not final then return nil, e end
+        return _M.view(eng, final)
       end
-      T, err = settle(eng, T)
-      if not T then return nil, err end
-      return _M.view(eng, T)
-    elseif state == "canceling" or state == "cancelled" then
-      local _
-      _, err = settle(eng, T)
-      if err and err.code ~= "cancelled" then return nil, err end
-      local status = _M.status(T)
-      return nil, state_error(T, "capture", status, "the hold was " .. status)
-    end
-    local go
-    go, err = may_decide(eng, T, "capture", checked)
-    if not go then return nil, err end
-    if go ~= true then
-      T = go -- decided meanwhile: answered as it stands
-    else
-      checked = true
-      local cond
-      cond, err = expiry(eng, false)
-      if not cond then return nil, err end
-      local won
-      won, err = decide(eng, T, "capture", cond,
-        settles(T, amount, { state = "applied", ["hold.captured"] = amount }))
-      if won == nil then return nil, err end
-      if won then
-        eng:event("capture", { id = T._id, amount = amount, held = T.hold.amount })
-        T, err = settle(eng, won)
-        if not T then return nil, err end
-        return _M.view(eng, T)
-      end
-      T, err = after_lost(eng, T)
-      if not T then return nil, err end
-    end
-  end
-  return nil, errors.new("state", "the hold did not settle", { step = "capture", id = T._id })
+      local _, e = settle(eng, D)
+      if e and e.code ~= "cancelled" then return nil, e end
+      local status = _M.status(D)
+      return nil, state_error(D, "capture", status, "the hold was " .. status)
+    end)
 end
 
 -- void(tm, id): see Manager:void.
@@ -676,46 +689,19 @@ function _M.void(tm, id, level)
   local T, err = load(tm, id, "void", level + 1)
   if not T then return nil, err end
   local eng = tm.engine
-  local checked = false -- both marks seen on (opened)
-  for _ = 1, MAX_ROUNDS do
-    local state = T.state
-    if state == "applied" or state == "done" then
-      local _
-      _, err = settle(eng, T)
-      if err then return nil, err end
-      return nil, state_error(T, "void", "captured", format("the hold was captured with %s",
-        tostring(T.hold.captured or T.hold.amount)))
-    elseif state == "canceling" or state == "cancelled" then
-      local final
-      final, err = settle(eng, T)
-      if err and err.code ~= "cancelled" then return nil, err end
-      T = final or eng:get(T._id) or T
-      return _M.view(eng, T)
-    end
-    local go
-    go, err = may_decide(eng, T, "void", checked)
-    if not go then return nil, err end
-    if go ~= true then
-      T = go -- decided meanwhile: answered as it stands
-    else
-      checked = true
-      local cond
-      cond, err = expiry(eng, false)
-      if not cond then return nil, err end
-      local won
-      won, err = decide(eng, T, "void", cond,
-        { state = "canceling", reason = "voided", cause = "voided" })
-      if won == nil then return nil, err end
-      if won then
-        eng:event("void", { id = T._id, amount = T.hold.amount })
-        T = won
-      else
-        T, err = after_lost(eng, T)
-        if not T then return nil, err end
+  return until_decided(eng, T, "void", { state = "canceling", reason = "voided", cause = "voided" },
+    { id = T._id, amount = T.hold.amount },
+    function(D)
+      if D.state == "applied" or D.state == "done" then
+        local _, e = settle(eng, D)
+        if e then return nil, e end
+        return nil, state_error(D, "void", "captured", format("the hold was captured with %s",
+          tostring(D.hold.captured or D.hold.amount)))
       end
-    end
-  end
-  return nil, errors.new("state", "the hold did not settle", { step = "void", id = T._id })
+      local final, e = settle(eng, D)
+      if e and e.code ~= "cancelled" then return nil, e end
+      return _M.view(eng, final or eng:get(D._id) or D)
+    end)
 end
 
 -- The captured hold T as the transfer it amounts to (a copy): each op
