@@ -152,24 +152,9 @@ describe("#server holds, visible", function()
   it("mongotx list reads the marks of a page at once, not of each hold", function()
     if no_build then pending(no_build) return end
     opening_holds()
-    local commands = require "mongotx.cli.commands"
-    local output = require "mongotx.cli.output"
     local before = helpers.db_dump(db.client, db.name)
     local function list(page)
-      local path = os.tmpname()
-      local f = assert(io.open(path, "w"))
-      local was_file, was_page = output.stdout.file, commands.LIST_PAGE
-      output.stdout.file, commands.LIST_PAGE = f, page
-      db.client:reset_counters()
-      local ok, code = pcall(commands.list, tm, { holds = true },
-                             function(c, msg) error(tostring(msg)) return c end)
-      local cmds = db.client:counters().commands
-      output.stdout.file, commands.LIST_PAGE = was_file, was_page
-      f:close()
-      local text = helpers.read_file(path)
-      os.remove(path)
-      assert(ok, code)
-      assert.are.equal(0, code)
+      local cmds, _, text = support.list_here(tm, db, { holds = true }, page)
       return cmds, text
     end
     -- 11 holds, 8 of them pending: the clock, the page, the marks of the

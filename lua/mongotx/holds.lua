@@ -122,6 +122,9 @@ end
 -- hold.status on each hold of `list` (a failed read leaves "held");
 -- returns list, or nil, err.
 function _M.views(eng, list)
+  local any = false
+  for _, T in ipairs(list) do any = any or type(T.hold) == "table" end
+  if not any then return list end -- (no read: not even of the clock)
   local now, err = eng:clock()
   if not now then return nil, err end
   local by_coll, order, pending = {}, {}, {}
