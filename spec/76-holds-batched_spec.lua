@@ -135,6 +135,8 @@ describe("#server batched holds", function()
     for _, case in ipairs {
       { item("A", "B", -1, "x"), "amount" },
       { item("A", "B", 10, "x", { expires = 0 }), "expires" },
+      { item("A", "B", 10, "x", { expires = math.huge }), "expires" },
+      { item("A", "B", 10, "x", { expires = 0 / 0 }), "expires" },
       { item("A", "A", 10, "x"), "" },
       { item("A", "B", 10, "g1"), "repeats the id of item 1" },
       { item("A", "B", 10, { ["$gt"] = "" }), "" },
@@ -155,6 +157,8 @@ describe("#server batched holds", function()
     assert.has_error(function() tm:hold_many { good, item("A", "B", 1, "x", { colour = 1 }) } end,
       "unknown option colour for hold_many item 2")
     assert.has_error(function() tm:hold_many { good, item("A", "B", "1") } end)
+    assert.has_error(function() tm:hold_many { good, item("A", "B", 1, "x", { expires = "60" }) } end,
+      "option expires of hold_many item 2 must be a number, not string")
     assert.has_error(function() tm:hold_many { good, 7 } end, "hold_many: item 2 is not a table")
     helpers.assert_dump_unchanged(before, db.client, db.name)
     local results, errs = tm:hold_many {}

@@ -318,9 +318,9 @@ end
 -- types raise at `level`.
 local function prepare(tm, collection, from, to, amount, opts, now, level)
   local expires = opts.expires or _M.EXPIRES
-  if expires <= 0 then
-    return nil, errors.new("invalid", "option expires of hold must be more than 0 seconds",
-      { step = "hold" })
+  if not (expires > 0 and expires < huge) then -- (a number: validate.options)
+    return nil, errors.new("invalid", "option expires of hold must be more than 0 seconds " ..
+      "(a finite number)", { step = "hold" })
   end
   local spec, err = checks.transfer_spec(tm, collection, from, to, amount,
     { field = opts.field, min = opts.min, id = opts.id, meta = opts.meta }, level + 1)
