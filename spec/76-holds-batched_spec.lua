@@ -173,8 +173,14 @@ describe("#server batched holds", function()
     for i = 1, 250 do list[i] = item("A", "B", 1) end
     db.client:reset_counters()
     local results, errs = tm:hold_many(list)
-    -- batches of 100: an insert and a bulk write of the applies each
-    assert.are.equal(3 * (2 + clock_reads), db.client:counters().commands)
+    -- batches of 100: an insert and a bulk write of the applies each (on
+    -- FerretDB v1, 25 statements a command: mongotx.engine.commands)
+    local commands = db.client:counters().commands
+    if helpers.server_kind() == "ferretdb" then
+      assert(commands <= 30, commands .. " commands for 250 holds")
+    else
+      assert.are.equal(3 * (2 + clock_reads), commands)
+    end
     for i = 1, 250 do
       assert.are.equal(false, errs[i])
       assert.are.equal("held", results[i].hold.status)
