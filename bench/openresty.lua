@@ -14,6 +14,12 @@
 --   luajit bench/openresty.lua [--seconds 4] [--accounts 100] [--threads 4]
 --                              [--runs 3] [--delay 0] [--inflight 1] [--loopback 1|0]
 --                              [--metrics 3] [--workers 1|2] [--conns n] [--hot 3] [--holds 1]
+--                              [--bare 1]
+--
+-- Each cell also runs a control, interleaved (--bare 0: none): POST /bare,
+-- a transfer's round trips without mongotx (bench/bare.lua).  Its p99 over
+-- p50 beside ungrouped's says how much of the tail is the library's and how
+-- much the thread pool's, the server's and the machine's.
 --
 -- --workers and --conns run one of those only.  Then hot accounts: the
 -- same load on --hot accounts (3; 0: none) and on 1 000, 2 workers, 16
@@ -44,7 +50,7 @@ local latency = require "bench.latency"
 local cpu = require "bench.servercpu"
 
 local opts = { seconds = 4, accounts = 100, threads = 4, runs = 3, delay = 0, inflight = 1, loopback = 0, metrics = 3,
-               workers = 0, conns = 0, hot = 3, holds = 1 }
+               workers = 0, conns = 0, hot = 3, holds = 1, bare = 1 }
 do
   local i = 1
   while arg[i] do
@@ -52,7 +58,7 @@ do
     if not name or opts[name] == nil or not tonumber(arg[i + 1]) then
       io.stderr:write("usage: bench/openresty.lua [--seconds n] [--accounts n] [--threads n] " ..
                       "[--runs n] [--delay s] [--inflight n] [--loopback 1] [--metrics rounds] [--workers n] " ..
-                      "[--conns n] [--hot n] [--holds 0|1]\n")
+                      "[--conns n] [--hot n] [--holds 0|1] [--bare 0|1]\n")
       os.exit(2)
     end
     opts[name] = tonumber(arg[i + 1])
@@ -66,6 +72,10 @@ if opts.workers > 0 then WORKERS = { opts.workers } end
 if opts.conns > 0 then CONNECTIONS = { opts.conns } end
 local MODES = { ungrouped = "false",
                 grouped = ("{ max = 100, delay = %.17g, inflight = %d }"):format(opts.delay, opts.inflight) }
+-- The grid's modes: bare is the control (bench/bare.lua), in an ungrouped nginx.
+local GRID = { "ungrouped", "grouped" }
+if opts.bare > 0 then GRID[3] = "bare" end
+local BARE = 'location = /bare { content_by_lua_block { require("bench.bare").handler() } }'
 
 local capture = server.capture
 
@@ -129,8 +139,9 @@ end
 
 local function start(uri, name, workers, mode)
   return assert(nginx.start { uri = uri, database = name, workers = workers,
-    threads = opts.threads, vms = 32, configure = ("{ manager = { application = 'bench', " ..
-    "group = %s }, recovery = { every = 1 } }"):format(MODES[mode]) })
+    threads = opts.threads, vms = 32, locations = BARE, configure = ("{ manager = { " ..
+    "application = 'bench', group = %s }, recovery = { every = 1 } }"):format(
+    MODES[mode] or MODES.ungrouped) })
 end
 
 -- wrk against nginx n: { requests, rps, p50, p99 (ms), non2xx, socket,
@@ -174,7 +185,7 @@ local function run(uri, workers, mode, conns, path)
   local n = start(uri, name, workers, mode)
   -- every worker makes its manager before the timed part
   for _ = 1, 4 * workers do n:request("POST", "/transfer", '{"from":"a1","to":"a2","amount":1}') end
-  local r = measure(n, conns, path)
+  local r = measure(n, conns, mode == "bare" and "/bare" or path)
   n:stop()
   if path == "/hold" then r.captured = settle_holds(name) / opts.seconds end
   local ok, what = check(name)
@@ -228,7 +239,7 @@ end
 warm_up()
 local load1 = capture("cat /proc/loadavg"):match("^(%S+ %S+ %S+)")
 local started = os.time()
-local rows, cells, pings = {}, {}, {}
+local rows, bare_rows, cells, pings = {}, {}, {}, {}
 
 for _, lv in ipairs(levels) do
   if proxy then
@@ -237,9 +248,9 @@ for _, lv in ipairs(levels) do
   end
   for _, workers in ipairs(WORKERS) do
     for _, conns in ipairs(CONNECTIONS) do
-      local res = { ungrouped = {}, grouped = {} }
+      local res = { ungrouped = {}, grouped = {}, bare = {} }
       for i = 1, opts.runs do
-        for _, mode in ipairs { "ungrouped", "grouped" } do
+        for _, mode in ipairs(GRID) do
           res[mode][i] = run(lv.uri, workers, mode, conns)
           local x = res[mode][i]
           io.stderr:write(string.format("%s %d workers %d conns %s run %d: %.0f req/s p50 %.2f " ..
@@ -248,7 +259,7 @@ for _, lv in ipairs(levels) do
         end
       end
       local c = { level = lv, workers = workers, conns = conns }
-      for _, mode in ipairs { "ungrouped", "grouped" } do
+      for _, mode in ipairs(GRID) do
         c[mode] = { rps = median(res[mode], "rps"), p50 = median(res[mode], "p50"),
                     p99 = median(res[mode], "p99"), non2xx = 0, socket = 0, ok = true }
         for _, k in ipairs(CPU) do c[mode][k] = median(res[mode], k) end
@@ -264,6 +275,12 @@ for _, lv in ipairs(levels) do
         g.rps / math.max(u.rps, 1), u.p50, g.p50, u.p99, g.p99, u.non2xx, g.non2xx, u.socket,
         g.socket, (u.ok and g.ok) and "ok" or "FAILED")
       io.stderr:write(rows[#rows], "\n")
+      if c.bare then
+        bare_rows[#bare_rows + 1] = string.format("| %s | %d | %d | %.2f / %.2f (%.1fx) " ..
+          "| %.2f / %.2f (%.1fx) | %.0f | %.0f |", lv.label, workers, conns, u.p50, u.p99,
+          u.p99 / math.max(u.p50, 0.001), c.bare.p50, c.bare.p99,
+          c.bare.p99 / math.max(c.bare.p50, 0.001), u.rps, c.bare.rps)
+      end
     end
   end
 end
@@ -323,8 +340,9 @@ for _, c in ipairs(cells) do
   if c.conns >= 16 then
     target(g.p99 <= u.p99, string.format("grouped p99 <= ungrouped p99 (%s): %.2f vs %.2f ms",
       where, g.p99, u.p99))
-    target(u.p99 <= 5 * u.p50, string.format("ungrouped p99 <= 5x its p50 (%s): %.1fx", where,
-      u.p99 / math.max(u.p50, 0.001)))
+    target(u.p99 <= 5 * u.p50, string.format("ungrouped p99 <= 5x its p50 (%s): %.1fx%s", where,
+      u.p99 / math.max(u.p50, 0.001), c.bare and string.format(" (the same round trips " ..
+      "without mongotx: %.1fx)", c.bare.p99 / math.max(c.bare.p50, 0.001)) or ""))
   end
   if c.conns == 1 then
     target(g.p50 <= u.p50 + opts.delay * 1000 + 0.5, string.format("grouped p50 within delay " ..
@@ -391,12 +409,21 @@ print()
 print("| network | nginx workers | connections | mode | nginx | server | wrk | toxiproxy | total | ceiling req/s |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for _, c in ipairs(cells) do
-  for _, mode in ipairs { "ungrouped", "grouped" } do
+  for _, mode in ipairs(GRID) do
     local x, total = c[mode], 0
     for _, k in ipairs(CPU) do total = total + x[k] end
     print(string.format("| %s | %d | %d | %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f |", c.level.label,
       c.workers, c.conns, mode, x.nginx, x.server, x.wrk, x.proxy, total, CORES * 1e6 / math.max(total, 1)))
   end
+end
+if #bare_rows > 0 then
+  print()
+  print("The control: the same round trips without mongotx (POST /bare, bench/bare.lua), " ..
+    "in the same runs, beside ungrouped mongotx; p50 / p99 ms (p99 over p50):")
+  print()
+  print("| network | nginx workers | connections | ungrouped mongotx | bare | ungrouped req/s | bare req/s |")
+  print("| --- | --- | --- | --- | --- | --- | --- |")
+  for _, row in ipairs(bare_rows) do print(row) end
 end
 if #hot_rows > 0 then
   print()
