@@ -438,5 +438,7 @@ end
 -- guarded: entries { T, err, slow } as above.
 _M.apply, _M.settle_all, _M.fail, _M.guarded, _M.raised_in = apply, settling.settle_all, fail, guarded,
   raised_in
+-- mongotx.holds opens a batch of holds with the same create
+_M.create, _M.inserted_here = create, settling.inserted_here
 
 return _M

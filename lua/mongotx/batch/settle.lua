@@ -230,5 +230,6 @@ local function settle_all(eng, list, deadline, vs)
 end
 
 _M.fail, _M.raised_in, _M.guarded, _M.settle_all = fail, raised_in, guarded, settle_all
+_M.inserted_here = inserted_here
 
 return _M
