@@ -181,6 +181,44 @@ describe("#server a batch's items on documents a live transaction holds", functi
     end
   end)
 
+  it(("hold_many: %d holds on busy accounts cost one wait, not %d"):format(K, K), function()
+    local tm = new_payer()
+    local start = core.monotonic_ms()
+    local results, errs = tm:hold_many(items())
+    local took = (core.monotonic_ms() - start) / 1000
+    for k = 1, 2 * K do
+      local id = (k % 2 == 0 and "u" or "x") .. math.floor((k + 1) / 2)
+      if k % 2 == 0 then
+        assert.are.equal("held", results[k] and results[k].hold.status, tostring(errs[k]))
+      else
+        assert.is_false(results[k])
+        assert.are.equal("busy", errs[k].code, tostring(errs[k]))
+        local T = assert(txs:find_one({ _id = id }))
+        assert.are.same({ "cancelled", "busy" }, { T.state, T.cause })
+      end
+    end
+    assert.is_true(took < 2 * WAIT, ("hold_many took %.2f s (one wait: %.2f s)"):format(took, WAIT))
+    assert.is_true(took >= WAIT, ("the busy holds waited %.2f s, not their backoffs"):format(took))
+    -- the held ones hold 10 each of U<i>; voided, everything is back
+    local want, now = { H = 1000, V = 0 }, {}
+    for i = 1, K do
+      want["U" .. i], want["X" .. i] = 40, 51 -- (X<i>: the holder's credit, in place)
+    end
+    for _, d in ipairs(helpers.dump(accounts)) do now[d._id] = d.balance end
+    assert.are.same(want, now)
+    for i = 1, K do
+      assert(tm:void("u" .. i))
+      assert(holder:rollback(assert(holder:get("h" .. i))))
+      want["U" .. i], want["X" .. i] = 50, 50
+    end
+    assert.are.same(want, helpers.balances(accounts))
+    for _, d in ipairs(helpers.dump(accounts)) do
+      assert.are.same({}, d.pendingTransactions or {}, d._id .. " keeps a marker")
+      assert.are.same({}, d.txHeld or {}, d._id .. " keeps a txHeld entry")
+      assert.are.same({}, d.escrow or {}, d._id .. " keeps an escrow")
+    end
+  end)
+
   it("group commit: the unrelated callers answer after one wait, not " .. K, function()
     local sizes = {}
     local tm = new_payer(nil, function(name, info)

@@ -392,15 +392,22 @@ local function create_one(tm, e, unsure)
 end
 
 -- The slow way of a hold an opening batch could not apply at once (an op
--- did not match): its applies one at a time; e.err when it did not open.
-local function open_slow(opener, e, deadline, versions)
+-- did not match): its applies one at a time, a step of
+-- batch.settle_all (st: the apply's state, or true before it began),
+-- which has the holds that wait wait side by side; e.err when it did not
+-- open.
+local function open_slow(opener, e, st, deadline, versions)
   local eng, T = opener, e.T
-  local vs = {}
-  for i in ipairs(T.ops) do
-    vs[i] = { marked = e.applied[i] or false, deadline = deadline or nil,
-              version = versions and versions[i].version or false }
+  if st == true then
+    local vs = {}
+    for i in ipairs(T.ops) do
+      vs[i] = { marked = e.applied[i] or false, deadline = deadline or nil,
+                version = versions and versions[i].version or false }
+    end
+    st = opener:apply_start(T, vs)
   end
-  local ok, why, failure = opener:apply_ops(T, vs)
+  local ok, why, failure = opener:apply_more(st)
+  if ok == false then return st, why end -- a retry due in `why` seconds
   if ok == true then return end
   eng:hold(T._id, nil)
   if ok and ok.state == "canceling" then
@@ -417,18 +424,18 @@ end
 -- once (Engine:retry, `once`: no resend after a lost answer), fenced by
 -- `deadline` or `versions` (versions[k] entry k's); the ones an op did
 -- not match alone (open_slow).  Each ends with e.out (held) or e.err (it
--- stays pending: recovery rolls it back once it expired).  A policy that
--- raised fails its hold only (batch.guarded).
+-- stays pending: recovery rolls it back once it expired), side by side
+-- (batch.settle_all).  A policy that raised fails its hold only.
 local function open(tm, entries, deadline, versions)
   local eng = tm.engine
   for _, e in ipairs(entries) do eng:hold(e.T._id, 1) end
   local opener = setmetatable({ once = "apply" }, { __index = eng })
   batch.apply(opener, entries, deadline or nil, versions)
-  for k, e in ipairs(entries) do
-    if not e.err and e.slow then
-      e.late = true
-      batch.guarded(open_slow, opener, e, deadline, versions and versions[k])
-    end
+  for _, e in ipairs(entries) do
+    if not e.err and e.slow then e.late = true end
+  end
+  batch.settle_all(opener, entries, deadline or nil, versions, open_slow)
+  for _, e in ipairs(entries) do
     eng:hold(e.T._id, nil)
     if not e.err then
       eng:event("hold", { id = e.T._id, amount = e.T.hold.amount, expires = e.expires })

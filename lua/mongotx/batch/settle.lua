@@ -170,8 +170,11 @@ local SLACK_MS = 20
 -- an effect of an earlier one that may still be undone, nor applies one
 -- an earlier one would read, and batch order stays their order
 -- (mongotx.group reports it).  A policy's raise fails its entry only; one
--- of a sleep, every entry that waited on it.
-local function settle_all(eng, list, deadline, vs)
+-- of a sleep, every entry that waited on it.  step_fn(eng, e, st,
+-- deadline, versions) steps one entry as `step` does (mongotx.holds
+-- opens its holds so).
+local function settle_all(eng, list, deadline, vs, step_fn)
+  step_fn = step_fn or step
   local open, due, ms = {}, {}, core.monotonic_ms
   for n, e in ipairs(list) do
     if e.slow and not e.err then open[n] = true end
@@ -188,7 +191,7 @@ local function settle_all(eng, list, deadline, vs)
           blocked = blocked or (t ~= nil and not (t and free))
         end
         if not blocked then
-          local ok, moved, wait = pcall(step, eng, e, st, deadline, vs and vs[n])
+          local ok, moved, wait = pcall(step_fn, eng, e, st, deadline, vs and vs[n])
           if not ok then
             raised_in(e, moved)
             moved = nil
