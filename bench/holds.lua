@@ -13,9 +13,10 @@
 --                      then one recovery pass with limit 100 over those
 --                      holds with 100 of them past their expiry: its round
 --                      trips, writes, time and the Lua memory it allocated.
---
--- There is no batched row: holds open and are decided one at a time
--- (bench/README.md, "Holds").
+--   hold_many_capture  ctx.batch holds opened by one tm:hold_many (one
+--                      insert, their applies in one bulk write), then each
+--                      captured (a capture is one decision a hold: the
+--                      at-most-once point).
 
 local mongotx = require "mongotx"
 local bank = require "bench.bank"
@@ -32,6 +33,37 @@ local function hold_capture(tm, pair)
 end
 
 _M.hold_capture = { label = "tm:hold+capture", run = modes.single("hold", nil, hold_capture) }
+
+_M.hold_many_capture = {
+  label = "tm:hold_many+capture",
+  run = function(ctx)
+    return modes.with_bank(ctx, "hold_many" .. ctx.batch, function(db)
+      local tm = assert(modes.manager(db, { application = "bench" }))
+      return function(from, to, lat, moved)
+        local ok = 0
+        for first = 1, #from, ctx.batch do
+          local last = math.min(first + ctx.batch - 1, #from)
+          local list = {}
+          for i = first, last do
+            list[#list + 1] = { collection = COLL, from = from[i], to = to[i], amount = 1, min = 0 }
+          end
+          local t = now()
+          local results = assert(tm:hold_many(list))
+          for k = 1, #list do
+            local i = first + k - 1
+            if results[k] and tm:capture(results[k]._id) then
+              ok = ok + 1
+              modes.move(moved, from[i], to[i])
+            end
+          end
+          local per = (now() - t) / #list
+          for k = 1, #list do lat[first + k - 1] = per end
+        end
+        return ok
+      end
+    end, modes.done_only)
+  end,
+}
 
 -- The counters and ms of a hold from `from` to `to` and of its capture.
 local function counted(db, tm, from, to)

@@ -374,6 +374,7 @@ for _, kind in ipairs { "initial", "pending", "applied", "canceling" } do
 end
 
 -- (for bench/holds.lua's modes)
-_M.single, _M.timed, _M.manager = single, timed, manager
+_M.single, _M.timed, _M.manager, _M.with_bank, _M.move, _M.done_only =
+  single, timed, manager, with_bank, move, done_only
 
 return _M

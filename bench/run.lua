@@ -89,6 +89,8 @@ plan[#plan + 1] = { key = "ledger_many100", mode = modes.ledger_many, batch = 10
 -- holds (issue 44): a hold and its capture per transfer, on 10 000
 -- accounts and from one account that holds 10 000 open holds
 plan[#plan + 1] = { key = "hold_capture", mode = holds.hold_capture, n = 1000 }
+plan[#plan + 1] = { key = "hold_many100_capture", mode = holds.hold_many_capture, batch = 100,
+                    n = 1000 }
 plan[#plan + 1] = { key = "hold_capture_open", mode = holds.hold_capture_open, n = 200,
                     open = 10000, runs = 3 }
 -- guarded (min = 0): on 10 000 accounts, and hot: 10 accounts, each

@@ -447,16 +447,16 @@ describe("#openresty group commit in nginx", function()
             ngx.shared.via_timer:set("r", T and T.state or tostring(e))
           end)
           if not ok then return ngx.say("timer: ", err) end
-          for _ = 1, 100 do
+          for _ = 1, 300 do -- (a cold worker's first call: its pool, its manager)
             ngx.sleep(0.1)
             local v = ngx.shared.via_timer:get("r")
             if v then return ngx.say(v) end
           end
-          ngx.say("no answer in 10 s")
+          ngx.say("no answer in 30 s")
         } }
       ]] })
     finally(function() n:stop() end)
-    local status, res = n:request("GET", "/via-timer", nil, { timeout = 20 })
+    local status, res = n:request("GET", "/via-timer", nil, { timeout = 40 })
     assert.are.equal(200, status)
     assert.are.equal("done\n", res)
     assert(n:error_log():find("lua_max_running_timers are not enough", 1, true),

@@ -180,7 +180,14 @@ describe("#openresty mongotx.metrics.shared in nginx", function()
     for _ = 1, 4 do -- a worker killed four times, the master starting another
       server.sleep(0.6)
       figures()
-      helpers.signal(n:workers()[1], "KILL")
+      -- (a worker its fault just ended may not be replaced yet)
+      local pid
+      for _ = 1, 50 do
+        pid = n:workers()[1]
+        if pid then break end
+        server.sleep(0.1)
+      end
+      helpers.signal(assert(pid, "no nginx worker came back in 5 s"), "KILL")
     end
     for _, script in ipairs(scripts) do
       for _ = 1, 600 do

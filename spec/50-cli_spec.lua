@@ -233,25 +233,9 @@ describe("#server the mongotx command", function()
 
     it("reads and prints a page at a time", function()
       if not check_build() then return end
-      local commands = require "mongotx.cli.commands"
-      local output = require "mongotx.cli.output"
       -- list in this process, its output in a file, LIST_PAGE transactions a reply
       local function list(page, json)
-        local path = os.tmpname()
-        local f = assert(io.open(path, "w"))
-        local was_file, was_page = output.stdout.file, commands.LIST_PAGE
-        output.stdout.file, commands.LIST_PAGE = f, page
-        db.client:reset_counters()
-        local ok, code = pcall(commands.list, tm, { limit = 200000, json = json },
-                               function(c, m) error(tostring(m)) return c end)
-        local cmds, read = db.client:counters().commands, db.client:returned()
-        output.stdout.file, commands.LIST_PAGE = was_file, was_page
-        f:close()
-        local text = helpers.read_file(path)
-        os.remove(path)
-        assert(ok, code)
-        assert.are.equal(0, code)
-        return cmds, read, text
+        return support.list_here(tm, db, { limit = 200000, json = json }, page)
       end
       local big_cmds, big_read, big_text = list(1000, true)
       local cmds, read, text = list(100, true)

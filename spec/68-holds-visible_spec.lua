@@ -104,4 +104,71 @@ describe("#server holds, visible", function()
     assert.are.equal(0, code)
     assert.truthy(out:find("plain", 1, true), out)
   end)
+
+  -- holds whose opener died before both applies landed: copies of `held`
+  -- under other ids, whose marks are on no document (o1..o6), and one
+  -- whose credit's mark is gone (half)
+  local function opening_holds()
+    local T = assert(txs:find_one({ _id = "held" }))
+    for i = 1, 6 do
+      T._id, T.mark = "o" .. i, nil
+      assert(txs:insert_one(T))
+    end
+    assert(tm:hold("accounts", "A", "B", 100, { id = "half", expires = 600 }))
+    -- (a transaction of `transactions` is marked by its _id)
+    assert(db:collection("accounts"):update_one({ _id = "B" },
+      { ["$pull"] = { pendingTransactions = "half" } }))
+    assert.are.equal("opening", assert(tm:get("o1")).hold.status)
+    assert.are.equal("opening", assert(tm:get("half")).hold.status)
+  end
+
+  it("mongotx show and list --holds say opening where tm:get does", function()
+    if no_build then pending(no_build) return end
+    opening_holds()
+    local code, out, err = run({ "--database", db.name, "show", "o1" })
+    assert.are.equal(0, code, err)
+    assert.truthy(out:find("hold:%s+opening: 100, expires "), out)
+    code, out = run({ "--database", db.name, "show", "held" })
+    assert.are.equal(0, code)
+    assert.truthy(out:find("hold:%s+held: 100, expires "), out)
+    code, out = run({ "--database", db.name, "--json", "show", "half" })
+    assert.are.equal(0, code)
+    assert.truthy(out:find('"status":"opening"', 1, true), out)
+    code, out = run({ "--database", db.name, "list", "--holds" })
+    assert.are.equal(0, code)
+    for _, row in ipairs { "held%s+pending %(held%)", "half%s+pending %(opening%)",
+                           "o1%s+pending %(opening%)", "o6%s+pending %(opening%)",
+                           "cap%s+done %(captured%)", "late%s+cancelled %(expired%)" } do
+      assert.truthy(out:find(row), row .. " not in\n" .. out)
+    end
+    code, out = run({ "--database", db.name, "--json", "list", "--holds" })
+    assert.are.equal(0, code)
+    for id, status in pairs { held = "held", half = "opening", o3 = "opening", void = "voided" } do
+      local line = out:match('[^\n]*"_id":"' .. id .. '"[^\n]*')
+      assert.truthy(line and line:find('"status":"' .. status .. '"', 1, true), id .. ": " .. out)
+    end
+  end)
+
+  it("mongotx list reads the marks of a page at once, not of each hold", function()
+    if no_build then pending(no_build) return end
+    opening_holds()
+    local before = helpers.db_dump(db.client, db.name)
+    local function list(page)
+      local cmds, _, text = support.list_here(tm, db, { holds = true }, page)
+      return cmds, text
+    end
+    -- 11 holds, 8 of them pending: the clock, the page, the marks of the
+    -- page's documents (one collection), the opening ones read again
+    local cmds, text = list(1000)
+    assert.are.equal(4, cmds)
+    assert.truthy(text:find("o4%s+pending %(opening%)"), text)
+    assert.truthy(text:find("held%s+pending %(held%)"), text)
+    -- pages of 4 (getMores): each page its reads, at most 4 a page
+    local paged
+    cmds, paged = list(4)
+    assert.truthy(cmds <= 1 + 3 * 4, cmds)
+    local function aged(t) return (t:gsub("%d+%.%d s", "<age>"):gsub("%s+", " ")) end
+    assert.are.equal(select(2, aged(text):gsub("opening", "")), select(2, aged(paged):gsub("opening", "")))
+    helpers.assert_dump_unchanged(before, db.client, db.name)
+  end)
 end)

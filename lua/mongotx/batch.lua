@@ -527,5 +527,7 @@ end
 -- settle the ones left behind the same way, each step of one entry
 -- guarded: entries { T, err, slow } as above.
 _M.apply, _M.settle, _M.fail, _M.guarded, _M.raised_in = apply, settle, fail, guarded, raised_in
+-- mongotx.holds opens a batch of holds with the same create
+_M.create, _M.inserted_here = create, inserted_here
 
 return _M

@@ -1,8 +1,9 @@
--- mongotx.group: group commit.  Calls of tm:transfer, tm:run and
--- tm:commit that concurrent callers make one at a time are collected and
--- run as one batch (the way tm:transfer_many runs; begun transactions the
--- way batched recovery drives them), and each caller gets exactly what
--- its own call would have returned alone.
+-- mongotx.group: group commit.  Calls of tm:transfer, tm:run, tm:commit
+-- and tm:hold that concurrent callers make one at a time are collected
+-- and run as one batch (the way tm:transfer_many runs; begun transactions
+-- the way batched recovery drives them; holds the way tm:hold_many opens
+-- them), and each caller gets exactly what its own call would have
+-- returned alone.
 --
 -- Two halves:
 --
@@ -37,7 +38,7 @@
 -- worker thread, as in mongotx.resty): mongotx's calls block their Lua
 -- state, so there the batches run one after another anyway.
 
---- Group commit: concurrent `tm:transfer`, `tm:run`, `tm:commit` calls as one batch (docs/openresty.md#group-commit).
+--- Group commit: concurrent `tm:transfer`, `run`, `commit`, `hold` calls as one batch (docs/openresty.md#group-commit).
 -- @module mongotx.group
 
 local errors = require "mongotx.errors"
@@ -46,6 +47,7 @@ local engine = require "mongotx.engine"
 local checks = require "mongotx.manager.checks"
 local batches = require "mongotx.manager.batches"
 local forward = require "mongotx.engine.forward"
+local holds = require "mongotx.holds"
 local queue = require "mongotx.group.queue"
 local backoff = require("mongotx.policy").backoff
 
@@ -77,7 +79,7 @@ end
 -- for arguments whose ids have no key (they fail their checks anyway).
 local function call_keys(method, a1, a2, a3, _, a5)
   local docs, id
-  if method == "transfer" then
+  if method == "transfer" or method == "hold" then
     docs, id = { { collection = a1, id = a2 }, { collection = a1, id = a3 } }, a5 and a5.id
   elseif method == "run" then
     docs, id = a1, a2 and a2.id
@@ -97,7 +99,7 @@ end
 
 --- The keys of a grouped call (`Group:call`'s second argument): the documents and transaction id it touches.
 -- @syntax keys = group.keys(method, ...)
--- @tparam string method "transfer", "run" or "commit"
+-- @tparam string method "transfer", "run", "commit" or "hold"
 -- @param ... the call's arguments
 -- @treturn ?table the keys, or nil when the call may touch any document (a commit, or arguments that fail their
 --   checks)
@@ -116,9 +118,10 @@ local CHECK = {
   transfer = function(tm, c) return pcall(checks.transfer_call, tm, c[1], c[2], c[3], c[4], c[5], 1) end,
   run = function(tm, c) return pcall(checks.run_call, tm, c[1], c[2], nil, 1) end,
   commit = function(_, c) return pcall(checks.tx_ref, c[1], "commit", 1) end,
+  hold = function(tm, c) return pcall(holds.check, tm, c[1], c[2], c[3], c[4], c[5], 1) end,
 }
 
-_M.METHODS = { "transfer", "run", "commit" }
+_M.METHODS = { "transfer", "run", "commit", "hold" }
 
 -- May spec join the batch whose admitted ops are `ops` (by document key:
 -- "any" when some op there is no floor guard, "floor" when all are) and
@@ -203,7 +206,7 @@ function _M.await_held(held, get, sleep, now)
 end
 
 -- run_calls(tm, calls, wait): calls[i] = { method = "transfer" | "run" |
--- "commit", n = <how many arguments>, <the arguments> }.  Returns one
+-- "commit" | "hold", n = <how many arguments>, <the arguments> }.  Returns one
 -- result per call: { n = 1, T } or { n = 2, nil, err } as the call alone
 -- returns, { raise = <message or error> } for what it raises, or
 -- group.AGAIN (the call conflicts with one before it here); and the
@@ -215,7 +218,10 @@ end
 -- The transfers and runs go first, as one batch (mongotx.batch); then the
 -- commits: their transactions loaded in one find, the begun ones
 -- (`initial`) claimed, applied, committed and finished as one batch
--- (mongotx.engine.forward), any other driven alone as tm:commit drives it.
+-- (mongotx.engine.forward), any other driven alone as tm:commit drives it;
+-- then the holds, opened as one batch of their own (holds.open_entries:
+-- one insert, their applies), their guards reading what the parts before
+-- left.
 -- The order is theirs within each part, but those settled one at a time
 -- after the others of their part had committed (a guard that failed at
 -- first is tried again then: mongotx.batch) come after them.  So each
@@ -241,11 +247,18 @@ function _M.run_calls(tm, calls, wait)
   local found, load_err
   if #sent > 0 then found, load_err = forward.load(tm.engine, sent) end
   -- which join: a part's ops by document (admit), ids across both parts
-  local specs, errs, where, items, cwhere = {}, {}, {}, {}, {}
-  local ops, cops, ids = {}, {}, {}
+  local specs, errs, where, items, cwhere, opening, hwhere = {}, {}, {}, {}, {}, {}, {}
+  local ops, cops, hops, ids = {}, {}, {}, {}
   for i, c in ipairs(calls) do
     local v = checked[i] -- (nil: answered above)
-    if v ~= nil and c.method ~= "commit" then
+    if v ~= nil and c.method == "hold" then
+      if admit(v.spec, hops, ids) then
+        local k = #opening + 1
+        opening[k], hwhere[k] = v, i
+      else
+        out[i] = AGAIN
+      end
+    elseif v ~= nil and c.method ~= "commit" then
       if admit(v, ops, ids) then
         local k = #specs + 1
         specs[k], errs[k], where[k] = v, false, i
@@ -272,7 +285,8 @@ function _M.run_calls(tm, calls, wait)
     end
   end
   -- part (1 the batch, 2 settled after it, 3 the commits, 4 those
-  -- settled or driven after them) of each call the batch ran
+  -- settled or driven after them, 5 the holds, 6 those opened alone after
+  -- them) of each call the batch ran
   local part = {}
   if #specs > 0 then
     local results, late, held
@@ -289,8 +303,15 @@ function _M.run_calls(tm, calls, wait)
       if held and held[k] then out[i].held = tm.engine:held_info(held[k]) end
     end
   end
+  if #opening > 0 then
+    local _, raise = shared(holds.open_entries, tm, opening)
+    for k, i in ipairs(hwhere) do
+      local e = opening[k]
+      out[i], part[i] = raise and { raise = raise } or answer(e.out, e.err), e.late and 6 or 5
+    end
+  end
   local order = {}
-  for p = 1, 4 do
+  for p = 1, 6 do
     for i = 1, #calls do
       if out[i] ~= AGAIN and (part[i] or 1) == p then order[#order + 1] = i end
     end
@@ -301,19 +322,19 @@ end
 
 -- A manager (mongotx, or mongotx.pool's) behind a group: group.wrap(tm,
 -- opts) with opts as group.new's but run (tm:run_calls).  Its transfer,
--- run and commit answer as tm's.
+-- run, commit and hold answer as tm's.
 
 --- For a program with its own scheduler.
 -- @section scheduler
 local Wrapped = {}
 Wrapped.__index = Wrapped
 
---- A manager behind a group, for a program with its own scheduler: its `transfer`, `run` and `commit` answer as `tm`'s.
+--- A manager behind a group, for a program with its own scheduler: its calls answer as `tm`'s.
 -- @syntax g = group.wrap(tm, { signal, spawn, now [, max = 100] [, delay = 0] [, inflight = 1] })
 -- @tparam table tm a manager (mongotx's or mongotx.pool's)
 -- @tparam table opts as `group.new`'s, without `run`
--- @treturn table an object with `g:transfer(...)`, `g:run(...)` and `g:commit(t)`, each answering exactly as the
---   manager's call alone (its transaction, `nil, err`, or its raise), run in batches with the concurrent ones
+-- @treturn table an object with `g:transfer(...)`, `g:run(...)`, `g:commit(t)` and `g:hold(...)`, each answering
+-- @treturn table an object with `g:transfer(...)`, `g:run(...)`, `g:commit(t)`, `g:hold(...)`, each answering
 -- @errors a bad option raises; each call's errors are its own
 -- @usage local g = group.wrap(tm, { signal = signal, spawn = spawn, now = now })
 -- local t, err = g:transfer("accounts", "A", "B", 100, { min = 0 })

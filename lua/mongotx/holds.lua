@@ -38,12 +38,14 @@ local batch = require "mongotx.batch"
 local engine = require "mongotx.engine"
 local points = require "mongotx.points"
 local checks = require "mongotx.manager.checks"
+local CHUNK = require("mongotx.manager.batches").CHUNK
 
 local live, canon = stored.live, validate.canon
 local Date = core.Date
-local pairs, ipairs, type, tostring = pairs, ipairs, type, tostring
+local pairs, ipairs, type, tostring, pcall = pairs, ipairs, type, tostring, pcall
 local floor, format, huge, min = math.floor, string.format, math.huge, math.min
 local setmetatable = setmetatable
+local unpack = table.unpack or unpack -- luacheck: ignore 143
 
 local _M = {}
 
@@ -103,6 +105,92 @@ function _M.view(eng, T)
     T.hold.status = _M.status(T, eng:clock(), open)
   end
   return T
+end
+
+-- The marks field of T's documents, or nil for a hand-edited T whose
+-- recorded field is no field name (Engine:form raises).
+local function marker_of(eng, T)
+  local ok, form = pcall(eng.form, eng, T)
+  return ok and form.marker or nil
+end
+
+-- view for a page of transaction documents (`mongotx list`), in bounded
+-- reads whatever the page holds: the marks of its pending holds in one
+-- find per collection (their documents' ids and marks fields, at most one
+-- document an id), and those found without both marks read again in one
+-- find (decided since the page was read: shown as they are now).  Sets
+-- hold.status on each hold of `list` (a failed read leaves "held");
+-- returns list, or nil, err.
+function _M.views(eng, list)
+  local any = false
+  for _, T in ipairs(list) do any = any or type(T.hold) == "table" end
+  if not any then return list end -- (no read: not even of the clock)
+  local now, err = eng:clock()
+  if not now then return nil, err end
+  local by_coll, order, pending = {}, {}, {}
+  for _, T in ipairs(list) do
+    local ops, marker = T.ops, nil
+    if type(T.hold) == "table" and T.state == "pending" and type(ops) == "table"
+       and type(ops[1]) == "table" and type(ops[2]) == "table" then
+      marker = marker_of(eng, T)
+    end
+    if marker then
+      pending[#pending + 1] = T
+      for i = 1, 2 do
+        local name = ops[i].collection
+        local g = by_coll[name]
+        if not g then
+          g = { ids = {}, seen = {}, fields = {} }
+          by_coll[name], order[#order + 1] = g, name
+        end
+        local k = validate.id_key(ops[i].id)
+        if k and not g.seen[k] then g.seen[k], g.ids[#g.ids + 1] = true, ops[i].id end
+        g.fields[marker] = true
+      end
+    end
+  end
+  local docs = {} -- docs[collection][id key]: _id and marks fields
+  for _, name in ipairs(order) do
+    local g, projection = by_coll[name], { _id = 1 }
+    for f in pairs(g.fields) do projection[f] = 1 end
+    local found
+    found, err = eng:coll(name):find_all({ _id = { ["$in"] = g.ids } },
+      { projection = projection, limit = #g.ids })
+    if not found then return nil, errors.wrap(err, "hold") end
+    local by_id = {}
+    for _, d in ipairs(found) do by_id[validate.id_key(d._id) or ""] = d end
+    docs[name] = by_id
+  end
+  local open, opening = {}, {}
+  for _, T in ipairs(pending) do
+    local marker, mark, on = marker_of(eng, T), stored.mark(T), true
+    for i = 1, 2 do
+      local op = T.ops[i]
+      local d = docs[op.collection][validate.id_key(op.id) or ""]
+      on = on and stored.has_marker(d, marker, mark)
+    end
+    open[T] = on
+    if not on then opening[#opening + 1] = T._id end
+  end
+  local again = {}
+  if #opening > 0 then
+    local found
+    found, err = eng.tx:find_all({ _id = { ["$in"] = opening } },
+      { projection = { state = 1, epoch = 1, cause = 1, hold = 1 }, limit = #opening })
+    if not found then return nil, errors.wrap(err, "hold") end
+    for _, d in ipairs(found) do again[validate.tid_key(d._id)] = d end
+  end
+  for _, T in ipairs(list) do
+    if type(T.hold) == "table" then
+      local known = open[T]
+      local d = known == false and again[validate.tid_key(T._id)]
+      if d and (d.state ~= "pending" or d.epoch ~= T.epoch) and type(d.hold) == "table" then
+        known, T.state, T.epoch, T.cause, T.hold = nil, d.state, d.epoch, d.cause, d.hold
+      end
+      T.hold.status = _M.status(T, now, known)
+    end
+  end
+  return list
 end
 
 -- The condition on hold.expires of a decision: ahead of the server's clock
@@ -224,18 +312,17 @@ local function settles(T, amount, set)
   return set
 end
 
--- hold(tm, collection, from, to, amount, opts): see Manager:hold.
-function _M.hold(tm, collection, from, to, amount, opts, level)
-  local err
-  opts, err = validate.options(opts, hold_options, "hold", level + 1)
-  if not opts then return nil, err end
+-- The hold of a checked call (opts: validate.options's) at the server's
+-- `now` (ms): an entry of batch.lua's shape { T, doc (its own fields as
+-- a batch's create inserts them), spec }, or nil, err.  Wrong argument
+-- types raise at `level`.
+local function prepare(tm, collection, from, to, amount, opts, now, level)
   local expires = opts.expires or _M.EXPIRES
-  if expires <= 0 then
-    return nil, errors.new("invalid", "option expires of hold must be more than 0 seconds",
-      { step = "hold" })
+  if not (expires > 0 and expires < huge) then -- (a number: validate.options)
+    return nil, errors.new("invalid", "option expires of hold must be more than 0 seconds " ..
+      "(a finite number)", { step = "hold" })
   end
-  local spec
-  spec, err = checks.transfer_spec(tm, collection, from, to, amount,
+  local spec, err = checks.transfer_spec(tm, collection, from, to, amount,
     { field = opts.field, min = opts.min, id = opts.id, meta = opts.meta }, level + 1)
   if not spec then return nil, errors.wrap(err, "hold", nil) end
   if spec.ops[2].effect ~= "escrow" then
@@ -243,14 +330,7 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
       "with escrow = false cannot hold (its credit would hold the document)", { step = "hold" })
   end
   local eng = tm.engine
-  local now
-  now, err = eng:clock()
-  if not now then return nil, err end
-  local deadline -- the opener's: it fences the applies, and ends by the expiry
-  deadline, err = eng:new_deadline()
-  if err then return nil, err end
   local at = floor(now + expires * 1000)
-  if deadline then deadline = Date(min(at, deadline:value())) end
   local id = spec.id
   if id == nil then id = core.ObjectId() end
   local T = { _id = id, state = "pending", ops = spec.ops, epoch = 1, attempts = 1,
@@ -260,48 +340,215 @@ function _M.hold(tm, collection, from, to, amount, opts, level)
               mark = stored.new_mark(eng.vctx.collection, id),
               source = from, destination = to, value = amount,
               hold = { amount = amount, expires = Date(at) } }
+  local doc = { _id = id, ops = spec.stored, meta = spec.meta, deadline = T.deadline,
+                mark = T.mark, source = from, destination = to, value = amount, hold = T.hold }
+  return { T = T, doc = doc, spec = spec, expires = expires, err = false, slow = false,
+           created = false, applied = false, sent = false, out = false, late = false }
+end
+
+-- The opener's deadline for holds `entries`, which fences their applies:
+-- its lease's, or the earliest expiry when that comes first (nil: fenced
+-- by versions read now, before their create, which is the claim);
+-- deadline, versions, or nil, err.
+local function opener_deadline(eng, entries)
+  local deadline, err = eng:new_deadline()
+  if err then return nil, err end
+  if deadline then
+    local d = deadline:value()
+    for _, e in ipairs(entries) do d = min(d, e.T.hold.expires:value()) end
+    return Date(d)
+  end
+  local list = {}
+  for i, e in ipairs(entries) do list[i] = e.T end
   local versions
-  if not deadline then
-    -- fenced by versions, read before the create, which is the claim
-    versions, err = eng:versions_many({ T })
-    if not versions then return nil, err end
+  versions, err = eng:versions_many(list)
+  if not versions then return nil, err end
+  return false, versions
+end
+
+-- Creates the hold of entry e alone (an upsert): true when this call
+-- created it, else e.out or e.err is its answer (its id exists already:
+-- `again`).  `unsure`: a batch's insert may have created it (the bulk
+-- reply cannot say): one it did is this call's.
+local function create_one(tm, e, unsure)
+  local eng, T = tm.engine, e.T
+  if unsure then
+    local existing, err = eng:get(T._id)
+    if err then e.err = err return false end
+    if existing and batch.inserted_here(eng, T, existing) then return true end
+    if existing then
+      e.out, e.err = _M.again(tm, T, e.spec)
+      return false
+    end
   end
   local doc = {}
   for k, v in pairs(T) do doc[k] = v end
-  doc.ops = spec.stored
-  local res
-  res, err = eng:step("create", id, eng.tx, doc)
-  if not res then return nil, err end
-  if not res.created then return _M.again(tm, T, spec) end
-  eng:hold(id, 1)
+  doc.ops, doc.lastModified = e.doc.ops, nil
+  local res, err = eng:step("create", T._id, eng.tx, doc)
+  if not res then e.err = err return false end
+  if res.created then return true end
+  e.out, e.err = _M.again(tm, T, e.spec)
+  return false
+end
+
+-- The slow way of a hold an opening batch could not apply at once (an op
+-- did not match): its applies one at a time; e.err when it did not open.
+local function open_slow(opener, e, deadline, versions)
+  local eng, T = opener, e.T
+  local vs = {}
+  for i in ipairs(T.ops) do
+    vs[i] = { marked = e.applied[i] or false, deadline = deadline or nil,
+              version = versions and versions[i].version or false }
+  end
+  local ok, why, failure = opener:apply_ops(T, vs)
+  if ok == true then return end
+  eng:hold(T._id, nil)
+  if ok and ok.state == "canceling" then
+    local _, e2 = eng:drive(ok, nil)
+    e.err = (not e2 or e2.code == "cancelled") and failure or e2
+  else
+    e.err = why or errors.new("fenced", "another owner took the hold over while it opened",
+      { step = "hold", id = T._id })
+  end
+end
+
+-- Opens the created holds `entries`: their applies in one bulk write a
+-- collection (two with a floor: the guarded debits first), each sent
+-- once (Engine:retry, `once`: no resend after a lost answer), fenced by
+-- `deadline` or `versions` (versions[k] entry k's); the ones an op did
+-- not match alone (open_slow).  Each ends with e.out (held) or e.err (it
+-- stays pending: recovery rolls it back once it expired).  A policy that
+-- raised fails its hold only (batch.guarded).
+local function open(tm, entries, deadline, versions)
+  local eng = tm.engine
+  for _, e in ipairs(entries) do eng:hold(e.T._id, 1) end
   local opener = setmetatable({ once = "apply" }, { __index = eng })
-  local e = { T = T, doc = doc, err = false, slow = false, applied = false }
-  batch.apply(opener, { e }, deadline, versions)
-  if e.err then
-    eng:hold(id, nil)
-    return nil, e.err -- pending: recovery rolls it back once it expired
-  end
-  if e.slow then
-    local vs = {}
-    for i in ipairs(T.ops) do
-      vs[i] = { marked = e.applied[i] or false, deadline = deadline,
-                version = versions and versions[1][i].version or false }
+  batch.apply(opener, entries, deadline or nil, versions)
+  for k, e in ipairs(entries) do
+    if not e.err and e.slow then
+      e.late = true
+      batch.guarded(open_slow, opener, e, deadline, versions and versions[k])
     end
-    local ok, why, failure = opener:apply_ops(T, vs)
-    if ok ~= true then
-      eng:hold(id, nil)
-      if ok and ok.state == "canceling" then
-        local _, e2 = eng:drive(ok, nil)
-        return nil, (not e2 or e2.code == "cancelled") and failure or e2
+    eng:hold(e.T._id, nil)
+    if not e.err then
+      eng:event("hold", { id = e.T._id, amount = e.T.hold.amount, expires = e.expires })
+      e.T.hold.status = "held"
+      e.out = e.T
+    end
+  end
+end
+
+-- A hold call's checks (those of tm:hold): its entry (prepare), or nil,
+-- err; wrong argument types raise at `level`.  mongotx.group checks the
+-- hold calls it batches with it.
+function _M.check(tm, collection, from, to, amount, opts, level)
+  local err
+  opts, err = validate.options(opts, hold_options, "hold", level + 1)
+  if not opts then return nil, err end
+  local now
+  now, err = tm.engine:clock()
+  if not now then return nil, err end
+  return prepare(tm, collection, from, to, amount, opts, now, level + 1)
+end
+
+-- hold(tm, collection, from, to, amount, opts): see Manager:hold.
+function _M.hold(tm, collection, from, to, amount, opts, level)
+  local e, err = _M.check(tm, collection, from, to, amount, opts, level + 1)
+  if not e then return nil, err end
+  local deadline, versions = opener_deadline(tm.engine, { e })
+  if deadline == nil then return nil, versions end
+  if create_one(tm, e, false) then open(tm, { e }, deadline, versions) end
+  if errors.is_policy(e.err) then error(e.err, 0) end -- the call's own raise, as transfer's
+  return e.out or nil, e.err or nil
+end
+
+local many_options = { collection = true, from = true, to = true, amount = true }
+for k in pairs(hold_options) do many_options[k] = true end
+
+-- Opens the checked holds `entries` as one batch: one insert of them all
+-- (the fields they share sent once), their applies (open); those whose
+-- insert did not say so created alone (create_one), and opened after the
+-- others (e.late).
+local function open_batch(tm, entries, now)
+  local eng = tm.engine
+  local deadline, versions = opener_deadline(eng, entries)
+  if deadline == nil then
+    for _, e in ipairs(entries) do e.err = versions end
+    return
+  end
+  local stamp = eng:stamp(now)
+  for _, e in ipairs(entries) do e.T.lastModified, e.doc.lastModified = stamp, stamp end
+  batch.create(eng, entries, { state = "pending", epoch = 1, attempts = 1,
+    application = eng.application, instance = eng.instance, lease = eng.policy.lease,
+    markerField = eng.marker, versionField = eng.version_field })
+  local created, vs = {}, versions and {}
+  for k, e in ipairs(entries) do
+    if e.created then
+      created[#created + 1] = e
+      if vs then vs[#created] = versions[k] end
+    end
+  end
+  if #created > 0 then open(tm, created, deadline, vs) end
+  for k, e in ipairs(entries) do
+    if e.slow == "create" and not e.err then
+      e.slow, e.late = false, true
+      if create_one(tm, e, true) then
+        open(tm, { e }, deadline, versions and { versions[k] })
       end
-      return nil, why or errors.new("fenced", "another owner took the hold over while it " ..
-        "opened", { step = "hold", id = id })
     end
   end
-  eng:hold(id, nil)
-  eng:event("hold", { id = id, amount = amount, expires = expires })
-  T.hold.status = "held"
-  return T
+end
+
+-- Opens the checked holds `entries` (check's, or hold_many's) in batches
+-- of at most CHUNK, as transfer_many runs transfers: each ends with e.out
+-- (the hold, held) or e.err, and e.late when it was opened alone after
+-- the others of its batch.
+function _M.open_entries(tm, entries)
+  local now, err = tm.engine:clock()
+  for first = 1, #entries, CHUNK do
+    local chunk = { unpack(entries, first, min(first + CHUNK - 1, #entries)) }
+    if now then
+      open_batch(tm, chunk, now)
+    else
+      for _, e in ipairs(chunk) do e.err = err end
+    end
+  end
+end
+
+-- hold_many(tm, list): see Manager:hold_many.
+function _M.hold_many(tm, list, level)
+  if type(list) ~= "table" then error("hold_many takes a list", level + 1) end
+  local now, err = tm.engine:clock()
+  if not now then return nil, err end
+  local entries, seen = {}, {}
+  for i = 1, #list do
+    local item = list[i]
+    if type(item) ~= "table" then
+      error(format("hold_many: item %d is not a table", i), level + 1)
+    end
+    local opts, e
+    opts, err = validate.options(item, many_options, "hold_many item " .. i, level + 1)
+    if opts then
+      e, err = prepare(tm, opts.collection, opts.from, opts.to, opts.amount, opts, now, level + 1)
+    end
+    if e and opts.id ~= nil then
+      local k = validate.tid_key(e.T._id)
+      if seen[k] then
+        e, err = nil, errors.new("invalid", format("item %d repeats the id of item %d", i,
+          seen[k]), { id = e.T._id })
+      end
+      seen[k] = i
+    end
+    if not e then
+      err.message, err.step, err.item = format("item %d: %s", i, err.message), "hold_many", i
+      return nil, err
+    end
+    entries[i] = e
+  end
+  _M.open_entries(tm, entries)
+  local results, errs = {}, {}
+  for i, e in ipairs(entries) do results[i], errs[i] = e.out or false, e.err or false end
+  return results, errs
 end
 
 -- A hold whose id exists already: the same hold (ops and amount) is
@@ -363,6 +610,44 @@ local function after_lost(eng, T)
   return now
 end
 
+-- The decision `step` (capture, void) on the hold T as read, taken or
+-- met: until T is decided (by this call, another, or an expiry), at most
+-- MAX_ROUNDS times, each a check that it is open (may_decide, once seen
+-- open), the conditioned write (decide: `set`; on_event(step, `info`)
+-- when it won), or T as it is now when it lost (after_lost).  Returns
+-- answer(T) of the decided T (which drives it on and says what the call
+-- answers), or nil, err.
+local function until_decided(eng, T, step, set, info, answer)
+  local checked = false -- both marks seen on (opened): no apply can land any more
+  for _ = 1, MAX_ROUNDS do
+    local state = T.state
+    if state == "applied" or state == "done" or state == "canceling" or state == "cancelled" then
+      return answer(T)
+    end
+    local go, err = may_decide(eng, T, step, checked)
+    if not go then return nil, err end
+    if go ~= true then
+      T = go -- decided meanwhile: answered as it stands
+    else
+      checked = true
+      local cond
+      cond, err = expiry(eng, false)
+      if not cond then return nil, err end
+      local won
+      won, err = decide(eng, T, step, cond, set)
+      if won == nil then return nil, err end
+      if won then
+        eng:event(step, info)
+        T = won
+      else
+        T, err = after_lost(eng, T)
+        if not T then return nil, err end
+      end
+    end
+  end
+  return nil, errors.new("state", "the hold did not settle", { step = step, id = T._id })
+end
+
 -- capture(tm, id, amount): see Manager:capture.
 function _M.capture(tm, id, amount, level)
   local T, err = load(tm, id, "capture", level + 1)
@@ -382,49 +667,24 @@ function _M.capture(tm, id, amount, level)
     amount = T.hold.amount
   end
   local eng = tm.engine
-  local checked = false -- both marks seen on (opened): no apply can land any more
-  for _ = 1, MAX_ROUNDS do
-    local state = T.state
-    if state == "applied" or state == "done" then
-      if T.hold.captured ~= amount and not (T.hold.captured == nil and amount == T.hold.amount) then
-        return nil, state_error(T, "capture", "captured", format("the hold was captured " ..
-          "with %s", tostring(T.hold.captured or T.hold.amount)))
+  return until_decided(eng, T, "capture",
+    settles(T, amount, { state = "applied", ["hold.captured"] = amount }),
+    { id = T._id, amount = amount, held = T.hold.amount },
+    function(D)
+      if D.state == "applied" or D.state == "done" then
+        if D.hold.captured ~= amount and not (D.hold.captured == nil and amount == D.hold.amount) then
+          return nil, state_error(D, "capture", "captured", format("the hold was captured " ..
+            "with %s", tostring(D.hold.captured or D.hold.amount)))
+        end
+        local final, e = settle(eng, D)
+        if not final then return nil, e end
+        return _M.view(eng, final)
       end
-      T, err = settle(eng, T)
-      if not T then return nil, err end
-      return _M.view(eng, T)
-    elseif state == "canceling" or state == "cancelled" then
-      local _
-      _, err = settle(eng, T)
-      if err and err.code ~= "cancelled" then return nil, err end
-      local status = _M.status(T)
-      return nil, state_error(T, "capture", status, "the hold was " .. status)
-    end
-    local go
-    go, err = may_decide(eng, T, "capture", checked)
-    if not go then return nil, err end
-    if go ~= true then
-      T = go -- decided meanwhile: answered as it stands
-    else
-      checked = true
-      local cond
-      cond, err = expiry(eng, false)
-      if not cond then return nil, err end
-      local won
-      won, err = decide(eng, T, "capture", cond,
-        settles(T, amount, { state = "applied", ["hold.captured"] = amount }))
-      if won == nil then return nil, err end
-      if won then
-        eng:event("capture", { id = T._id, amount = amount, held = T.hold.amount })
-        T, err = settle(eng, won)
-        if not T then return nil, err end
-        return _M.view(eng, T)
-      end
-      T, err = after_lost(eng, T)
-      if not T then return nil, err end
-    end
-  end
-  return nil, errors.new("state", "the hold did not settle", { step = "capture", id = T._id })
+      local _, e = settle(eng, D)
+      if e and e.code ~= "cancelled" then return nil, e end
+      local status = _M.status(D)
+      return nil, state_error(D, "capture", status, "the hold was " .. status)
+    end)
 end
 
 -- void(tm, id): see Manager:void.
@@ -432,46 +692,19 @@ function _M.void(tm, id, level)
   local T, err = load(tm, id, "void", level + 1)
   if not T then return nil, err end
   local eng = tm.engine
-  local checked = false -- both marks seen on (opened)
-  for _ = 1, MAX_ROUNDS do
-    local state = T.state
-    if state == "applied" or state == "done" then
-      local _
-      _, err = settle(eng, T)
-      if err then return nil, err end
-      return nil, state_error(T, "void", "captured", format("the hold was captured with %s",
-        tostring(T.hold.captured or T.hold.amount)))
-    elseif state == "canceling" or state == "cancelled" then
-      local final
-      final, err = settle(eng, T)
-      if err and err.code ~= "cancelled" then return nil, err end
-      T = final or eng:get(T._id) or T
-      return _M.view(eng, T)
-    end
-    local go
-    go, err = may_decide(eng, T, "void", checked)
-    if not go then return nil, err end
-    if go ~= true then
-      T = go -- decided meanwhile: answered as it stands
-    else
-      checked = true
-      local cond
-      cond, err = expiry(eng, false)
-      if not cond then return nil, err end
-      local won
-      won, err = decide(eng, T, "void", cond,
-        { state = "canceling", reason = "voided", cause = "voided" })
-      if won == nil then return nil, err end
-      if won then
-        eng:event("void", { id = T._id, amount = T.hold.amount })
-        T = won
-      else
-        T, err = after_lost(eng, T)
-        if not T then return nil, err end
+  return until_decided(eng, T, "void", { state = "canceling", reason = "voided", cause = "voided" },
+    { id = T._id, amount = T.hold.amount },
+    function(D)
+      if D.state == "applied" or D.state == "done" then
+        local _, e = settle(eng, D)
+        if e then return nil, e end
+        return nil, state_error(D, "void", "captured", format("the hold was captured with %s",
+          tostring(D.hold.captured or D.hold.amount)))
       end
-    end
-  end
-  return nil, errors.new("state", "the hold did not settle", { step = "void", id = T._id })
+      local final, e = settle(eng, D)
+      if e and e.code ~= "cancelled" then return nil, e end
+      return _M.view(eng, final or eng:get(D._id) or D)
+    end)
 end
 
 -- The captured hold T as the transfer it amounts to (a copy): each op

@@ -324,6 +324,7 @@ end
 
 -- hold, capture, void: mongotx.manager.holds.
 Manager.hold, Manager.capture, Manager.void = mholds.hold, mholds.capture, mholds.void
+Manager.hold_many, Manager.hold_views = mholds.hold_many, mholds.hold_views
 
 -- Runs calls of tm:transfer, tm:run and tm:commit that concurrent
 -- callers made as one batch, each answered as its call alone would be:
@@ -333,10 +334,11 @@ Manager.hold, Manager.capture, Manager.void = mholds.hold, mholds.capture, mhold
 -- one result per call and the order they took effect in
 -- (group.run_calls), or nil, err when no client came free (a pool).
 
---- Internal: the batch of mongotx.group's driver, concurrent `transfer`, `run` and `commit` calls run as one.
+--- Internal: the batch of mongotx.group's driver, concurrent `transfer`, `run`, `commit` and `hold` calls run as one.
 -- @local
 -- @syntax out, order = tm:run_calls(calls, wait)
--- @tparam table calls `{ method = "transfer" | "run" | "commit", n = <argument count>, <the arguments> }` each
+-- @tparam table calls `{ method = "transfer" | "run" | "commit" | "hold", n = <argument count>, <the arguments> }`
+--   each
 -- @number wait the seconds the driver waited for them
 -- @treturn table one result per call (as the call alone answers), and the order they took effect in
 -- @errors nil, err when no client of a pool came free

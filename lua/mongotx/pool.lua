@@ -36,7 +36,7 @@ local _M = { _VERSION = core._VERSION }
 -- The manager's methods, each run on a slot bound to a client of the pool.
 _M.METHODS = { "begin", "commit", "run", "transfer", "commit_many", "transfer_many",
                "finish", "rollback", "compensate", "recover", "prune", "get", "find",
-               "stats", "step", "server_now", "run_calls", "later", "hold", "capture", "void" }
+               "stats", "step", "server_now", "run_calls", "later", "hold", "hold_many", "capture", "void" }
 
 local Database = {}
 Database.__index = Database

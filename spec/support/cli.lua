@@ -85,6 +85,30 @@ function M.start(args, opts)
   return h
 end
 
+-- `mongotx list` run in this process (mongotx.cli.commands.list) with
+-- options `o` on manager tm of database handle db, LIST_PAGE `page`
+-- transactions a reply, its output in a file: asserts it ended with code
+-- 0, and returns the commands it sent, the documents the server
+-- returned, and its output.
+function M.list_here(tm, db, o, page)
+  local commands = require "mongotx.cli.commands"
+  local output = require "mongotx.cli.output"
+  local path = os.tmpname()
+  local f = assert(io.open(path, "w"))
+  local was_file, was_page = output.stdout.file, commands.LIST_PAGE
+  output.stdout.file, commands.LIST_PAGE = f, page
+  db.client:reset_counters()
+  local ok, code = pcall(commands.list, tm, o, function(c, m) error(tostring(m)) return c end)
+  local cmds, read = db.client:counters().commands, db.client:returned()
+  output.stdout.file, commands.LIST_PAGE = was_file, was_page
+  f:close()
+  local text = helpers.read_file(path)
+  os.remove(path)
+  assert(ok, code)
+  assert(code == 0, "mongotx list ended with " .. tostring(code))
+  return cmds, read, text
+end
+
 -- The last JSON line of a --json command's output, decoded (lua-cjson,
 -- another implementation than the command's encoder).
 function M.json_last(out)

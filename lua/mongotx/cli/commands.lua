@@ -8,7 +8,6 @@ local core = require "mongotx.core"
 local output = require "mongotx.cli.output"
 local progress = require "mongotx.cli.progress"
 local gauges = require "mongotx.metrics.backlog"
-local holds = require "mongotx.holds"
 
 local json, id_text, cell = output.json, output.id_text, output.cell
 local record, add = output.record, output.add
@@ -107,22 +106,39 @@ function _M.list(tm, o, fail)
   cursor, err = tm:scan(filter, { sort = { lastModified = 1 }, limit = o.limit,
                                   batch_size = _M.LIST_PAGE })
   if not cursor then return fail(FAILED, err) end
-  local rows, widths = {}, nil
+  local page, widths = {}, nil
+  -- prints the page read, its holds' status as tm:get says it (their
+  -- marks read for the whole page at once)
+  local function print_page()
+    local ok, why = tm:hold_views(page)
+    if not ok then return why end
+    local rows = {}
+    for i, T in ipairs(page) do
+      if o.json then
+        say(json(T))
+      else
+        local state = cell(T.state)
+        if type(T.hold) == "table" then state = state .. " (" .. T.hold.status .. ")" end
+        rows[i] = { id_text(T._id), state, cell(T.application),
+          seconds_text(age(T.lastModified, now)), cell(T.attempts), T.parked and "yes" or "",
+          tostring(type(T.ops) == "table" and #T.ops or "-"), shorten(cell(T.reason), 50) }
+      end
+    end
+    if not o.json and (#rows > 0 or not widths) then
+      widths = output.table(stdout, LIST_HEADERS, rows, widths)
+    end
+    page = {}
+  end
   while true do
     local T
     T, err = cursor:next()
-    if T and o.json then
-      say(json(T))
-    elseif T then
-      local state = cell(T.state)
-      if type(T.hold) == "table" then state = state .. " (" .. holds.status(T, now) .. ")" end
-      rows[#rows + 1] = { id_text(T._id), state, cell(T.application),
-        seconds_text(age(T.lastModified, now)), cell(T.attempts), T.parked and "yes" or "",
-        tostring(type(T.ops) == "table" and #T.ops or "-"), shorten(cell(T.reason), 50) }
-    end
-    if not o.json and (not T or #rows == _M.LIST_PAGE) and (#rows > 0 or not widths) then
-      widths = output.table(stdout, LIST_HEADERS, rows, widths)
-      rows = {}
+    if T then page[#page + 1] = T end
+    if not T or #page == _M.LIST_PAGE then
+      local why = print_page()
+      if why then
+        cursor:close()
+        return fail(FAILED, why)
+      end
     end
     if not T then break end
   end
@@ -137,7 +153,7 @@ local TX_FIELDS = { "state", "application", "instance", "epoch", "attempts", "le
 
 -- What `show` says of a hold: its status, amounts and expiry.
 local function hold_text(T, now)
-  local h, status = T.hold, holds.status(T, now)
+  local h, status = T.hold, T.hold.status
   local text = format("%s: %s", status, cell(h.amount))
   if status == "captured" then
     text = format("captured %s of %s", cell(h.captured or h.amount), cell(h.amount))
@@ -154,6 +170,10 @@ function _M.show(tm, o, fail)
   local T, docs, why = tm:inspect(o.id)
   if not T then
     return fail(FAILED, docs and tostring(docs) or "no such transaction " .. id_text(o.id))
+  end
+  if type(T.hold) == "table" and not why then
+    local ok, err = tm:hold_views({ T })
+    if not ok then return fail(FAILED, err) end
   end
   if o.json then
     say(json(record("transaction", T, "documents", core.array(docs), "malformed", why)))

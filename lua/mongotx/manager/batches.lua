@@ -26,6 +26,7 @@ local _M = { pack = pack }
 -- 50-100 cost the least per transaction, 1000 three times more in those
 -- steps (bench/README.md, "Client CPU and batch size").
 local CHUNK = 100
+_M.CHUNK = CHUNK
 
 -- The held ones of a batch once waited for (out[k]: T as read, it left
 -- pending or its owner's lease passed; else false and bad[k]: why not),

@@ -1,8 +1,8 @@
--- mongotx.manager.holds: the manager's calls on holds (hold, capture,
--- void), as functions taking the manager, which mongotx.manager makes its
+-- mongotx.manager.holds: the manager's calls on holds (hold, hold_many,
+-- capture, void), as functions taking the manager, which mongotx.manager makes its
 -- methods; what they do is mongotx.holds.
 
---- The manager's holds (its methods `tm:hold`, `tm:capture`, `tm:void`).
+--- The manager's holds (its methods `tm:hold`, `tm:hold_many`, `tm:capture`, `tm:void`).
 -- @submodule mongotx.manager
 
 local holds = require "mongotx.holds"
@@ -34,6 +34,22 @@ function _M.hold(self, collection, from, to, amount, opts)
   return T, err
 end
 
+--- Opens several holds in one batch: one insert of them all and their applies in one bulk write.
+-- Each item is a `hold`'s arguments; each hold has its own outcome (one refused by its floor fails
+-- alone) and is then decided as any hold. Bad input in any item: nothing is written.
+-- @syntax results, errs = tm:hold_many(list)
+-- @tparam table list items `{ collection =, from =, to =, amount = [, field, min, id, expires, meta] }`
+-- @treturn table results: `results[i]` item i's hold, as `hold` returns it, or false
+-- @treturn table errs: `errs[i]` why item i did not open (as `hold`'s errors), or false
+-- @errors nil, err: bad input in an item (`err.item` says which; nothing written), or the server's
+--   clock unread
+-- @usage local results, errs = tm:hold_many { { collection = "accounts", from = "A", to = "B", amount = 10 } }
+-- @function Manager:hold_many
+function _M.hold_many(self, list)
+  local results, errs = holds.hold_many(self, list, CALLER)
+  return results, errs
+end
+
 --- Captures a hold: `amount` (default all of it) to `to`, the rest back to `from`, in the finish's writes.
 -- A capture repeated with the same amount returns the first one's result.
 -- @syntax T, err = tm:capture(id [, amount])
@@ -62,6 +78,19 @@ end
 function _M.void(self, id)
   local T, err = holds.void(self, id, CALLER)
   return T, err
+end
+
+--- Internal: sets `hold.status` on the holds of a page of transactions (`mongotx list`, `show`), as `tm:get` says it.
+-- The pending ones' marks are read in one find per collection, not one a hold.
+-- @local
+-- @syntax list, err = tm:hold_views(list)
+-- @tparam table list transaction documents (`tm:scan`'s)
+-- @treturn table the list
+-- @errors nil, err: a database error
+-- @usage assert(tm:hold_views({ T }))
+-- @function Manager:hold_views
+function _M.hold_views(self, list)
+  return holds.views(self.engine, list)
 end
 
 return _M

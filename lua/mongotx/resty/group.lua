@@ -82,7 +82,7 @@ local function new_group(tm, o)
   }
 end
 
--- tm:transfer, tm:run and tm:commit under group: the call joins its worker's next
+-- tm:transfer, tm:run, tm:commit and tm:hold under group: the call joins its worker's next
 -- batch.  ngx.ctx.mongotx_group says which batch of this manager in this
 -- worker ran it ({ batch, position }: for logs).  A call whose arguments
 -- cannot cross to a worker thread (a function, ...) goes alone(self, ...),
