@@ -65,3 +65,52 @@ describe("#server a hold's id named by an ordinary call", function()
     assert.is_nil(T.hold.captured)
   end)
 end)
+
+-- The reads of a hold's marks (tm:get, capture and void: one hold's two
+-- documents; tm:hold_views and `mongotx list --holds`: a page's, up to
+-- 2 000 documents) send a sort, as every read of many documents does
+-- (spec/57): FerretDB v2's unsorted cursor may repeat a document across
+-- replies, and the limit, spent on the repeat, would miss one, showing an
+-- open hold as opening.  Proved on what the server received (its debug log).
+describe("#server the reads of holds' marks", function()
+  local server = require "spec.support.server"
+  local s, db
+
+  teardown(function()
+    if db then db:close() end
+    if s then s:stop() end
+  end)
+
+  it("send a sort", function()
+    s = assert(server.start { kind = "memory", log_level = "debug" })
+    local name = helpers.db_name()
+    db = assert(mongotx.connect(s.uri, { database = name }))
+    local accounts = db:collection("accounts")
+    local docs, list = {}, {}
+    for i = 1, 120 do
+      docs[2 * i - 1] = { _id = "from" .. i, balance = 10 }
+      docs[2 * i] = { _id = "to" .. i, balance = 0 }
+      list[i] = { collection = "accounts", from = "from" .. i, to = "to" .. i, amount = 5, id = "h" .. i }
+    end
+    assert(accounts:insert_many(docs))
+    local tm = assert(db:manager { application = "views" })
+    local opened = assert(tm:hold_many(list))
+    for i = 1, 120 do assert.truthy(opened[i], "hold " .. i) end
+    assert.are.equal("held", assert(tm:get("h1")).hold.status)
+    local page = assert(tm:find({ hold = { ["$exists"] = true } }, { limit = 1000 }))
+    assert.are.equal(120, #page)
+    assert(tm:hold_views(page))
+    for _, T in ipairs(page) do assert.are.equal("held", T.hold.status) end
+    local unsorted, marks = {}, 0
+    local marker = '"$db" : "' .. name .. '"'
+    for line in io.lines(s.log) do
+      local doc = line:match("document: (%b{})")
+      if doc and doc:find('^{"find" : "accounts"') and doc:find(marker, 1, true) then
+        marks = marks + 1
+        if not doc:find('"sort" : {"_id" : 1', 1, true) then unsorted[#unsorted + 1] = doc end
+      end
+    end
+    assert.truthy(marks >= 2, "no read of the marks in the server's log")
+    assert.are.same({}, unsorted)
+  end)
+end)
