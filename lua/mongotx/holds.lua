@@ -86,7 +86,7 @@ end
 local function opened(eng, T)
   local a, b = T.ops[1], T.ops[2]
   local docs, err = eng:coll(a.collection):find_all({ _id = { ["$in"] = { a.id, b.id } },
-    [eng:form(T).marker] = stored.mark(T) }, { projection = { _id = 1 }, limit = 2 })
+    [eng:form(T).marker] = stored.mark(T) }, { projection = { _id = 1 }, limit = 2, sort = { _id = 1 } })
   if not docs then return nil, errors.wrap(err, "hold", T._id) end
   return #docs == 2
 end
@@ -155,7 +155,7 @@ function _M.views(eng, list)
     for f in pairs(g.fields) do projection[f] = 1 end
     local found
     found, err = eng:coll(name):find_all({ _id = { ["$in"] = g.ids } },
-      { projection = projection, limit = #g.ids })
+      { projection = projection, limit = #g.ids, sort = { _id = 1 } })
     if not found then return nil, errors.wrap(err, "hold") end
     local by_id = {}
     for _, d in ipairs(found) do by_id[validate.id_key(d._id) or ""] = d end
@@ -176,7 +176,8 @@ function _M.views(eng, list)
   if #opening > 0 then
     local found
     found, err = eng.tx:find_all({ _id = { ["$in"] = opening } },
-      { projection = { state = 1, epoch = 1, cause = 1, hold = 1 }, limit = #opening })
+      { projection = { state = 1, epoch = 1, cause = 1, hold = 1 }, limit = #opening,
+        sort = { _id = 1 } })
     if not found then return nil, errors.wrap(err, "hold") end
     for _, d in ipairs(found) do again[validate.tid_key(d._id)] = d end
   end

@@ -132,6 +132,12 @@ local function recover_one(eng, T, now, me)
       local epoch = T.epoch
       T, err = eng:cancel(T, reason, cause)
       if not T then return nil, err end
+      -- still pending: another claim came after ours (its owner drives
+      -- it now); never forward (a hold would be captured)
+      if T.state == "pending" then
+        eng:hold(T._id, nil)
+        return "skipped"
+      end
       expired(eng, T, epoch)
       versions = nil
     end
@@ -288,10 +294,16 @@ local function claim(eng, entries, now)
           local epoch = e.T.epoch
           local T, err = eng:cancel(e.T, reason, cause)
           if T then expired(eng, T, epoch) end
-          if T then e.T = T else fail(e, err) end
+          if not T then
+            fail(e, err)
+          elseif T.state == "pending" then
+            e.outcome = "skipped" -- as recover_one: another claim came after ours
+          else
+            e.T = T
+          end
         end
       end
-      local state = not e.err and e.T.state -- (a failure is reported)
+      local state = not e.err and not e.outcome and e.T.state -- (a failure is reported)
       if state == "pending" then
         local n = #routes.forward + 1
         routes.forward[n], routes.versions[n] = e, vs
