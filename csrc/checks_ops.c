@@ -222,6 +222,24 @@ kind_is(lua_State *L, const op_slots *s, const char *kind)
 	return strcmp(lua_tostring(L, s->kind), kind) == 0;
 }
 
+/* The largest number of the $inc of the update at u (an escrowable one:
+ * inc_escrow). */
+static lua_Number
+max_inc(lua_State *L, int u)
+{
+	lua_Number max = 0;
+
+	lua_getfield(L, u, "$inc");
+	lua_pushnil(L);
+	while (lua_next(L, -2)) {
+		if (lua_tonumber(L, -1) > max)
+			max = lua_tonumber(L, -1);
+		lua_pop(L, 1);
+	}
+	lua_pop(L, 1);
+	return max;
+}
+
 /* The update and undo of an update op, into out (undo derived for an
  * update of $inc only), with its effect.  1, or the message pushed and 0. */
 static int
@@ -256,9 +274,13 @@ check_update_op(lua_State *L, const op_slots *s)
 	/* a credit (some $inc positive) waits in the escrow subdocument
 	 * until its finish; its undo must be the derived inverse, whose
 	 * negative numbers then take it back from there */
-	else if (s->escrow && derived && inc_escrow(L, s->value[F_UPDATE]))
+	else if (s->escrow && derived && inc_escrow(L, s->value[F_UPDATE])) {
+		if (max_inc(L, s->value[F_UPDATE]) > MTX_ROOM) {
+			lua_pushliteral(L, "an escrowed credit is at most 2^62");
+			return 0;
+		}
 		lua_pushliteral(L, "escrow");
-	else
+	} else
 		lua_pushnil(L);
 	if (!lua_isnil(L, -1)) {
 		lua_pushvalue(L, -1);

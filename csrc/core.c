@@ -35,6 +35,10 @@ luaopen_mongotx_core(lua_State *L)
 	lua_setfield(L, -2, "MAX_NAMESPACE");
 	lua_pushinteger(L, (lua_Integer)MTX_VERSION_BAND);
 	lua_setfield(L, -2, "VERSION_BAND");
+	lua_pushnumber(L, MTX_ROOM);
+	lua_setfield(L, -2, "ROOM");
+	lua_pushnumber(L, MTX_ROOM_FIELD);
+	lua_setfield(L, -2, "ROOM_FIELD");
 	mtx_open_scratch(L);
 	mtx_open_error(L);
 	mtx_open_bson(L);

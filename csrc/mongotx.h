@@ -36,6 +36,12 @@
  * apply matches only while the version is in the band it read. */
 #define MTX_VERSION_BAND ((int64_t)1 << 24)
 
+/* The largest escrowed credit, and the most a field and the credits
+ * waiting for it may hold, 2^62; the most the field alone may hold
+ * (csrc/txn.h, "Room"; core.ROOM, core.ROOM_FIELD). */
+#define MTX_ROOM 4611686018427387904.0
+#define MTX_ROOM_FIELD (MTX_ROOM - 4096.0)
+
 /* ---- scratch.c: Lua-owned temporaries ---- */
 
 /* Every C resource a call needs is owned by a userdata on the Lua stack, so

@@ -119,25 +119,108 @@ deadline_condition(lua_State *L, int deadline, bson_t *cond)
 	return cond;
 }
 
-/* Appends the conditions of where (NULL: none) to filter: flattened, or
- * with a deadline's condition (deadline_condition; NULL for none) $and:
- * [where, before], so that neither can shadow a key of the other. */
-void
-append_conditions(const bson_t *where, const bson_t *before, bson_t *filter)
+/* The sign of the number at it (int32, int64 or double): 1, -1 or 0.
+ * An escrowed op's $inc holds only those (checks_update.c, inc_escrow). */
+static int
+number_sign(const bson_iter_t *it)
 {
-	bson_t and;
-	bson_iter_t it;
+	switch (bson_iter_type(it)) {
+	case BSON_TYPE_INT32:
+		return (bson_iter_int32(it) > 0) - (bson_iter_int32(it) < 0);
+	case BSON_TYPE_INT64:
+		return (bson_iter_int64(it) > 0) - (bson_iter_int64(it) < 0);
+	case BSON_TYPE_DOUBLE:
+		return (bson_iter_double(it) > 0) - (bson_iter_double(it) < 0);
+	default:
+		return 0;
+	}
+}
 
-	if (!before) {
+/* Does the update (NULL: none) credit a field: a positive number in its
+ * $inc? */
+static int
+has_credit(const bson_t *update)
+{
+	bson_iter_t it, inner;
+
+	if (update && bson_iter_init_find(&it, update, "$inc") && bson_iter_recurse(&it, &inner))
+		while (bson_iter_next(&inner))
+			if (number_sign(&inner) == 1)
+				return 1;
+	return 0;
+}
+
+/* {key: {$not: {$gt: bound}}} into doc: the field at key is no number
+ * above bound (absent, or no number, it matches). */
+static void
+append_at_most(bson_t *doc, const char *key, double bound)
+{
+	bson_t not, gt;
+
+	bson_append_document_begin(doc, key, -1, &not);
+	bson_append_document_begin(&not, "$not", 4, &gt);
+	BSON_APPEND_DOUBLE(&gt, "$gt", bound);
+	bson_append_document_end(&not, &gt);
+	bson_append_document_end(doc, &not);
+}
+
+/* The room an escrowed credit's finish needs (txn.h, "Room"), into doc:
+ * for each positive n of the update's $inc on path p, p at most
+ * MTX_ROOM_FIELD and "<pending>.p" at most MTX_ROOM - n. */
+static void
+append_room(lua_State *L, bson_t *doc, const bson_t *update, const fields *f)
+{
+	bson_iter_t it, inner;
+
+	bson_iter_init_find(&it, update, "$inc");
+	bson_iter_recurse(&it, &inner);
+	while (bson_iter_next(&inner)) {
+		if (number_sign(&inner) != 1)
+			continue;
+		append_at_most(doc, bson_iter_key(&inner), MTX_ROOM_FIELD);
+		lua_pushfstring(L, "%s.%s", f->pending, bson_iter_key(&inner));
+		append_at_most(doc, lua_tostring(L, -1), MTX_ROOM - bson_iter_as_double(&inner));
+		lua_pop(L, 1);
+	}
+}
+
+/* Appends the conditions of where (NULL: none) to filter: flattened, or
+ * with a deadline's condition (deadline_condition; NULL for none) or the
+ * room of an escrowed op's credits (`escrowed`: its update, else NULL;
+ * append_room) $and: [where, before, room], so that none can shadow a
+ * key of another. */
+void
+append_conditions(lua_State *L, const bson_t *where, const bson_t *before,
+		  const bson_t *escrowed, const fields *f, bson_t *filter)
+{
+	bson_t and, room;
+	bson_iter_t it;
+	char buf[16];
+	const char *key;
+	uint32_t n = 0;
+	int credit = has_credit(escrowed);
+
+	if (!before && !credit) {
 		if (where && bson_iter_init(&it, where))
 			while (bson_iter_next(&it))
 				bson_append_iter(filter, NULL, 0, &it);
 		return;
 	}
 	bson_append_array_begin(filter, "$and", 4, &and);
-	if (where)
-		BSON_APPEND_DOCUMENT(&and, "0", where);
-	BSON_APPEND_DOCUMENT(&and, where ? "1" : "0", before);
+	if (where) {
+		bson_uint32_to_string(n++, &key, buf, sizeof buf);
+		BSON_APPEND_DOCUMENT(&and, key, where);
+	}
+	if (before) {
+		bson_uint32_to_string(n++, &key, buf, sizeof buf);
+		BSON_APPEND_DOCUMENT(&and, key, before);
+	}
+	if (credit) {
+		bson_uint32_to_string(n++, &key, buf, sizeof buf);
+		bson_append_document_begin(&and, key, -1, &room);
+		append_room(L, &room, escrowed, f);
+		bson_append_document_end(&and, &room);
+	}
 	bson_append_array_end(filter, &and);
 }
 
@@ -203,23 +286,6 @@ item_tid(lua_State *L, int item, int i, bson_t *holder)
 	bson_reinit(holder);
 	mtx_append_value(L, -1, holder, "t");
 	lua_pop(L, 1);
-}
-
-/* The sign of the number at it (int32, int64 or double): 1, -1 or 0.
- * An escrowed op's $inc holds only those (checks_update.c, inc_escrow). */
-static int
-number_sign(const bson_iter_t *it)
-{
-	switch (bson_iter_type(it)) {
-	case BSON_TYPE_INT32:
-		return (bson_iter_int32(it) > 0) - (bson_iter_int32(it) < 0);
-	case BSON_TYPE_INT64:
-		return (bson_iter_int64(it) > 0) - (bson_iter_int64(it) < 0);
-	case BSON_TYPE_DOUBLE:
-		return (bson_iter_double(it) > 0) - (bson_iter_double(it) < 0);
-	default:
-		return 0;
-	}
 }
 
 /* The $inc element at it into sub, as `pending`.<its path> when its sign

@@ -73,6 +73,16 @@ typedef struct {
  * waits for open ones (phases.lua, release). */
 enum { E_RAISES, E_LOWERS, E_ESCROW };
 
+/* Room.  The finish of an escrowed credit runs after the commit point,
+ * where a refusal (a 64-bit integer past 2^63 - 1) would leave the credit
+ * stuck.  So the apply of a credit of n to path p matches only where p is
+ * no number above MTX_ROOM_FIELD and "<pending>.p" (the credits in flight
+ * there) no number above MTX_ROOM - n: the field, every credit waiting
+ * for it and n then add up to less than 2^63, whatever the comparisons
+ * round (doubles, so that phases.lua's mirror reads the same bounds).  No
+ * other op raises p while credits wait there (a credit not escrowed is
+ * exclusive: "Isolation"), and a credit above MTX_ROOM is refused before
+ * (checks_ops.c). */
 
 /* A manager's steps (core.steps{...}): the field names and the write
  * options bound once, so that each step takes only what varies: (coll,
@@ -96,7 +106,8 @@ MTX_HIDDEN void scratch_pair(lua_State *L, bson_t **filter, bson_t **update);
 MTX_HIDDEN void append_removing(bson_t *update, const char *op, const fields *f,
 		const bson_t *tid_holder);
 MTX_HIDDEN const bson_t *deadline_condition(lua_State *L, int deadline, bson_t *cond);
-MTX_HIDDEN void append_conditions(const bson_t *where, const bson_t *before, bson_t *filter);
+MTX_HIDDEN void append_conditions(lua_State *L, const bson_t *where, const bson_t *before,
+		const bson_t *escrowed, const fields *f, bson_t *filter);
 MTX_HIDDEN void append_marker_ne(bson_t *filter, const fields *f, const bson_t *tid_holder);
 MTX_HIDDEN void append_unheld(lua_State *L, bson_t *filter, const char *array);
 MTX_HIDDEN void append_marker_eq(bson_t *filter, const fields *f, const bson_t *tid_holder);

@@ -240,7 +240,7 @@ build_apply(lua_State *L, const op_parts *p, const bson_t *tid, int version,
 		mtx_append_value(L, p->id_idx, filter, "_id");
 	else
 		bson_append_iter(filter, "_id", 3, &p->id_it);
-	append_conditions(p->where, before, filter);
+	append_conditions(L, p->where, before, p->escrow ? p->update : NULL, f, filter);
 	/* Isolation (txn.h): no exclusive holder for anyone; no holder at
 	 * all for an exclusive op or a guard other than a floor */
 	if (p->holds || p->kind == K_REMOVE || (p->where && !p->floor))

@@ -6,6 +6,7 @@
 -- them from whatever state T is in.  Methods of the Engine class
 -- (mongotx.engine adds `methods` to it), and the text of an op's failure.
 
+local core = require "mongotx.core"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local stored = require "mongotx.stored"
@@ -13,7 +14,7 @@ local bands = require "mongotx.engine.bands"
 
 local key, id_key = validate.tid_key, validate.id_key
 local live, has_marker, mark = stored.live, stored.has_marker, stored.mark
-local REMOVING, HELD, ESCROW = stored.REMOVING, stored.HELD, stored.ESCROW
+local REMOVING, HELD, ESCROW, PENDING = stored.REMOVING, stored.HELD, stored.ESCROW, stored.PENDING
 local ipairs, pairs, tostring, type = ipairs, pairs, tostring, type
 local format = string.format
 
@@ -84,6 +85,26 @@ end
 -- outranks T: Engine:apply_all; for "refused", the server's error), or
 -- nil, err.  v.missed: this very apply was just sent and did not match
 -- (a batch's), so the first try reads first.
+-- Has the escrowed op the room its apply requires (csrc/txn.h, "Room")?
+-- Counted with the same conditions: true, or false and the error that
+-- says which paths lack it (a refusal, as the server's is), or nil, err.
+local function has_room(coll, op)
+  local filter, paths = { _id = op.id }, {}
+  for path, n in pairs(op.update["$inc"]) do
+    if n > 0 then
+      filter[path] = { ["$not"] = { ["$gt"] = core.ROOM_FIELD } }
+      filter[PENDING .. "." .. path] = { ["$not"] = { ["$gt"] = core.ROOM - n } }
+      paths[#paths + 1] = path
+    end
+  end
+  local n, err = coll:count(filter)
+  if not n then return nil, err end
+  if n > 0 then return true end
+  table.sort(paths)
+  return false, errors.new("refused", format("no room for the credit of %s: a field keeps at most " ..
+    "2^62 - 4096, and with the credits waiting for it at most 2^62", table.concat(paths, ", ")))
+end
+
 function Engine:apply_one(T, i, v)
   local op = T.ops[i]
   local coll = self:coll(op.collection)
@@ -133,6 +154,13 @@ function Engine:apply_one(T, i, v)
         n, err = coll:count(filter)
         if not n then return nil, errors.wrap(err, "apply", T._id) end
         if n == 0 then return false, "guard" end
+      end
+      -- an escrowed credit without room (its finish could overflow the
+      -- field): refused, as the server refuses an $inc it cannot apply
+      if finished == 0 and op.effect == "escrow" and not (moved and try == 1) then
+        local room, refusal = has_room(coll, op)
+        if room == nil then return nil, errors.wrap(refusal, "apply", T._id) end
+        if not room then return false, "refused", refusal end
       end
       -- the document moved: the next try needs a fence that still holds
       -- (a deadline renewed, unless only the finished holders moved it
