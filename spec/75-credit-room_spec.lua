@@ -1,4 +1,4 @@
--- Room (docs/transactions.md, "Room for credits"): an escrowed credit is
+-- Room (docs/guards.md, "Escrow"): an escrowed credit is
 -- finished after the commit point, where a 64-bit integer that would pass
 -- 2^63 - 1 is refused (MongoDB, FerretDB v2) or wraps (mongo-java-server).
 -- So its apply requires room: the field at most 2^62 - 4096, and the
