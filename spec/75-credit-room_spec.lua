@@ -94,6 +94,21 @@ describe("#server credit room", function()
     holds("D", 14)
   end)
 
+  it("hold_many: the hold without room fails alone, the other held", function()
+    setup { A = 100, B = OVER, C = 0 }
+    local res, errs = tm:hold_many {
+      { collection = "accounts", from = "A", to = "B", amount = 10, id = "h1" },
+      { collection = "accounts", from = "A", to = "C", amount = 20, id = "h2" } }
+    assert.is_false(res[1])
+    refused("h1", nil, errs[1])
+    assert.are.equal("failed", assert(tm:get("h1")).hold.status)
+    assert.are.equal("held", res[2].hold.status)
+    holds("B", OVER)
+    assert.are.equal("done", assert(tm:capture("h2")).state)
+    holds("A", 80)
+    holds("C", 20)
+  end)
+
   it("a credit just inside the room is done, one past it refused", function()
     setup { A = 100, B = FIELD_MAX, C = 100, D = "4611686018427383809" }
     assert.are.equal("done", assert(tm:transfer("accounts", "A", "B", 10, { id = "in" })).state)
