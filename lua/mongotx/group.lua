@@ -334,7 +334,8 @@ Wrapped.__index = Wrapped
 -- @tparam table tm a manager (mongotx's or mongotx.pool's)
 -- @tparam table opts as `group.new`'s, without `run`
 -- @treturn table an object with `g:transfer(...)`, `g:run(...)`, `g:commit(t)` and `g:hold(...)`, each answering
--- @treturn table an object with `g:transfer(...)`, `g:run(...)`, `g:commit(t)`, `g:hold(...)`, each answering
+--   exactly as the manager's call alone (its transaction, `nil, err`, or its raise), run in batches with the
+--   concurrent ones
 -- @errors a bad option raises; each call's errors are its own
 -- @usage local g = group.wrap(tm, { signal = signal, spawn = spawn, now = now })
 -- local t, err = g:transfer("accounts", "A", "B", 100, { min = 0 })
