@@ -47,7 +47,7 @@ describe("#server credit room", function()
   local function refused(id, T, err)
     assert.is_nil(T)
     assert.are.same({ "refused", "refused" }, { err.code, err.cause })
-    assert.truthy(err.message:find("no room for the credit of balance", 1, true), err.message)
+    assert.truthy(err.message:find("): no room for the credit of balance", 1, true), err.message)
     local stored = assert(txs:find_one({ _id = id }))
     assert.are.same({ "cancelled", "refused" }, { stored.state, stored.cause })
   end

@@ -45,12 +45,15 @@ local failure_text = {
 }
 
 -- The error of op i's failure `reason`; `refusal`: the server's error of
--- a refused apply (its number and words go along).
+-- a refused apply (its number and words go along), or has_room's (its
+-- words instead).
 local function op_failure(T, i, reason, refusal)
   local op = T.ops[i]
   local text = failure_text[reason] or reason
   local server_code
-  if refusal then
+  if refusal and refusal.room then
+    text = refusal.message
+  elseif refusal then
     text, server_code = format("%s (%s)", text, tostring(refusal.message)), refusal.server_code
   end
   return errors.new(reason, format("op %d (%s): %s", i, op_name(op), text),
@@ -102,7 +105,8 @@ local function has_room(coll, op)
   if n > 0 then return true end
   table.sort(paths)
   return false, errors.new("refused", format("no room for the credit of %s: a field keeps at most " ..
-    "2^62 - 4096, and with the credits waiting for it at most 2^62", table.concat(paths, ", ")))
+    "2^62 - 4096, and with the credits waiting for it at most 2^62", table.concat(paths, ", ")),
+    { room = true })
 end
 
 function Engine:apply_one(T, i, v)
