@@ -1,11 +1,10 @@
 -- The transaction manager: the API a caller sees (begin, commit, run,
 -- transfer, commit_many, transfer_many, each, finish, rollback, compensate,
--- recover, prune, get, find, stats, backlog, inspect, unpark, step).  It
--- checks what callers pass (mongotx.validate, mongotx.options) and holds
--- the policies; the state
--- machine that drives transactions through the protocol's steps is
--- mongotx.engine (with mongotx.batch for batches), recovery is
--- mongotx.recovery and the stepwise API mongotx.stepwise.
+-- recover, prune, get, find, stats, backlog, inspect, unpark, step, holds).
+-- It checks what callers pass (mongotx.validate, mongotx.options) and holds
+-- the policies; the state machine that drives transactions through the
+-- protocol's steps is mongotx.engine (with mongotx.batch for batches),
+-- recovery is mongotx.recovery and the stepwise API mongotx.stepwise.
 
 --- The transaction manager: `db:manager(opts)` returns one (docs/transactions.md).
 -- @module mongotx.manager
@@ -322,9 +321,8 @@ function Manager:transfer(collection, from, to, amount, opts)
   return batches.run_one(self, spec)
 end
 
--- hold, capture, void: mongotx.manager.holds.
-Manager.hold, Manager.capture, Manager.void = mholds.hold, mholds.capture, mholds.void
-Manager.hold_many, Manager.hold_views = mholds.hold_many, mholds.hold_views
+-- hold, hold_many, capture, void, hold_views: mongotx.manager.holds.
+for name, fn in pairs(mholds) do Manager[name] = fn end
 
 -- Runs calls of tm:transfer, tm:run and tm:commit that concurrent
 -- callers made as one batch, each answered as its call alone would be:
