@@ -96,6 +96,7 @@ build = {
     ["mongotx.resty.wire"] = "lua/mongotx/resty/wire.lua",
     ["mongotx.resty.group"] = "lua/mongotx/resty/group.lua",
     ["mongotx.resty.held"] = "lua/mongotx/resty/held.lua",
+    ["mongotx.resty.thread"] = "lua/mongotx/resty/thread.lua",
     ["mongotx.clock"] = "lua/mongotx/clock.lua",
     ["mongotx.ledger"] = "lua/mongotx/ledger.lua",
     ["mongotx.ledger.accounts"] = "lua/mongotx/ledger/accounts.lua",

@@ -1,14 +1,15 @@
 -- mongotx.resty.wire: how a call of mongotx.resty crosses to a worker
 -- thread and back: its values as one BSON string with the error tables
 -- marked (pack, unpack_all), and call, which runs mongotx.resty's
--- thread() in a thread of the pool (or here, with offload = false),
--- waiting while every worker-thread VM is busy.
+-- thread() in a thread of the pool (through mongotx.resty.thread; or
+-- here, with offload = false), waiting while every worker-thread VM is
+-- busy.
 
 local core = require "mongotx.core"
 
 local type, pairs, select, tostring, error, pcall, setmetatable, getmetatable =
   type, pairs, select, tostring, error, pcall, setmetatable, getmetatable
-local format, min = string.format, math.min
+local format, find, min = string.format, string.find, math.min
 local encode, decode = core.encode, core.decode
 
 local _M = {}
@@ -18,13 +19,16 @@ local ERROR_MARK = "__mongotx_error"
 
 -- Values across the thread boundary ----------------------------------------
 
--- Marks (or, with unmark, clears the mark of) every error table in v, so
--- that the other side can give it the error metatable back.
-local function walk_errors(v, unmark, seen)
+-- Marks every error table in v, so that the other side can give it the
+-- error metatable back, and lists them in marked (to clear the marks).
+local function mark_errors(v, seen, marked)
   if type(v) ~= "table" or seen[v] then return end
   seen[v] = true
-  if getmetatable(v) == ERROR_MT then v[ERROR_MARK] = (not unmark) or nil end
-  for _, x in pairs(v) do walk_errors(x, unmark, seen) end
+  if getmetatable(v) == ERROR_MT then
+    v[ERROR_MARK] = true
+    marked[#marked + 1] = v
+  end
+  for _, x in pairs(v) do mark_errors(x, seen, marked) end
 end
 
 -- n values as one BSON string: { n = n, ["1"] = v1, ... } (nils left out).
@@ -35,9 +39,10 @@ local function pack(n, ...)
     local v = select(i, ...)
     if v ~= nil then t[tostring(i)] = v end
   end
-  walk_errors(t, false, {})
+  local marked = {}
+  mark_errors(t, {}, marked)
   local ok, bytes = pcall(encode, t)
-  walk_errors(t, true, {})
+  for i = 1, #marked do marked[i][ERROR_MARK] = nil end
   if not ok then error(bytes, 0) end
   return bytes
 end
@@ -57,11 +62,17 @@ end
 
 local unpack = table.unpack or unpack -- luacheck: ignore 143
 
--- The values of a pack()ed string as a list, and how many.
+-- The values of a pack()ed string as a list, and how many.  (Bytes
+-- without the mark hold no error table: nothing to walk.)
 local function unpack_list(bytes)
   local t = decode(bytes)
   local out = {}
-  for i = 1, t.n do out[i] = restore_errors(t[tostring(i)], 0) end
+  local marked = find(bytes, ERROR_MARK, 1, true)
+  for i = 1, t.n do
+    local v = t[tostring(i)]
+    if marked then v = restore_errors(v, 0) end
+    out[i] = v
+  end
   return out, t.n
 end
 
@@ -161,7 +172,7 @@ local function call(self, up, kind, spec, method, ...)
     if line:count() < 0 then line:wait(min(self.wait, RETRY)) end
     while true do
       local done
-      done, status, res = ngx.run_worker_thread(self.thread_pool, "mongotx.resty", "thread",
+      done, status, res = ngx.run_worker_thread(self.thread_pool, "mongotx.resty.thread", "thread",
                                                 kind, spec, method, args)
       if done then break end
       if not BUSY[status] then
