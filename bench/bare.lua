@@ -5,16 +5,11 @@
 -- beside mongotx's ungrouped one, in the same run, is what nginx's thread
 -- pool, the server and the machine give any client.
 --
---   location = /bare { content_by_lua_block { require("bench.bare").handler() } }
+--   location = /bare { content_by_lua_block { require("bench.bare").handler(16) } }
 
 local core = require "mongotx.core"
 
 local _M = {}
-
--- At most this many calls of a worker in its worker threads at once, the
--- others waiting in line (FIFO, as mongotx.resty.wire's line): fewer than
--- the bench's 32 VMs, so that no call finds none free.
-local LINE = 16
 
 local client -- a thread VM's own connection, kept between its calls
 
@@ -48,9 +43,12 @@ end
 local line
 
 -- The content handler: the body of bench/openresty-wrk.lua's /transfer.
-function _M.handler()
+-- At most `inflight` calls of a worker run in its worker threads at once,
+-- the others waiting in line (FIFO, as mongotx.resty.wire's line): fewer
+-- than nginx's VMs, so that no call finds none free.
+function _M.handler(inflight)
   local ngx = ngx -- luacheck: ignore 113
-  line = line or require("ngx.semaphore").new(LINE)
+  line = line or require("ngx.semaphore").new(inflight)
   ngx.req.read_body()
   local from, to, amount = (ngx.req.get_body_data() or ""):match(
     '"from":"([^"]+)","to":"([^"]+)","amount":(%d+)')

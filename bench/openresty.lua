@@ -14,7 +14,12 @@
 --   luajit bench/openresty.lua [--seconds 4] [--accounts 100] [--threads 4]
 --                              [--runs 3] [--delay 0] [--inflight 1] [--loopback 1|0]
 --                              [--metrics 3] [--workers 1|2] [--conns n] [--hot 3] [--holds 1]
---                              [--bare 1]
+--                              [--bare 1] [--vms n]
+--
+-- --vms is lua_worker_thread_vm_pool_size (default twice --threads, as
+-- docs/openresty.md advises: at 8x, 32 VMs over 4 threads, each VM
+-- warming up on its own cost nginx 1.4x the CPU a request, and the tail
+-- grew 3x: bench/README.md, "OpenResty: the nginx side's CPU").
 --
 -- Each cell also runs a control, interleaved (--bare 0: none): POST /bare,
 -- a transfer's round trips without mongotx (bench/bare.lua).  Its p99 over
@@ -50,7 +55,7 @@ local latency = require "bench.latency"
 local cpu = require "bench.servercpu"
 
 local opts = { seconds = 4, accounts = 100, threads = 4, runs = 3, delay = 0, inflight = 1, loopback = 0, metrics = 3,
-               workers = 0, conns = 0, hot = 3, holds = 1, bare = 1 }
+               workers = 0, conns = 0, hot = 3, holds = 1, bare = 1, vms = 0 }
 do
   local i = 1
   while arg[i] do
@@ -58,7 +63,7 @@ do
     if not name or opts[name] == nil or not tonumber(arg[i + 1]) then
       io.stderr:write("usage: bench/openresty.lua [--seconds n] [--accounts n] [--threads n] " ..
                       "[--runs n] [--delay s] [--inflight n] [--loopback 1] [--metrics rounds] [--workers n] " ..
-                      "[--conns n] [--hot n] [--holds 0|1] [--bare 0|1]\n")
+                      "[--conns n] [--hot n] [--holds 0|1] [--bare 0|1] [--vms n]\n")
       os.exit(2)
     end
     opts[name] = tonumber(arg[i + 1])
@@ -66,6 +71,7 @@ do
   end
 end
 
+local VMS = opts.vms > 0 and opts.vms or 2 * opts.threads
 local BALANCE = 1000000000
 local WORKERS, CONNECTIONS = { 1, 2 }, { 1, 16, 64 }
 if opts.workers > 0 then WORKERS = { opts.workers } end
@@ -75,7 +81,9 @@ local MODES = { ungrouped = "false",
 -- The grid's modes: bare is the control (bench/bare.lua), in an ungrouped nginx.
 local GRID = { "ungrouped", "grouped" }
 if opts.bare > 0 then GRID[3] = "bare" end
-local BARE = 'location = /bare { content_by_lua_block { require("bench.bare").handler() } }'
+-- Its calls in flight: a VM fewer than nginx has, left for the recovery timer's.
+local BARE = ('location = /bare { content_by_lua_block { require("bench.bare").handler(%d) } }'):format(
+  math.max(VMS - 1, 1))
 
 local capture = server.capture
 
@@ -139,7 +147,7 @@ end
 
 local function start(uri, name, workers, mode)
   return assert(nginx.start { uri = uri, database = name, workers = workers,
-    threads = opts.threads, vms = 32, locations = BARE, configure = ("{ manager = { " ..
+    threads = opts.threads, vms = VMS, locations = BARE, configure = ("{ manager = { " ..
     "application = 'bench', group = %s }, recovery = { every = 1 } }"):format(
     MODES[mode] or MODES.ungrouped) })
 end
@@ -390,10 +398,10 @@ end
 
 local load2 = capture("cat /proc/loadavg"):match("^(%S+ %S+ %S+)")
 print(string.format("Measured %s UTC in %.1f minutes: medians of %d runs of %d s, %d accounts, " ..
-  "thread_pool threads=%d, lua_worker_thread_vm_pool_size 32, group = { max = 100, delay = %g, inflight = %d }; " ..
+  "thread_pool threads=%d, lua_worker_thread_vm_pool_size %d, group = { max = 100, delay = %g, inflight = %d }; " ..
   "load average %s before, %s after; server: mongo-java-server memory%s.",
   os.date("!%Y-%m-%d %H:%M"), (os.time() - started) / 60, opts.runs, opts.seconds, opts.accounts,
-  opts.threads, opts.delay, opts.inflight, load1, load2, pings["1ms"] and string.format(
+  opts.threads, VMS, opts.delay, opts.inflight, load1, load2, pings["1ms"] and string.format(
   "; ping round trip through toxiproxy at +1 ms: %.2f ms", pings["1ms"]) or ""))
 print()
 print("| network | nginx workers | connections | ungrouped req/s | grouped req/s | grouped/ungrouped " ..
