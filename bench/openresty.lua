@@ -17,9 +17,9 @@
 --                              [--bare 1] [--vms n]
 --
 -- --vms is lua_worker_thread_vm_pool_size (default twice --threads, as
--- docs/openresty.md advises: at 8x, 32 VMs over 4 threads, each VM
--- warming up on its own cost nginx 1.4x the CPU a request, and the tail
--- grew 3x: bench/README.md, "OpenResty: the nginx side's CPU").
+-- docs/openresty.md advises: 32 VMs over 4 threads, each warming up on
+-- its own, cost nginx 1.1-1.4x the CPU a request and gave a 2-4x longer
+-- p99: bench/README.md, "OpenResty: the nginx side's CPU").
 --
 -- Each cell also runs a control, interleaved (--bare 0: none): POST /bare,
 -- a transfer's round trips without mongotx (bench/bare.lua).  Its p99 over
