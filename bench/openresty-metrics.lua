@@ -52,7 +52,7 @@ return function(opts, env)
       local manager = mode == "on" and "{ application = 'bench', metrics = 'mongotx_metrics' }"
         or "{ application = 'bench' }"
       local n = assert(nginx.start { uri = env.srv.uri, database = name, workers = 2,
-        threads = opts.threads, vms = 32, locations = COST,
+        threads = opts.threads, vms = env.vms, locations = COST,
         configure = "{ manager = " .. manager .. ", recovery = { every = 1 } }" })
       for _ = 1, 8 do n:request("POST", "/transfer", '{"from":"a1","to":"a2","amount":1}') end
       local r = env.measure(n, 16)

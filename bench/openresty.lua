@@ -481,7 +481,7 @@ print()
 print("Targets (issues 22, 33 and 41):")
 for _, t in ipairs(targets) do print(t) end
 if opts.metrics > 0 then failed = failed + require("bench.openresty-metrics")(opts, {
-  srv = srv, fresh = fresh, check = check, measure = measure, CPU = CPU }) end
+  srv = srv, fresh = fresh, check = check, measure = measure, CPU = CPU, vms = VMS }) end
 srv:stop()
 if failed > 0 then
   io.stderr:write(failed, " run(s) failed their check\n")
