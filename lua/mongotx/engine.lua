@@ -86,6 +86,7 @@ function _M.new(ctx)
     server_clock = clock.new(ctx.db), -- (server_now, clock)
     use_deadline = nil, -- does the server evaluate $$NOW (deadlines)
     unsure = {},        -- documents an apply's lost reply left (engine.bands)
+    banded_apply = nil, -- steps.apply_many behind the bands (many), made once
   }, Engine)
   self.own = { marker = self.marker, version = self.version_field, steps = self.steps }
   return self
@@ -214,13 +215,24 @@ end
 -- Runs the batched form of step `name` (create, claim, apply, commit,
 -- finish, done, undo, fence, cancelled) with retries; the batch reports
 -- its own events.
+local MANY = {}
 function Engine:many(name, ...)
   local steps = self.steps
-  local fn = steps[name .. "_many"]
-  if name == "apply" then fn = bands.apply_many(self, self.version_field, fn) end
-  -- in as many write commands as the server takes (engine.commands); one
-  -- found to evaluate $$NOW (deadlines) is not FerretDB v1: no need to ask
-  return commands.run(not self.use_deadline and self.db.client, name, function(...)
+  local fname = MANY[name]
+  if not fname then fname = name .. "_many"; MANY[name] = fname end
+  local fn = steps[fname]
+  if name == "apply" then
+    fn = self.banded_apply
+    if not fn then
+      fn = bands.apply_many(self, self.version_field, steps.apply_many)
+      self.banded_apply = fn
+    end
+  end
+  -- a server found to evaluate $$NOW (deadlines) is not FerretDB v1: one
+  -- write command whatever the count; else as many as the server takes
+  -- (engine.commands)
+  if self.use_deadline then return self:retry(name, nil, fn, steps, ...) end
+  return commands.run(self.db.client, name, function(...)
     return self:retry(name, nil, fn, steps, ...)
   end, ...)
 end
