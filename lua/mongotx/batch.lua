@@ -70,6 +70,10 @@ local function by_document(items, op)
   return items
 end
 
+-- The op of a bulk write's item, of a finish's piece (by_document).
+local function item_op(item) return item.op end
+local function piece_op(piece) return piece.ops[1] end
+
 -- The result of a request of a batch that did not fail.
 local OK = { ok = true }
 
@@ -110,8 +114,7 @@ end
 -- markers say which ops applied.
 local function apply_items(eng, by_coll, order, deadline)
   for _, name in ipairs(order) do
-    local items, coll = by_document(by_coll[name], function(item) return item.op end),
-      eng:coll(name)
+    local items, coll = by_document(by_coll[name], item_op), eng:coll(name)
     local res, err = eng:many("apply", coll, items, deadline)
     if not res then
       for _, item in ipairs(items) do fail(item.entry, err) end
@@ -287,7 +290,7 @@ function _M.finish(eng, list)
         end
       end
     end
-    by_document(pieces, function(piece) return piece.ops[1] end)
+    by_document(pieces, piece_op)
     local res, err = eng:many("finish", eng:coll(name), pieces, name)
     if not res then return nil, err end
     if next(res.items) ~= nil then

@@ -215,6 +215,15 @@ end
 -- Runs the batched form of step `name` (create, claim, apply, commit,
 -- finish, done, undo, fence, cancelled) with retries; the batch reports
 -- its own events.
+-- Engine:many's steps through engine.commands: as many write commands as
+-- the server takes (a function of its own: a closure made in Engine:many
+-- kept LuaJIT from compiling it).
+local function in_commands(self, name, fn, steps, ...)
+  return commands.run(self.db.client, name, function(...)
+    return self:retry(name, nil, fn, steps, ...)
+  end, ...)
+end
+
 local MANY = {}
 function Engine:many(name, ...)
   local steps = self.steps
@@ -229,12 +238,9 @@ function Engine:many(name, ...)
     end
   end
   -- a server found to evaluate $$NOW (deadlines) is not FerretDB v1: one
-  -- write command whatever the count; else as many as the server takes
-  -- (engine.commands)
+  -- write command whatever the count
   if self.use_deadline then return self:retry(name, nil, fn, steps, ...) end
-  return commands.run(self.db.client, name, function(...)
-    return self:retry(name, nil, fn, steps, ...)
-  end, ...)
+  return in_commands(self, name, fn, steps, ...)
 end
 
 -- The server's clock (ms since the epoch), read now (mongotx.clock).
