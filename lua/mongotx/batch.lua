@@ -159,6 +159,39 @@ local function give_back(eng, e, deadline)
   if err then fail(e, err) end
 end
 
+-- One phase of apply: with_guard true for the guarded ops only, false for
+-- the others of the transactions whose guards passed, nil for every op.
+local function phase(eng, entries, deadline, versions, with_guard)
+  local by_coll, order = {}, {}
+  for t, e in ipairs(entries) do
+    if not e.err and (with_guard ~= false or guards_passed(e)) then
+      for i, op in ipairs(e.T.ops) do
+        if not e.applied[i] and (with_guard == nil or with_guard == (op.where ~= nil)) then
+          local items = by_coll[op.collection]
+          if not items then
+            items = {}
+            by_coll[op.collection], order[#order + 1] = items, op.collection
+          end
+          local v = versions and versions[t][i]
+          local version = false -- none read: fenced by the deadline alone
+          if v then version = v.version end
+          -- stored: the ops as the create sent them, which the C step
+          -- reads the op's filter and update from (recovery's have none)
+          -- tid: the mark (mongotx.stored).  A batch's transactions
+          -- all have this manager's form: recovery drives the others
+          -- alone (recovery.lua).  takeover: recovery's claims move
+          -- versions by a band (mongotx.engine.bands)
+          e.sent[i] = true
+          items[#items + 1] = { tid = stored.mark(e.T), op = op, version = version, entry = e,
+                                i = i, stored = e.doc and e.doc.ops,
+                                takeover = bands.takeover(e.T) }
+        end
+      end
+    end
+  end
+  apply_items(eng, by_coll, order, deadline)
+end
+
 -- Step 2: every op of every created transaction.  The guarded ops go
 -- first, and the others only for the transactions whose guarded ops all
 -- applied: so no credit shows (in `txPending` or in place) whose guarded
@@ -177,43 +210,11 @@ local function apply(eng, entries, deadline, versions)
       if op.where then guards = true end
     end
   end
-  -- with_guard: true for the guarded ops only, false for the others of
-  -- the transactions whose guards passed, nil for every op
-  local function phase(with_guard)
-    local by_coll, order = {}, {}
-    for t, e in ipairs(entries) do
-      if not e.err and (with_guard ~= false or guards_passed(e)) then
-        for i, op in ipairs(e.T.ops) do
-          if not e.applied[i] and (with_guard == nil or with_guard == (op.where ~= nil)) then
-            local items = by_coll[op.collection]
-            if not items then
-              items = {}
-              by_coll[op.collection], order[#order + 1] = items, op.collection
-            end
-            local v = versions and versions[t][i]
-            local version = false -- none read: fenced by the deadline alone
-            if v then version = v.version end
-            -- stored: the ops as the create sent them, which the C step
-            -- reads the op's filter and update from (recovery's have none)
-            -- tid: the mark (mongotx.stored).  A batch's transactions
-            -- all have this manager's form: recovery drives the others
-            -- alone (recovery.lua).  takeover: recovery's claims move
-            -- versions by a band (mongotx.engine.bands)
-            e.sent[i] = true
-            items[#items + 1] = { tid = stored.mark(e.T), op = op, version = version, entry = e,
-                                  i = i, stored = e.doc and e.doc.ops,
-                                  takeover = bands.takeover(e.T) }
-          end
-        end
-      end
-    end
-    apply_items(eng, by_coll, order, deadline)
-  end
   if guards then
-    phase(true)
-    phase(false)
+    phase(eng, entries, deadline, versions, true)
+    phase(eng, entries, deadline, versions, false)
   else
-    phase(nil)
+    phase(eng, entries, deadline, versions, nil)
   end
   local loud = eng:listening()
   for _, e in ipairs(entries) do
@@ -345,6 +346,20 @@ function _M.finish(eng, list)
   return n, first
 end
 
+-- The entries still on the fast way (those created only, with `created`),
+-- and their versions.
+local function live(entries, versions, created)
+  local out, vs = {}, {}
+  for t, e in ipairs(entries) do
+    if not e.err and not e.slow and (not created or e.created) then
+      local n = #out + 1
+      out[n] = e
+      if versions then vs[n] = versions[t] end
+    end
+  end
+  return out, versions and vs
+end
+
 -- Runs specs[i] = { ops = <validated ops>, stored = <as stored, when
 -- validate.ops made it>, id =, meta =, extra = <fields
 -- of the transaction document> } as one batch up to the commit point.
@@ -403,24 +418,12 @@ function _M.run(eng, specs)
       for _, e in ipairs(entries) do fail(e, err) end
     end
   end
-  -- the entries still on the fast way (and their versions)
-  local function live(pred)
-    local out, vs = {}, {}
-    for t, e in ipairs(entries) do
-      if not e.err and not e.slow and (not pred or pred(e)) then
-        local n = #out + 1
-        out[n] = e
-        if versions then vs[n] = versions[t] end
-      end
-    end
-    return out, versions and vs
-  end
-  local todo = live()
+  local todo = live(entries, versions)
   if #todo > 0 then create(eng, todo, common) end
-  local created, vs = live(function(e) return e.created end)
+  local created, vs = live(entries, versions, true)
   for _, e in ipairs(created) do e.key = eng:hold(e.T._id, 1) end
   if #created > 0 then apply(eng, created, deadline, vs) end
-  local ready = live()
+  local ready = live(entries, versions)
   if #ready > 0 then commit(eng, ready) end
   local late = {}
   for t, e in ipairs(entries) do
