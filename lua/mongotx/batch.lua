@@ -60,7 +60,13 @@ local fail, raised_in, guarded = settling.fail, settling.raised_in, settling.gua
 -- (table.sort alone let a later batch-mate take one of two documents and
 -- cross the earlier, which only a give-back undoes).
 local function by_document(items, op)
-  if #items < 2 then return items end
+  local n = #items
+  if n < 2 then return items end
+  if n == 2 then -- (a transfer's finish: no sort to set up)
+    local a, b = id_key(op(items[1]).id) or "", id_key(op(items[2]).id) or ""
+    if b < a then items[1], items[2] = items[2], items[1] end
+    return items
+  end
   local k, at = {}, {}
   for i, item in ipairs(items) do k[item], at[item] = id_key(op(item).id) or "", i end
   table.sort(items, function(a, b)
