@@ -59,6 +59,16 @@ local fail, raised_in, guarded = settling.fail, settling.raised_in, settling.gua
 -- items on one document the earlier in the batch goes first and takes it
 -- (table.sort alone let a later batch-mate take one of two documents and
 -- cross the earlier, which only a give-back undoes).
+local function sort_by_document(items, op)
+  local k, at = {}, {}
+  for i, item in ipairs(items) do k[item], at[item] = id_key(op(item).id) or "", i end
+  table.sort(items, function(a, b)
+    if k[a] ~= k[b] then return k[a] < k[b] end
+    return at[a] < at[b]
+  end)
+  return items
+end
+
 local function by_document(items, op)
   local n = #items
   if n < 2 then return items end
@@ -67,13 +77,7 @@ local function by_document(items, op)
     if b < a then items[1], items[2] = items[2], items[1] end
     return items
   end
-  local k, at = {}, {}
-  for i, item in ipairs(items) do k[item], at[item] = id_key(op(item).id) or "", i end
-  table.sort(items, function(a, b)
-    if k[a] ~= k[b] then return k[a] < k[b] end
-    return at[a] < at[b]
-  end)
-  return items
+  return sort_by_document(items, op)
 end
 
 -- The op of a bulk write's item, of a finish's piece (by_document).

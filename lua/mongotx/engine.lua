@@ -159,11 +159,13 @@ end
 -- Calls fn(...) again after a backoff while it fails with a transient
 -- error, at most policy.retries times; never step `self.once` (a hold's
 -- opener sends each apply once: mongotx.holds).
+-- (The first call is outside the loop: LuaJIT records no trace through a
+-- vararg call in a loop of the vararg function.)
 function Engine:retry(step, id, fn, ...)
+  local res, err = fn(...)
+  if res ~= nil then return res end
   local attempt = 0
   while true do
-    local res, err = fn(...)
-    if res ~= nil then return res end
     if not (err and err.transient) or attempt >= self.policy.retries or step == self.once then
       return nil, errors.wrap(err, step, id)
     end
@@ -172,6 +174,8 @@ function Engine:retry(step, id, fn, ...)
       self:event("retry", { id = id, step = step, reason = err.code })
     end
     self.policy.sleep(self.policy.backoff(attempt))
+    res, err = fn(...)
+    if res ~= nil then return res end
   end
 end
 
