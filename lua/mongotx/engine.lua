@@ -87,6 +87,7 @@ function _M.new(ctx)
     use_deadline = nil, -- does the server evaluate $$NOW (deadlines)
     unsure = {},        -- documents an apply's lost reply left (engine.bands)
     banded_apply = nil, -- steps.apply_many behind the bands (many), made once
+    banded_of = nil,    -- the steps whose apply_many it wraps
   }, Engine)
   self.own = { marker = self.marker, version = self.version_field, steps = self.steps }
   return self
@@ -233,13 +234,16 @@ function Engine:many(name, ...)
   local steps = self.steps
   local fname = MANY[name]
   if not fname then fname = name .. "_many"; MANY[name] = fname end
-  local fn = steps[fname]
+  local fn
   if name == "apply" then
-    fn = self.banded_apply
-    if not fn then
-      fn = bands.apply_many(self, self.version_field, steps.apply_many)
-      self.banded_apply = fn
+    -- made again for other steps (a spec's stand-in)
+    if self.banded_of ~= steps then
+      self.banded_apply = bands.apply_many(self, self.version_field, steps.apply_many)
+      self.banded_of = steps
     end
+    fn = self.banded_apply
+  else
+    fn = steps[fname]
   end
   -- a server found to evaluate $$NOW (deadlines) is not FerretDB v1: one
   -- write command whatever the count
