@@ -129,11 +129,11 @@ quick_copy(lua_State *L, int idx)
 	}
 }
 
-/* core.snapshot without the general encoder and decoder for the small
- * tables most ops hold ({ ["$inc"] = { balance = -5 } }): pushes the copy
- * and its BSON and returns 1, or 0 (nothing pushed) for any other value. */
+/* The BSON of the table at idx when it has the quick shape (no
+ * metatable, at most QUICK_BYTES): pushed as a string, and 1; else 0
+ * and nothing pushed. */
 static int
-quick_snapshot(lua_State *L, int idx)
+quick_bytes(lua_State *L, int idx)
 {
 	bson_t b;
 	uint8_t bytes[QUICK_BYTES];
@@ -154,8 +154,21 @@ quick_snapshot(lua_State *L, int idx)
 	lua_settop(L, top);
 	if (!ok)
 		return 0;
-	quick_copy(L, idx);
 	lua_pushlstring(L, (const char *)bytes, len);
+	return 1;
+}
+
+/* core.snapshot without the general encoder and decoder for the small
+ * tables most ops hold ({ ["$inc"] = { balance = -5 } }): pushes the copy
+ * and its BSON and returns 1, or 0 (nothing pushed) for any other value. */
+static int
+quick_snapshot(lua_State *L, int idx)
+{
+	idx = mtx_absindex(L, idx);
+	if (!quick_bytes(L, idx))
+		return 0;
+	quick_copy(L, idx);
+	lua_insert(L, -2);
 	return 1;
 }
 
@@ -167,6 +180,10 @@ snapshot_field(lua_State *L, const op_slots *s, int f)
 	lua_pushstring(L, snapshot_fields[f]);
 	lua_rawget(L, s->op);
 	if (lua_type(L, -1) != LUA_TTABLE || s->built) {
+		/* a built op's table is mongotx's own: its BSON for the
+		 * stored form, without the general encoder when it can */
+		if (s->built && lua_istable(L, -1) && quick_bytes(L, -1))
+			lua_replace(L, s->bytes[f]);
 		lua_replace(L, s->value[f]);
 		return 1;
 	}

@@ -59,8 +59,7 @@ local fail, raised_in, guarded = settling.fail, settling.raised_in, settling.gua
 -- items on one document the earlier in the batch goes first and takes it
 -- (table.sort alone let a later batch-mate take one of two documents and
 -- cross the earlier, which only a give-back undoes).
-local function by_document(items, op)
-  if #items < 2 then return items end
+local function sort_by_document(items, op)
   local k, at = {}, {}
   for i, item in ipairs(items) do k[item], at[item] = id_key(op(item).id) or "", i end
   table.sort(items, function(a, b)
@@ -69,6 +68,21 @@ local function by_document(items, op)
   end)
   return items
 end
+
+local function by_document(items, op)
+  local n = #items
+  if n < 2 then return items end
+  if n == 2 then -- (a transfer's finish: no sort to set up)
+    local a, b = id_key(op(items[1]).id) or "", id_key(op(items[2]).id) or ""
+    if b < a then items[1], items[2] = items[2], items[1] end
+    return items
+  end
+  return sort_by_document(items, op)
+end
+
+-- The op of a bulk write's item, of a finish's piece (by_document).
+local function item_op(item) return item.op end
+local function piece_op(piece) return piece.ops[1] end
 
 -- The result of a request of a batch that did not fail.
 local OK = { ok = true }
@@ -110,8 +124,7 @@ end
 -- markers say which ops applied.
 local function apply_items(eng, by_coll, order, deadline)
   for _, name in ipairs(order) do
-    local items, coll = by_document(by_coll[name], function(item) return item.op end),
-      eng:coll(name)
+    local items, coll = by_document(by_coll[name], item_op), eng:coll(name)
     local res, err = eng:many("apply", coll, items, deadline)
     if not res then
       for _, item in ipairs(items) do fail(item.entry, err) end
@@ -156,6 +169,39 @@ local function give_back(eng, e, deadline)
   if err then fail(e, err) end
 end
 
+-- One phase of apply: with_guard true for the guarded ops only, false for
+-- the others of the transactions whose guards passed, nil for every op.
+local function phase(eng, entries, deadline, versions, with_guard)
+  local by_coll, order = {}, {}
+  for t, e in ipairs(entries) do
+    if not e.err and (with_guard ~= false or guards_passed(e)) then
+      for i, op in ipairs(e.T.ops) do
+        if not e.applied[i] and (with_guard == nil or with_guard == (op.where ~= nil)) then
+          local items = by_coll[op.collection]
+          if not items then
+            items = {}
+            by_coll[op.collection], order[#order + 1] = items, op.collection
+          end
+          local v = versions and versions[t][i]
+          local version = false -- none read: fenced by the deadline alone
+          if v then version = v.version end
+          -- stored: the ops as the create sent them, which the C step
+          -- reads the op's filter and update from (recovery's have none)
+          -- tid: the mark (mongotx.stored).  A batch's transactions
+          -- all have this manager's form: recovery drives the others
+          -- alone (recovery.lua).  takeover: recovery's claims move
+          -- versions by a band (mongotx.engine.bands)
+          e.sent[i] = true
+          items[#items + 1] = { tid = stored.mark(e.T), op = op, version = version, entry = e,
+                                i = i, stored = e.doc and e.doc.ops,
+                                takeover = bands.takeover(e.T) }
+        end
+      end
+    end
+  end
+  apply_items(eng, by_coll, order, deadline)
+end
+
 -- Step 2: every op of every created transaction.  The guarded ops go
 -- first, and the others only for the transactions whose guarded ops all
 -- applied: so no credit shows (in `txPending` or in place) whose guarded
@@ -174,43 +220,11 @@ local function apply(eng, entries, deadline, versions)
       if op.where then guards = true end
     end
   end
-  -- with_guard: true for the guarded ops only, false for the others of
-  -- the transactions whose guards passed, nil for every op
-  local function phase(with_guard)
-    local by_coll, order = {}, {}
-    for t, e in ipairs(entries) do
-      if not e.err and (with_guard ~= false or guards_passed(e)) then
-        for i, op in ipairs(e.T.ops) do
-          if not e.applied[i] and (with_guard == nil or with_guard == (op.where ~= nil)) then
-            local items = by_coll[op.collection]
-            if not items then
-              items = {}
-              by_coll[op.collection], order[#order + 1] = items, op.collection
-            end
-            local v = versions and versions[t][i]
-            local version = false -- none read: fenced by the deadline alone
-            if v then version = v.version end
-            -- stored: the ops as the create sent them, which the C step
-            -- reads the op's filter and update from (recovery's have none)
-            -- tid: the mark (mongotx.stored).  A batch's transactions
-            -- all have this manager's form: recovery drives the others
-            -- alone (recovery.lua).  takeover: recovery's claims move
-            -- versions by a band (mongotx.engine.bands)
-            e.sent[i] = true
-            items[#items + 1] = { tid = stored.mark(e.T), op = op, version = version, entry = e,
-                                  i = i, stored = e.doc and e.doc.ops,
-                                  takeover = bands.takeover(e.T) }
-          end
-        end
-      end
-    end
-    apply_items(eng, by_coll, order, deadline)
-  end
   if guards then
-    phase(true)
-    phase(false)
+    phase(eng, entries, deadline, versions, true)
+    phase(eng, entries, deadline, versions, false)
   else
-    phase(nil)
+    phase(eng, entries, deadline, versions, nil)
   end
   local loud = eng:listening()
   for _, e in ipairs(entries) do
@@ -287,7 +301,7 @@ function _M.finish(eng, list)
         end
       end
     end
-    by_document(pieces, function(piece) return piece.ops[1] end)
+    by_document(pieces, piece_op)
     local res, err = eng:many("finish", eng:coll(name), pieces, name)
     if not res then return nil, err end
     if next(res.items) ~= nil then
@@ -340,6 +354,20 @@ function _M.finish(eng, list)
     end
   end
   return n, first
+end
+
+-- The entries still on the fast way (those created only, with `created`),
+-- and their versions.
+local function live(entries, versions, created)
+  local out, vs = {}, {}
+  for t, e in ipairs(entries) do
+    if not e.err and not e.slow and (not created or e.created) then
+      local n = #out + 1
+      out[n] = e
+      if versions then vs[n] = versions[t] end
+    end
+  end
+  return out, versions and vs
 end
 
 -- Runs specs[i] = { ops = <validated ops>, stored = <as stored, when
@@ -400,24 +428,12 @@ function _M.run(eng, specs)
       for _, e in ipairs(entries) do fail(e, err) end
     end
   end
-  -- the entries still on the fast way (and their versions)
-  local function live(pred)
-    local out, vs = {}, {}
-    for t, e in ipairs(entries) do
-      if not e.err and not e.slow and (not pred or pred(e)) then
-        local n = #out + 1
-        out[n] = e
-        if versions then vs[n] = versions[t] end
-      end
-    end
-    return out, versions and vs
-  end
-  local todo = live()
+  local todo = live(entries, versions)
   if #todo > 0 then create(eng, todo, common) end
-  local created, vs = live(function(e) return e.created end)
+  local created, vs = live(entries, versions, true)
   for _, e in ipairs(created) do e.key = eng:hold(e.T._id, 1) end
   if #created > 0 then apply(eng, created, deadline, vs) end
-  local ready = live()
+  local ready = live(entries, versions)
   if #ready > 0 then commit(eng, ready) end
   local late = {}
   for t, e in ipairs(entries) do

@@ -86,6 +86,8 @@ function _M.new(ctx)
     server_clock = clock.new(ctx.db), -- (server_now, clock)
     use_deadline = nil, -- does the server evaluate $$NOW (deadlines)
     unsure = {},        -- documents an apply's lost reply left (engine.bands)
+    banded_apply = nil, -- steps.apply_many behind the bands (many), made once
+    banded_of = nil,    -- the steps whose apply_many it wraps
   }, Engine)
   self.own = { marker = self.marker, version = self.version_field, steps = self.steps }
   return self
@@ -158,11 +160,13 @@ end
 -- Calls fn(...) again after a backoff while it fails with a transient
 -- error, at most policy.retries times; never step `self.once` (a hold's
 -- opener sends each apply once: mongotx.holds).
+-- (The first call is outside the loop: LuaJIT records no trace through a
+-- vararg call in a loop of the vararg function.)
 function Engine:retry(step, id, fn, ...)
+  local res, err = fn(...)
+  if res ~= nil then return res end
   local attempt = 0
   while true do
-    local res, err = fn(...)
-    if res ~= nil then return res end
     if not (err and err.transient) or attempt >= self.policy.retries or step == self.once then
       return nil, errors.wrap(err, step, id)
     end
@@ -171,6 +175,8 @@ function Engine:retry(step, id, fn, ...)
       self:event("retry", { id = id, step = step, reason = err.code })
     end
     self.policy.sleep(self.policy.backoff(attempt))
+    res, err = fn(...)
+    if res ~= nil then return res end
   end
 end
 
@@ -214,15 +220,35 @@ end
 -- Runs the batched form of step `name` (create, claim, apply, commit,
 -- finish, done, undo, fence, cancelled) with retries; the batch reports
 -- its own events.
-function Engine:many(name, ...)
-  local steps = self.steps
-  local fn = steps[name .. "_many"]
-  if name == "apply" then fn = bands.apply_many(self, self.version_field, fn) end
-  -- in as many write commands as the server takes (engine.commands); one
-  -- found to evaluate $$NOW (deadlines) is not FerretDB v1: no need to ask
-  return commands.run(not self.use_deadline and self.db.client, name, function(...)
+-- Engine:many's steps through engine.commands: as many write commands as
+-- the server takes (a function of its own: a closure made in Engine:many
+-- kept LuaJIT from compiling it).
+local function in_commands(self, name, fn, steps, ...)
+  return commands.run(self.db.client, name, function(...)
     return self:retry(name, nil, fn, steps, ...)
   end, ...)
+end
+
+local MANY = {}
+function Engine:many(name, ...)
+  local steps = self.steps
+  local fname = MANY[name]
+  if not fname then fname = name .. "_many"; MANY[name] = fname end
+  local fn
+  if name == "apply" then
+    -- made again for other steps (a spec's stand-in)
+    if self.banded_of ~= steps then
+      self.banded_apply = bands.apply_many(self, self.version_field, steps.apply_many)
+      self.banded_of = steps
+    end
+    fn = self.banded_apply
+  else
+    fn = steps[fname]
+  end
+  -- a server found to evaluate $$NOW (deadlines) is not FerretDB v1: one
+  -- write command whatever the count
+  if self.use_deadline then return self:retry(name, nil, fn, steps, ...) end
+  return in_commands(self, name, fn, steps, ...)
 end
 
 -- The server's clock (ms since the epoch), read now (mongotx.clock).

@@ -76,12 +76,11 @@ _M.REMOVING, _M.HELD, _M.PLACEHOLDER, _M.PENDING, _M.ESCROW =
 -- their ids differ, and so do the BSON of distinct ids.  (A string: a
 -- Binary's subtype does not survive mongo-java-server, and FerretDB
 -- cannot $pull a document.)
+local function hex_byte(c) return format("%02x", c:byte()) end
 function _M.new_mark(coll, id)
   if coll == HOME then return nil end
   local bson = core.encode({ i = id })
-  return MARK_PREFIX .. coll .. "$" .. bson:gsub(".", function(c)
-    return format("%02x", c:byte())
-  end)
+  return MARK_PREFIX .. coll .. "$" .. bson:gsub(".", hex_byte)
 end
 
 -- T's mark (see above).

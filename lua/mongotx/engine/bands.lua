@@ -105,25 +105,28 @@ end
 -- fenced item unsure.
 function _M.apply_many(eng, field, apply)
   return function(steps, coll, items, ...)
-    local ids, keys, bumped = {}, {}, {}
+    -- (made only for fenced items: where deadlines fence, none is)
+    local ids, keys, bumped
     for _, item in ipairs(items) do
       local op = item.op
       if fenced(op, item.version) then
         local k = unsure_key(op.collection, op.id)
+        keys = keys or {}
         keys[#keys + 1] = k
         if eng.unsure[k] then
+          ids, bumped = ids or {}, bumped or {}
           ids[#ids + 1] = op.id
           bumped[#bumped + 1] = k
         end
       end
     end
-    if #ids > 0 then
+    if ids then
       local ok, err = bump(eng, coll, ids, field)
       if not ok then return nil, err end
       for _, k in ipairs(bumped) do eng.unsure[k] = nil end
     end
     local res, err = apply(steps, coll, items, ...)
-    if not res and err and err.transient then
+    if not res and err and err.transient and keys then
       for _, k in ipairs(keys) do eng.unsure[k] = true end
     end
     return res, err

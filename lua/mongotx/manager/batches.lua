@@ -88,29 +88,36 @@ end
 -- finished (await_held), or with `answer_held` answered at once,
 -- `in_progress`, and held[i] the transaction as read (mongotx.group:
 -- their callers wait); within _M.later, answered at once too and listed.
+-- One chunk of run_batch: todo[k] = specs[where[k]], k = 1..m, run and
+-- finished; true when one of them is held.
+local function run_chunk(self, todo, where, m, results, errs, late, held)
+  local res, bad, committed, slow, waits = batch.run(self.engine, todo)
+  local any = false
+  for k = 1, m do
+    local i = where[k]
+    results[i], errs[i], late[i], held[i] = res[k], bad[k], slow[k] or nil, waits[k]
+    any = any or waits[k] ~= nil
+  end
+  _M.finish_committed(self, committed)
+  return any
+end
+
 function _M.run_batch(self, specs, errs, answer_held)
   local results, late, held, todo, where, m = {}, {}, {}, {}, {}, 0
   local any = false
-  local function run()
-    local res, bad, committed, slow, waits = batch.run(self.engine, todo)
-    for k = 1, m do
-      local i = where[k]
-      results[i], errs[i], late[i], held[i] = res[k], bad[k], slow[k] or nil, waits[k]
-      any = any or waits[k] ~= nil
-    end
-    _M.finish_committed(self, committed)
-    todo, where, m = {}, {}, 0
-  end
   for i = 1, #errs do
     results[i] = false
     local spec = specs[i]
     if spec then
       m = m + 1
       todo[m], where[m] = spec, i
-      if m == CHUNK then run() end
+      if m == CHUNK then
+        any = run_chunk(self, todo, where, m, results, errs, late, held) or any
+        todo, where, m = {}, {}, 0
+      end
     end
   end
-  if m > 0 then run() end
+  if m > 0 then any = run_chunk(self, todo, where, m, results, errs, late, held) or any end
   if answer_held then return results, errs, late, held end
   if any and self.held_later then
     local eng, list = self.engine, self.held_later

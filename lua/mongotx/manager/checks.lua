@@ -26,11 +26,14 @@ local begin_options = { id = true, meta = true }
 -- Checks what begin and run take: a batch spec { ops, stored, id, meta,
 -- extra } (batch.lua), or nil, err.  Wrong argument types raise at
 -- `level`.  `built`: ops made by mongotx from checked scalars
--- (validate.ops).
+-- (validate.ops), and opts { id, meta } taken from options checked
+-- already (transfer_spec's callers check them).
 function _M.spec(self, ops, opts, extra, what, level, built)
   local err
-  opts, err = validate.options(opts, begin_options, what, level + 1)
-  if not opts then return nil, err end
+  if not built then
+    opts, err = validate.options(opts, begin_options, what, level + 1)
+    if not opts then return nil, err end
+  end
   local norm, stored_form = validate.ops(ops, self.engine.vctx, built)
   if not norm then return nil, stored_form end
   if opts.meta ~= nil then
