@@ -262,8 +262,7 @@ int
 mtx_bulk_execute(lua_State *L, mtx_client *owner, mongoc_bulk_operation_t *bulk,
 		 const char *point, int n, int flags)
 {
-	bson_t *reply = mtx_scratch_take(L);
-	int held = lua_gettop(L), pushed;
+	bson_t *reply = mtx_scratch(L);
 	bson_error_t err;
 	bulk_reply r;
 	int64_t sent;
@@ -279,11 +278,8 @@ mtx_bulk_execute(lua_State *L, mtx_client *owner, mongoc_bulk_operation_t *bulk,
 	if (point)
 		mtx_fault(point, "after");
 	read_bulk_reply(reply, &r);
-	if (!ok && (!r.write_errors || r.write_concern_errors)) {
-		pushed = mtx_push_error(L, &err, reply);
-		mtx_scratch_give(L, held);
-		return pushed;
-	}
+	if (!ok && (!r.write_errors || r.write_concern_errors))
+		return mtx_push_error(L, &err, reply);
 	lua_createtable(L, 0, 7);
 	lua_pushboolean(L, !r.write_errors);
 	lua_setfield(L, -2, "ok");
@@ -294,7 +290,6 @@ mtx_bulk_execute(lua_State *L, mtx_client *owner, mongoc_bulk_operation_t *bulk,
 	push_count(L, r.upserted, "upserted");
 	push_bulk_items(L, reply, &r, n, flags);
 	lua_setfield(L, -2, "items");
-	mtx_scratch_give(L, held);
 	return 1;
 }
 

@@ -52,14 +52,11 @@ MTX_HIDDEN bson_t *mtx_scratch(lua_State *L);
  * finaliser for a step's filter, update, ... (a scratch cost about 1 500
  * instructions to set up and finalise, a step used two to four). */
 MTX_HIDDEN void mtx_scratches(lua_State *L, int n, bson_t **out);
-/* mtx_scratches for the hot paths (core.encode, a batch's documents, a
- * step's filter, update and reply): pushes a scratch kept from an earlier
- * call, its n (at most 3) documents emptied, when there is one, and takes
- * it out of the registry so that a nested call gets another.
- * mtx_scratch_give(L, idx) keeps the one at idx (a taken one) for the
- * next call, once its documents are used no more; a raise in between
- * leaves it to the garbage collector. */
-MTX_HIDDEN void mtx_scratches_take(lua_State *L, int n, bson_t **out);
+/* mtx_scratch for the hot paths (core.encode, a batch's documents): pushes
+ * the scratch document kept from an earlier call, emptied, when there is
+ * one, and takes it out of the registry so that a nested call makes its
+ * own.  mtx_scratch_give(L, idx) keeps the one at idx for the next call; a
+ * raise in between leaves it to the garbage collector. */
 MTX_HIDDEN bson_t *mtx_scratch_take(lua_State *L);
 MTX_HIDDEN void mtx_scratch_give(lua_State *L, int idx);
 /* Pushes a userdata that will call destroy(*slot) when collected unless the

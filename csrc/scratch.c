@@ -58,67 +58,28 @@ mtx_scratch(lua_State *L)
 	return b;
 }
 
-/* The scratches the hot paths take and give back (mtx_scratches_take):
- * each holds MTX_POOL_DOCS documents; at most MTX_KEPT_N of them are kept
- * between calls, in a list under this registry key.  Setting up a
- * scratch (a userdata with a finaliser, a bson_t, its buffer) and
- * finalising it cost a step more than the rest of its own work, and
- * the scratches were a third of what a transfer left to the garbage
- * collector. */
+/* The registry key of the scratch document kept between calls. */
 static const char kept_key = 0;
-#define MTX_POOL_DOCS 3
-#define MTX_KEPT_N 4
 
-/* Pushes the list of kept scratches (made on first use); returns its
- * index. */
-static int
-kept_list(lua_State *L)
-{
-	lua_pushlightuserdata(L, (void *)&kept_key);
-	lua_rawget(L, LUA_REGISTRYINDEX);
-	if (lua_isnil(L, -1)) {
-		lua_pop(L, 1);
-		lua_createtable(L, MTX_KEPT_N, 0);
-		lua_pushlightuserdata(L, (void *)&kept_key);
-		lua_pushvalue(L, -2);
-		lua_rawset(L, LUA_REGISTRYINDEX);
-	}
-	return lua_gettop(L);
-}
-
-void
-mtx_scratches_take(lua_State *L, int n, bson_t **out)
-{
-	bson_t *docs[MTX_POOL_DOCS], *d;
-	int list = kept_list(L), kept = (int)mtx_rawlen(L, list), k;
-
-	if (n > MTX_POOL_DOCS)
-		luaL_error(L, "mongotx: %d scratch documents asked of a pool of %d", n,
-			   MTX_POOL_DOCS);
-	if (kept == 0) {
-		lua_pop(L, 1);
-		mtx_scratches(L, MTX_POOL_DOCS, docs);
-		for (k = 0; k < n; k++)
-			out[k] = docs[k];
-		return;
-	}
-	lua_rawgeti(L, list, kept);
-	lua_pushnil(L);
-	lua_rawseti(L, list, kept);
-	lua_remove(L, list);
-	d = aligned(lua_touserdata(L, -1));
-	for (k = 0; k < n; k++) {
-		bson_reinit(&d[k]);
-		out[k] = &d[k];
-	}
-}
-
+/* Setting up a scratch (a userdata with a finaliser, a bson_t, its buffer)
+ * cost a batch about 3 000 instructions each, ten times a transfer, and
+ * more when the garbage collector finalised it. */
 bson_t *
 mtx_scratch_take(lua_State *L)
 {
 	bson_t *b;
 
-	mtx_scratches_take(L, 1, &b);
+	lua_pushlightuserdata(L, (void *)&kept_key);
+	lua_rawget(L, LUA_REGISTRYINDEX);
+	if (lua_isnil(L, -1)) {
+		lua_pop(L, 1);
+		return mtx_scratch(L);
+	}
+	lua_pushlightuserdata(L, (void *)&kept_key);
+	lua_pushnil(L);
+	lua_rawset(L, LUA_REGISTRYINDEX);
+	b = aligned(lua_touserdata(L, -1));
+	bson_reinit(b);
 	return b;
 }
 
@@ -128,31 +89,12 @@ mtx_scratch_take(lua_State *L)
 void
 mtx_scratch_give(lua_State *L, int idx)
 {
-	void *raw;
-	bson_t *d;
-	int list, kept, k;
-
 	idx = mtx_absindex(L, idx);
-	raw = lua_touserdata(L, idx);
-	if (*(int *)raw != MTX_POOL_DOCS)
-		return; /* not one of the pool's */
-	d = aligned(raw);
-	for (k = 0; k < MTX_POOL_DOCS; k++)
-		if (d[k].len > MTX_KEPT_MAX)
-			return;
-	list = kept_list(L);
-	kept = (int)mtx_rawlen(L, list);
-	for (k = 1; k <= kept && kept < MTX_KEPT_N; k++) {
-		lua_rawgeti(L, list, k);
-		if (lua_touserdata(L, -1) == raw)
-			kept = MTX_KEPT_N; /* given already: kept once */
-		lua_pop(L, 1);
-	}
-	if (kept < MTX_KEPT_N) {
-		lua_pushvalue(L, idx);
-		lua_rawseti(L, list, kept + 1);
-	}
-	lua_pop(L, 1);
+	if (aligned(lua_touserdata(L, idx))->len > MTX_KEPT_MAX)
+		return;
+	lua_pushlightuserdata(L, (void *)&kept_key);
+	lua_pushvalue(L, idx);
+	lua_rawset(L, LUA_REGISTRYINDEX);
 }
 
 static int

@@ -67,17 +67,15 @@ step_opts(lua_State *L, const mtx_steps *s)
 }
 
 /* A step's filter and update (or query and update): two scratch documents
- * in one userdata, taken (mtx_scratches_take); returns its stack index,
- * for mtx_scratch_give. */
-int
+ * in one userdata. */
+void
 scratch_pair(lua_State *L, bson_t **filter, bson_t **update)
 {
 	bson_t *docs[2];
 
-	mtx_scratches_take(L, 2, docs);
+	mtx_scratches(L, 2, docs);
 	*filter = docs[0];
 	*update = docs[1];
-	return lua_gettop(L);
 }
 
 /* Appends {op: {removing: value}} ($set of the tid, or $unset). */
@@ -466,8 +464,7 @@ run_update(lua_State *L, const char *point, mongoc_collection_t *coll,
 	   const bson_t *filter, const bson_t *update, const bson_t *opts,
 	   int many, int64_t *matched)
 {
-	bson_t *reply = mtx_scratch_take(L);
-	int held = lua_gettop(L);
+	bson_t *reply = mtx_scratch(L);
 	bson_error_t err;
 	bson_iter_t it;
 	int64_t sent;
@@ -484,7 +481,6 @@ run_update(lua_State *L, const char *point, mongoc_collection_t *coll,
 			   ? bson_iter_as_int64(&it) : 0;
 	if (bson_iter_init_find(&it, reply, "upsertedId"))
 		(*matched)++; /* fence's placeholder: written, so it counts */
-	mtx_scratch_give(L, held);
 	return 0;
 }
 

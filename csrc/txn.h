@@ -99,7 +99,7 @@ typedef struct {
 
 MTX_HIDDEN mtx_steps *check_steps(lua_State *L);
 MTX_HIDDEN bson_t *step_opts(lua_State *L, const mtx_steps *s);
-MTX_HIDDEN int scratch_pair(lua_State *L, bson_t **filter, bson_t **update);
+MTX_HIDDEN void scratch_pair(lua_State *L, bson_t **filter, bson_t **update);
 
 /* ---- filter and update builders (txn.c) ---- */
 

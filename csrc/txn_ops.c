@@ -310,7 +310,6 @@ typedef struct {
 	const bson_t *req;	       /* s->checked_req */
 	fields f;
 	int n;
-	int held; /* the stack index of tid, filter and update (op_batch_done) */
 } op_batch;
 
 static void
@@ -326,22 +325,10 @@ op_batch_open(lua_State *L, op_batch *b)
 	b->req = s->checked_req;
 	b->n = (int)mtx_rawlen(L, 3);
 	b->bulk = new_bulk(L, coll, batch_opts(L, s, b->n));
-	mtx_scratches_take(L, 3, docs);
-	b->held = lua_gettop(L);
+	mtx_scratches(L, 3, docs);
 	b->tid = docs[0];
 	b->filter = docs[1];
 	b->update = docs[2];
-}
-
-/* Executes the batch's bulk write (mtx_bulk_execute), then gives its
- * documents back. */
-static int
-op_batch_done(lua_State *L, op_batch *b, const char *point, int n)
-{
-	int pushed = mtx_bulk_execute(L, step_owner(L), b->bulk, point, n, MTX_BULK_FAILURES);
-
-	mtx_scratch_give(L, b->held);
-	return pushed;
 }
 
 /* Pushes item i and its op; loads its tid and empties filter and update.
@@ -425,7 +412,7 @@ l_apply_many(lua_State *L)
 		check_added(L, ok, i, &err);
 		lua_settop(L, top);
 	}
-	return op_batch_done(L, &b, "apply", b.n);
+	return mtx_bulk_execute(L, step_owner(L), b.bulk, "apply", b.n, MTX_BULK_FAILURES);
 }
 
 /* The arguments finish, undo and fence share: (steps, coll, tid, op),
@@ -583,7 +570,7 @@ op_batch_run(lua_State *L, op_builder build, const char *point)
 			     version_step(L, -1));
 		lua_settop(L, top);
 	}
-	return op_batch_done(L, &b, point, b.n);
+	return mtx_bulk_execute(L, step_owner(L), b.bulk, point, b.n, MTX_BULK_FAILURES);
 }
 
 /* steps:finish_many(coll, list, name) -> bulk result or nil, err.
@@ -632,7 +619,7 @@ l_finish_many(lua_State *L)
 		lua_settop(L, top);
 	}
 	luaL_argcheck(L, n > 0, 4, "no op in this collection");
-	return op_batch_done(L, &b, "finish", n);
+	return mtx_bulk_execute(L, step_owner(L), b.bulk, "finish", n, MTX_BULK_FAILURES);
 }
 
 /* The undo of op: filter {_id, marker: tid}; update op.undo (update

@@ -125,11 +125,11 @@ move_many(lua_State *L, const mtx_steps *s, const char *from, const char *to, in
 	mongoc_collection_t *coll = arg_collection(L, 2);
 	bson_t *filter, *update, id;
 	int64_t n = 0;
-	int rc, held;
+	int rc;
 
 	luaL_checktype(L, 3, LUA_TTABLE);
 	luaL_argcheck(L, mtx_rawlen(L, 3) > 0, 3, "at least one id");
-	held = scratch_pair(L, &filter, &update);
+	scratch_pair(L, &filter, &update);
 	bson_append_document_begin(filter, "_id", 3, &id);
 	mtx_append_value(L, 3, &id, "$in"); /* a sequence: an array */
 	bson_append_document_end(filter, &id);
@@ -137,7 +137,6 @@ move_many(lua_State *L, const mtx_steps *s, const char *from, const char *to, in
 	if ((rc = run_update(L, transition_point(to), coll, filter, update,
 			     s->checked_wopts, 1, &n)))
 		return rc;
-	mtx_scratch_give(L, held);
 	lua_createtable(L, 0, 1);
 	lua_pushinteger(L, (lua_Integer)n);
 	lua_setfield(L, -2, "moved");
