@@ -18,8 +18,9 @@
 -- This module owns the engine's context, its reads and claims; the
 -- phases of a claimed transaction (apply, finish, cancel, undo, drive)
 -- are mongotx.engine.phases, its applies' retries and give-backs
--- mongotx.engine.applies, and the waits for and takeovers of one
--- another owner holds mongotx.engine.holders, methods of the same class.
+-- mongotx.engine.applies, the waits for and takeovers of one another
+-- owner holds mongotx.engine.holders, and the reads of its documents'
+-- versions mongotx.engine.bands, methods of the same class.
 
 local core = require "mongotx.core"
 local errors = require "mongotx.errors"
@@ -86,8 +87,6 @@ function _M.new(ctx)
     server_clock = clock.new(ctx.db), -- (server_now, clock)
     use_deadline = nil, -- does the server evaluate $$NOW (deadlines)
     unsure = {},        -- documents an apply's lost reply left (engine.bands)
-    banded_apply = nil, -- steps.apply_many behind the bands (many), made once
-    banded_of = nil,    -- the steps whose apply_many it wraps
   }, Engine)
   self.own = { marker = self.marker, version = self.version_field, steps = self.steps }
   return self
@@ -98,7 +97,7 @@ end
 -- A transaction id as a table key (validate.tid_key).
 local key = validate.tid_key
 
-local live, has_marker, mark = stored.live, stored.has_marker, stored.mark
+local live, mark = stored.live, stored.mark
 
 -- The form of T: the fields its documents carry its marker and version
 -- in, those it was begun with (recorded; for an older build's T, this
@@ -229,22 +228,10 @@ local function in_commands(self, name, fn, steps, ...)
   end, ...)
 end
 
-local MANY = {}
+local MANY = setmetatable({}, { __index = function(t, name) t[name] = name .. "_many"; return t[name] end })
 function Engine:many(name, ...)
   local steps = self.steps
-  local fname = MANY[name]
-  if not fname then fname = name .. "_many"; MANY[name] = fname end
-  local fn
-  if name == "apply" then
-    -- made again for other steps (a spec's stand-in)
-    if self.banded_of ~= steps then
-      self.banded_apply = bands.apply_many(self, self.version_field, steps.apply_many)
-      self.banded_of = steps
-    end
-    fn = self.banded_apply
-  else
-    fn = steps[fname]
-  end
+  local fn = name == "apply" and bands.banded_apply(self) or steps[MANY[name]]
   -- a server found to evaluate $$NOW (deadlines) is not FerretDB v1: one
   -- write command whatever the count
   if self.use_deadline then return self:retry(name, nil, fn, steps, ...) end
@@ -370,48 +357,6 @@ function Engine:new_deadline()
   local now, err = self:clock()
   if not now then return nil, err end
   return core.Date(math.floor(now + self.policy.lease * 1000))
-end
-
--- For each transaction of the list and each of its ops: { version = <the
--- document's version>, marked = <the transaction's marker is on it> } (nil
--- version for a missing document); one find per collection for them all.
-function Engine:versions_many(list)
-  local by_coll, found, projection = {}, {}, {}
-  for _, T in ipairs(list) do
-    local f = self:form(T)
-    projection[f.marker], projection[f.version] = 1, 1
-    for _, op in ipairs(T.ops) do
-      local ids = by_coll[op.collection] or {}
-      ids[#ids + 1] = op.id
-      by_coll[op.collection] = ids
-    end
-  end
-  for name, ids in pairs(by_coll) do
-    local docs, err = self:coll(name):find_all({ _id = { ["$in"] = ids } },
-      { projection = projection, sort = { _id = 1 } })
-    if not docs then return nil, errors.wrap(err, "versions", #list == 1 and list[1]._id or nil) end
-    for _, doc in ipairs(docs) do found[name .. "\0" .. key(doc._id)] = doc end
-  end
-  local out = {}
-  for t, T in ipairs(list) do
-    local vs, f, m = {}, self:form(T), mark(T)
-    for i, op in ipairs(T.ops) do
-      local doc = found[op.collection .. "\0" .. key(op.id)]
-      vs[i] = { marked = false }
-      if doc then
-        vs[i].version = doc[f.version]
-        vs[i].marked = has_marker(doc, f.marker, m)
-      end
-    end
-    out[t] = vs
-  end
-  return out
-end
-
-function Engine:versions(T)
-  local all, err = self:versions_many({ T })
-  if not all then return nil, err end
-  return all[1]
 end
 
 -- Claims T as it was read: same state and epoch.  The epoch changes with
@@ -546,24 +491,13 @@ function Engine:holds(T)
   return T.state == "pending" and self:holding(T)
 end
 
--- Versions read while this manager holds T: read, then check T is still
--- held, so any later owner's writes come after the read.
-function Engine:confirmed_versions(T)
-  local versions, err = self:versions(T)
-  if not versions then return nil, err end
-  local now
-  now, err = self:get(T._id)
-  if err then return nil, err end
-  if not now or not self:holds(now) then return false, now end
-  return versions
-end
-
 -- The phases (apply, finish, cancel, undo, drive): mongotx.engine.phases;
 -- a transaction another owner holds (lapsed, await, take_over):
--- mongotx.engine.holders.
+-- mongotx.engine.holders; the documents' versions: mongotx.engine.bands.
 for name, method in pairs(phases.methods) do Engine[name] = method end
 for name, method in pairs(holders.methods) do Engine[name] = method end
 for name, method in pairs(applies.methods) do Engine[name] = method end
+for name, method in pairs(bands.methods) do Engine[name] = method end
 
 _M.key, _M.op_failure, _M.failure_text = key, phases.op_failure, phases.failure_text
 _M.cause_of, _M.cancelled_error = phases.cause_of, phases.cancelled_error

@@ -25,9 +25,8 @@
 --
 -- This module owns the thread side (thread()), the handles a handler
 -- holds (connect, db, tm) and recovery inside nginx; mongotx.resty.wire
--- owns the crossing (pack, call), mongotx.resty.group group commit,
--- mongotx.resty.held the handler's wait for a key another call holds,
--- mongotx.resty.thread the module a worker thread is told to run.
+-- owns the crossing (pack, call), .group group commit, .held a handler's
+-- wait for a key another call holds, .thread what a worker thread runs.
 
 --- The engine for nginx handlers, without blocking the worker (docs/openresty.md).
 -- @module mongotx.resty

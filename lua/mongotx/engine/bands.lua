@@ -17,12 +17,17 @@
 -- once its lease passed, Engine:resolve), which moves the band anyway.
 -- Where deadlines fence instead, an apply carries no version and no bump
 -- can stop its copy: docs/ownership.md says what fences it there.
+-- The versions an owner reads before its applies are read here too
+-- (methods of the engine: versions_many, versions, confirmed_versions).
 
 local core = require "mongotx.core"
+local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
+local stored = require "mongotx.stored"
 
-local id_key = validate.id_key
-local ipairs, type = ipairs, type
+local id_key, key = validate.id_key, validate.tid_key
+local has_marker, mark = stored.has_marker, stored.mark
+local ipairs, pairs, type = ipairs, pairs, type
 local floor = math.floor
 
 local BAND = core.VERSION_BAND
@@ -132,5 +137,75 @@ function _M.apply_many(eng, field, apply)
     return res, err
   end
 end
+
+-- steps.apply_many behind the bands, as Engine:many sends it: made once
+-- per steps object (a spec may stand other steps in).
+function _M.banded_apply(eng)
+  local steps = eng.steps
+  if eng.banded_of ~= steps then
+    eng.banded, eng.banded_of = _M.apply_many(eng, eng.version_field, steps.apply_many), steps
+  end
+  return eng.banded
+end
+
+-- The documents' versions, methods of the engine (mongotx.engine).
+local methods = {}
+
+-- For each transaction of the list and each of its ops: { version = <the
+-- document's version>, marked = <the transaction's marker is on it> } (nil
+-- version for a missing document); one find per collection for them all.
+function methods:versions_many(list)
+  local by_coll, found, projection = {}, {}, {}
+  for _, T in ipairs(list) do
+    local f = self:form(T)
+    projection[f.marker], projection[f.version] = 1, 1
+    for _, op in ipairs(T.ops) do
+      local ids = by_coll[op.collection] or {}
+      ids[#ids + 1] = op.id
+      by_coll[op.collection] = ids
+    end
+  end
+  for name, ids in pairs(by_coll) do
+    local docs, err = self:coll(name):find_all({ _id = { ["$in"] = ids } },
+      { projection = projection, sort = { _id = 1 } })
+    if not docs then return nil, errors.wrap(err, "versions", #list == 1 and list[1]._id or nil) end
+    for _, doc in ipairs(docs) do found[name .. "\0" .. key(doc._id)] = doc end
+  end
+  local out = {}
+  for t, T in ipairs(list) do
+    local vs, f, m = {}, self:form(T), mark(T)
+    for i, op in ipairs(T.ops) do
+      local doc = found[op.collection .. "\0" .. key(op.id)]
+      vs[i] = { marked = false }
+      if doc then
+        vs[i].version = doc[f.version]
+        vs[i].marked = has_marker(doc, f.marker, m)
+      end
+    end
+    out[t] = vs
+  end
+  return out
+end
+
+function methods:versions(T)
+  local all, err = self:versions_many({ T })
+  if not all then return nil, err end
+  return all[1]
+end
+
+
+-- Versions read while this manager holds T: read, then check T is still
+-- held, so any later owner's writes come after the read.
+function methods:confirmed_versions(T)
+  local versions, err = self:versions(T)
+  if not versions then return nil, err end
+  local now
+  now, err = self:get(T._id)
+  if err then return nil, err end
+  if not now or not self:holds(now) then return false, now end
+  return versions
+end
+
+_M.methods = methods
 
 return _M
