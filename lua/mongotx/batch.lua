@@ -385,8 +385,10 @@ end
 -- read> for those another call holds within its lease: not waited for
 -- (errs[i] is `in_progress`; mongotx.manager.batches waits for them all
 -- at once after the others finished, mongotx.group has their callers
--- wait).
-function _M.run(eng, specs)
+-- wait).  With `hand` (mongotx.group), one whose apply must wait for a
+-- retry is not waited for either: busy[i] = <what its caller needs to go
+-- on with it> (settle.handed), results[i] and errs[i] false.
+function _M.run(eng, specs, hand)
   local entries, results, errs = {}, {}, {}
   local now, err = eng:clock()
   local deadline, stamp
@@ -416,7 +418,7 @@ function _M.run(eng, specs)
     -- every field an entry may get, so that none makes its table grow
     entries[i] = { T = T, doc = doc, err = not now and err or nil, slow = false,
                    created = false, applied = false, sent = false, key = false, later = true,
-                   held = false }
+                   held = false, busy = false }
   end
   local versions
   if now and not deadline then
@@ -439,13 +441,17 @@ function _M.run(eng, specs)
   for t, e in ipairs(entries) do
     if e.slow and not e.err then late[t] = true end
   end
-  settling.settle_all(eng, entries, deadline, versions)
-  local committed, held = {}, {}
+  settling.settle_all(eng, entries, deadline, versions, nil, hand)
+  local committed, held, busy = {}, {}, {}
   for i, e in ipairs(entries) do
-    results[i], errs[i], held[i] = not e.err and e.T, e.err or false, e.held or nil
-    if not e.err and e.T.state == "applied" then committed[#committed + 1] = e.T end
+    results[i], errs[i], held[i] = not e.err and not e.busy and e.T, e.err or false, e.held or nil
+    if e.busy then
+      busy[i] = settling.handed(e, deadline, versions and versions[i])
+    elseif not e.err and e.T.state == "applied" then
+      committed[#committed + 1] = e.T
+    end
   end
-  return results, errs, committed, late, held
+  return results, errs, committed, late, held, busy
 end
 
 -- Batched recovery and the grouped tm:commit (mongotx.engine.forward)

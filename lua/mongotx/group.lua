@@ -49,10 +49,11 @@ local batches = require "mongotx.manager.batches"
 local forward = require "mongotx.engine.forward"
 local holds = require "mongotx.holds"
 local queue = require "mongotx.group.queue"
+local busy = require "mongotx.group.busy"
 local backoff = require("mongotx.policy").backoff
 
-local type, ipairs, pairs, pcall, error, select, setmetatable, tostring =
-  type, ipairs, pairs, pcall, error, select, setmetatable, tostring
+local type, ipairs, pairs, pcall, error, select, setmetatable, tostring, next =
+  type, ipairs, pairs, pcall, error, select, setmetatable, tostring, next
 local format = string.format
 local unpack = table.unpack or unpack -- luacheck: ignore 143
 local id_key, tid_key, is_floor = stored.id_key, engine.key, stored.is_floor
@@ -158,22 +159,18 @@ end
 -- as the call alone returns, or { raise = err } for a policy's raise
 -- (errors.is_policy: the batch failed that call's entry with it, the
 -- others went on; alone, the call raises it).
--- fn(...) -> a, b, c, d, a part of the batch (the transfers and runs, or the
+-- fn(...) -> a, b, c, d, e, a part of the batch (the transfers and runs, or the
 -- commits): a policy's raise in a step the whole part shares (a retry's
 -- backoff, ...) is nil, <the raise>, as each of its calls alone would
 -- raise it, and the other part runs on; any other raise goes up.
 local function shared(fn, ...)
-  local ok, a, b, c, d = pcall(fn, ...)
-  if ok then return a, b, c, d end
+  local ok, a, b, c, d, e = pcall(fn, ...)
+  if ok then return a, b, c, d, e end
   if not errors.is_policy(a) then error(a, 0) end
   return nil, a
 end
 
-local function answer(T, err)
-  if T then return { n = 1, T } end
-  if errors.is_policy(err) then return { raise = err } end
-  return { n = 2, nil, err or errors.new("internal", "no result", { step = "group" }) }
-end
+local answer = busy.answer
 
 -- The caller's side of a call the batch answered `in_progress` at once
 -- (its `held`: Engine:held_info's), so that it held none of the others: reads
@@ -205,6 +202,45 @@ function _M.await_held(held, get, sleep, now)
   end
 end
 
+-- A call its part handed to its caller (info: settle.handed's, its
+-- `after` as indices of the part's list, where: their calls): its answer
+-- { busy = info }, its documents (ops) added to gone.  info.keys: what
+-- it touches, as group.keys says (a commit's too, now that they are
+-- known), which its ticket keeps while its caller goes on with it.
+local function handed(info, kind, where, ops, gone)
+  info.kind = kind
+  for n, k in ipairs(info.after) do info.after[n] = where[k] end
+  local keys = { "t\0" .. tid_key(info.id) }
+  for _, op in ipairs(ops) do
+    local k = doc_key(op.collection, op.id)
+    gone[k or op.collection] = true
+    if k then keys[#keys + 1] = "d\0" .. k end
+  end
+  info.keys = keys
+  return { busy = info }
+end
+
+-- The calls of a later part (list[k] the call where[k]; ops(list[k]) its
+-- ops) with those on a document of a call handed to its caller put off
+-- to the next batch (AGAIN; never the first call): they go after it, as
+-- batch order says, not beside its open effects.
+local function put_off(list, where, gone, out, ops)
+  if next(gone) == nil then return list, where end
+  local keep, at = {}, {}
+  for k, x in ipairs(list) do
+    local meets = false
+    for _, op in ipairs(ops(x)) do
+      meets = meets or gone[doc_key(op.collection, op.id) or op.collection] ~= nil
+    end
+    if meets and where[k] > 1 then
+      out[where[k]] = AGAIN
+    else
+      keep[#keep + 1], at[#at + 1] = x, where[k]
+    end
+  end
+  return keep, at
+end
+
 -- run_calls(tm, calls, wait): calls[i] = { method = "transfer" | "run" |
 -- "commit" | "hold", n = <how many arguments>, <the arguments> }.  Returns one
 -- result per call: { n = 1, T } or { n = 2, nil, err } as the call alone
@@ -213,7 +249,9 @@ end
 -- order the calls answered took effect in.  A call whose transaction
 -- another call holds within its lease is not waited for: { n = 2, nil,
 -- <in_progress>, held = <Engine:held_info> }, and its caller waits
--- (await_held), then runs it alone.
+-- (await_held), then runs it alone.  Nor is one whose apply must wait for
+-- a retry (`busy`): { busy = <what its caller needs> }, and its caller
+-- waits, then goes on with it alone (mongotx.group.busy).
 --
 -- The transfers and runs go first, as one batch (mongotx.batch); then the
 -- commits: their transactions loaded in one find, the begun ones
@@ -224,7 +262,9 @@ end
 -- left.
 -- The order is theirs within each part, but those settled one at a time
 -- after the others of their part had committed (a guard that failed at
--- first is tried again then: mongotx.batch) come after them.  So each
+-- first is tried again then: mongotx.batch) come after them, and those
+-- handed to their callers after all the others (a later part's call on
+-- one of their documents waits for the next batch: put_off).  So each
 -- answer is what its call alone gives when the calls run one at a time in
 -- that order.  Emits on_event("group", { size = <calls answered>, wait =
 -- wait, application }) once.
@@ -286,32 +326,48 @@ function _M.run_calls(tm, calls, wait)
   end
   -- part (1 the batch, 2 settled after it, 3 the commits, 4 those
   -- settled or driven after them, 5 the holds, 6 those opened alone after
-  -- them) of each call the batch ran
-  local part = {}
+  -- them, 7 those handed to their callers: mongotx.group.busy) of each
+  -- call the batch ran; gone: the documents of those handed over
+  local part, gone = {}, {}
   if #specs > 0 then
-    local results, late, held
-    results, errs, late, held = shared(batches.run_batch, tm, specs, errs, true)
+    local results, late, held, gave
+    results, errs, late, held, gave = shared(batches.run_batch, tm, specs, errs, true)
     for k, i in ipairs(where) do
       out[i], part[i] = results and answer(results[k], errs[k]) or { raise = errs }, late and late[k] and 2 or 1
       if held and held[k] then out[i].held = tm.engine:held_info(held[k]) end
+      if gave and gave[k] then
+        out[i], part[i] = handed(gave[k], "run", where, specs[k].ops, gone), 7
+      end
     end
   end
+  items, cwhere = put_off(items, cwhere, gone, out, function(item) return item.T.ops end)
   if #items > 0 then
-    local results, cerrs, late, held = shared(forward.commit, tm.engine, items)
+    local results, cerrs, late, held, gave = shared(forward.commit, tm.engine, items, true)
     for k, i in ipairs(cwhere) do
       out[i], part[i] = results and answer(results[k], cerrs[k]) or { raise = cerrs }, late and late[k] and 4 or 3
       if held and held[k] then out[i].held = tm.engine:held_info(held[k]) end
+      if gave and gave[k] then
+        out[i], part[i] = handed(gave[k], "commit", cwhere, items[k].T.ops, gone), 7
+      end
     end
   end
+  opening, hwhere = put_off(opening, hwhere, gone, out, function(e) return e.spec.ops end)
   if #opening > 0 then
-    local _, raise = shared(holds.open_entries, tm, opening)
+    local _, raise = shared(holds.open_entries, tm, opening, true)
+    local at = {}
+    for k, e in ipairs(opening) do at[e] = k end
     for k, i in ipairs(hwhere) do
       local e = opening[k]
       out[i], part[i] = raise and { raise = raise } or answer(e.out, e.err), e.late and 6 or 5
+      if e.busy and not raise then
+        for n, m in ipairs(e.busy.after) do e.busy.after[n] = at[m] end
+        e.busy.expires = e.expires
+        out[i], part[i] = handed(e.busy, "hold", hwhere, e.spec.ops, gone), 7
+      end
     end
   end
   local order = {}
-  for p = 1, 6 do
+  for p = 1, 7 do
     for i = 1, #calls do
       if out[i] ~= AGAIN and (part[i] or 1) == p then order[#order + 1] = i end
     end
@@ -356,9 +412,17 @@ end
 
 for _, method in ipairs(_M.METHODS) do
   Wrapped[method] = function(self, ...)
-    local r = self.group:call({ method = method, n = select("#", ...), ... }, _M.keys(method, ...))
+    local g, tm = self.group, self.tm
+    local r, ticket = g:call({ method = method, n = select("#", ...), ... }, _M.keys(method, ...))
+    if r.busy then
+      -- its apply waits for a retry: in this task, then goes on alone
+      r = busy.go_on(g, ticket, r, function(seconds) g.signal():wait(seconds) end, function(info)
+        local list, out = tm:later("busy", info)
+        if list == nil then return { n = 2, nil, out } end -- (mongotx.pool: no client came free)
+        return out
+      end)
+    end
     if r.held then
-      local g = self.group
       local function sleep(seconds) g.signal():wait(seconds) end
       local function get(id) return self.tm:get(id) end
       if _M.await_held(r.held, get, sleep, g.now) then return self.tm[method](self.tm, ...) end

@@ -157,6 +157,64 @@ end
 -- are waited for with it, so that one sleep serves them all.
 local SLACK_MS = 20
 
+-- What an entry handed to its caller (e.busy: { st, wait, after }) needs
+-- to go on there (mongotx.group.busy): its transaction's id and epoch,
+-- the seconds until its next try, each op's tries so far and the
+-- versions its applies go on from (marked where applied), and the
+-- entries (indices of its list) it goes after.  Lists of one value an
+-- op, so that it crosses to an nginx worker thread as BSON.
+local function handed(e, deadline, versions)
+  local b, T = e.busy, e.T
+  local tries, vs = {}, b.st == true and apply_versions(e, deadline, versions) or b.st.versions
+  for i in ipairs(T.ops) do
+    tries[i] = b.st ~= true and b.st.tries[i] or 0
+    if b.st ~= true then vs[i].marked = b.st.held[i] or false end
+  end
+  return { id = T._id, epoch = T.epoch, wait = b.wait, after = b.after, tries = tries, versions = vs }
+end
+
+-- settle_all's way for a batch whose callers wait for themselves
+-- (mongotx.group): one pass, in batch order, that sleeps nowhere.  An
+-- entry whose apply must wait for a retry is handed to its caller
+-- (e.busy: { st = <its apply's state>, wait = <seconds> }, the engine's
+-- hold of it given up: the caller goes on with it by its epoch), and so
+-- is one on a document of an entry handed over before it, unless both
+-- only add to it (documents): it goes on after them (after: their
+-- indices), so batch order stays their order.  (Only an entry still to
+-- apply is handed over so; one to create or commit alone settles here.)
+local function hand_all(eng, list, deadline, vs, step_fn)
+  local gone = {} -- document -> { free = <all its entries only add>, <their indices> }
+  for n, e in ipairs(list) do
+    if e.slow and not e.err then
+      local docs, after = documents(e), {}
+      for d, free in pairs(docs) do
+        local g = gone[d]
+        if g and not (g.free and free) then
+          for _, m in ipairs(g) do after[#after + 1] = m end
+        end
+      end
+      if after[1] and e.slow == "apply" then
+        table.sort(after)
+        e.busy = { st = true, wait = 0, after = after }
+      else
+        local ok, st, wait = pcall(step_fn, eng, e, true, deadline, vs and vs[n])
+        if not ok then
+          raised_in(e, st)
+        elseif st then
+          e.busy = { st = st, wait = tonumber(wait) or 0, after = {} }
+        end
+      end
+      if e.busy then
+        eng:hold(e.T._id, nil)
+        for d, free in pairs(docs) do
+          local g = gone[d] or { free = true }
+          g.free, g[#g + 1], gone[d] = g.free and free, n, g
+        end
+      end
+    end
+  end
+end
+
 -- The entries a batch left behind (list; vs[n] the versions read for
 -- list[n], when read), each settled as settle settles it, but together,
 -- so that one whose apply waits (a document another open transaction
@@ -172,9 +230,10 @@ local SLACK_MS = 20
 -- (mongotx.group reports it).  A policy's raise fails its entry only; one
 -- of a sleep, every entry that waited on it.  step_fn(eng, e, st,
 -- deadline, versions) steps one entry as `step` does (mongotx.holds
--- opens its holds so).
-local function settle_all(eng, list, deadline, vs, step_fn)
+-- opens its holds so).  With `hand`, nothing sleeps: hand_all.
+local function settle_all(eng, list, deadline, vs, step_fn, hand)
   step_fn = step_fn or step
+  if hand then return hand_all(eng, list, deadline, vs, step_fn) end
   local open, due, ms = {}, {}, core.monotonic_ms
   for n, e in ipairs(list) do
     if e.slow and not e.err then open[n] = true end
@@ -233,6 +292,6 @@ local function settle_all(eng, list, deadline, vs, step_fn)
 end
 
 _M.fail, _M.raised_in, _M.guarded, _M.settle_all = fail, raised_in, guarded, settle_all
-_M.inserted_here = inserted_here
+_M.inserted_here, _M.handed, _M.step, _M.conclude = inserted_here, handed, step, conclude
 
 return _M

@@ -21,11 +21,12 @@
 -- without deadlines, by the versions read before the claim.
 
 local batch = require "mongotx.batch"
+local settle = require "mongotx.batch.settle"
 local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local stored = require "mongotx.stored"
 
-local ipairs = ipairs
+local ipairs, pairs = ipairs, pairs
 local guarded, tid_key, live = batch.guarded, validate.tid_key, stored.live
 
 local _M = {}
@@ -106,10 +107,10 @@ end
 -- policy's raise failing its entry only.  The committed ones are left
 -- `applied` for finish; the others are `done` (settled alone) or carry
 -- their error.
-function _M.forward(eng, entries, versions, deadline)
+function _M.forward(eng, entries, versions, deadline, hand)
   batch.apply(eng, entries, deadline, versions)
   commit(eng, entries)
-  batch.settle_all(eng, entries, deadline, versions)
+  batch.settle_all(eng, entries, deadline, versions, nil, hand)
 end
 
 -- Entry e driven on alone from where it stands now (read again), as
@@ -157,12 +158,15 @@ end
 -- late[i] = true for those settled one at a time after the others, and
 -- held[i] = <the transaction as read> for those another owner holds
 -- within its lease: not waited for, `in_progress` (Engine:drive's
--- `later`; mongotx.group has their callers wait).
-function _M.commit(eng, items)
+-- `later`; mongotx.group has their callers wait).  With `hand`, one
+-- whose apply must wait for a retry is not waited for either: busy[i]
+-- says how its caller goes on with it (settle.handed; its `after` as
+-- indices of items).
+function _M.commit(eng, items, hand)
   local entries, ready, vs = {}, {}, {}
   for i, item in ipairs(items) do
     local e = { T = item.T, err = false, slow = false, applied = false, sent = false, key = false,
-                later = true, held = false }
+                later = true, held = false, busy = false }
     entries[i] = e
     if item.ready then ready[#ready + 1] = e end
   end
@@ -180,7 +184,7 @@ function _M.commit(eng, items)
       e.lost = true
     end
   end
-  if #won > 0 then _M.forward(eng, won, vs, deadline) end
+  if #won > 0 then _M.forward(eng, won, vs, deadline, hand) end
   local finish, list = {}, {}
   for _, e in ipairs(won) do
     if not e.err and e.T.state == "applied" then
@@ -194,7 +198,8 @@ function _M.commit(eng, items)
       if e.T.state == "done" then eng:hold(e.T._id, nil) else fail(e, err) end
     end
   end
-  local results, errs, late, held = {}, {}, {}, {}
+  local results, errs, late, held, busy, pos = {}, {}, {}, {}, {}, {}
+  for k, e in ipairs(won) do pos[e] = k end
   for i, e in ipairs(entries) do
     if e.lost then
       guarded(_M.again, eng, e) -- as drive goes on after a claim it lost
@@ -202,12 +207,22 @@ function _M.commit(eng, items)
       guarded(drive, eng, e)
     end
     late[i] = e.lost or e.slow or not items[i].ready or nil
-    if not e.err and e.T.state ~= "done" then
+    if e.busy then
+      busy[i] = settle.handed(e, deadline, vs[pos[e]])
+    elseif not e.err and e.T.state ~= "done" then
       fail(e, errors.new("state", "the transaction did not settle", { id = e.T._id }))
     end
-    results[i], errs[i], held[i] = not e.err and e.T, e.err or false, e.held or nil
+    results[i], errs[i], held[i] = not e.err and not e.busy and e.T, e.err or false, e.held or nil
   end
-  return results, errs, late, held
+  -- their `after`: indices of won (settle_all's list) as indices of items
+  local item = {}
+  for i, e in ipairs(entries) do
+    if pos[e] then item[pos[e]] = i end
+  end
+  for _, b in pairs(busy) do
+    for n, k in ipairs(b.after) do b.after[n] = item[k] end
+  end
+  return results, errs, late, held, busy
 end
 
 return _M

@@ -5,8 +5,8 @@
 
 --- @submodule mongotx.group
 
-local type, ipairs, pairs, pcall, error, setmetatable, tostring =
-  type, ipairs, pairs, pcall, error, setmetatable, tostring
+local type, ipairs, pairs, pcall, error, setmetatable, tostring, tonumber =
+  type, ipairs, pairs, pcall, error, setmetatable, tostring, tonumber
 
 local _M = {}
 
@@ -60,11 +60,22 @@ function _M.new(o)
   end
   -- held: key -> how many running batches hold it; alone: a running batch
   -- holds a call without keys (it may touch anything); flying: batches
-  -- running; running: drivers begun; pending: drivers spawned, not begun
+  -- running; running: drivers begun; pending: drivers spawned, not begun;
+  -- lingering: tickets whose callers go on with them (mongotx.group.busy)
   return setmetatable({ run = o.run, signal = o.signal, spawn = o.spawn, now = o.now,
                         max = max, delay = delay, inflight = inflight, queue = {},
                         held = {}, alone = false, flying = 0, running = 0, pending = {},
-                        npending = 0, gathering = false, kick = o.signal(), batches = 0 }, Group)
+                        npending = 0, gathering = false, kick = o.signal(), batches = 0,
+                        lingering = {} }, Group)
+end
+
+-- Gives back the keys of ticket t.
+local function unkey(self, t)
+  if t.keys == nil then self.alone = false end
+  for _, k in ipairs(t.keys or {}) do
+    local n = self.held[k] - 1
+    self.held[k] = n > 0 and n or nil
+  end
 end
 
 -- Runs one batch of tickets and wakes their callers; returns the tickets
@@ -91,8 +102,21 @@ local function run_batch(self, batch, waited)
       end
       t.done, t.ok, t.result = true, ok, ok and r or results
       t.batch, t.position = number, position[i] or i
-      t.signal:post()
+      local b = ok and type(r) == "table" and r.busy
+      if b then
+        -- its caller goes on with it (mongotx.group.busy): it holds the
+        -- keys the runner names until then (Group:settled), after the
+        -- calls it names
+        unkey(self, t)
+        t.keys, t.lingering, t.after, self.lingering[t] = b.keys or {}, true, {}, true
+        for _, k in ipairs(t.keys) do self.held[k] = (self.held[k] or 0) + 1 end
+        self:linger(t, tonumber(b.wait) or 0)
+        for _, j in ipairs(b.after or {}) do t.after[#t.after + 1] = batch[j] end
+      end
     end
+  end
+  for _, t in ipairs(batch) do
+    if t.done then t.signal:post() end
   end
   return again
 end
@@ -120,6 +144,10 @@ end
 -- its keys, so each key's calls keep their order and none waits for ever.
 -- Nil when none may run now.
 local function pick(self)
+  local now = self.now()
+  for t in pairs(self.lingering) do
+    if now >= t.expires then self:settled(t) end -- (its caller went away)
+  end
   local batch, rest, reserved = {}, {}, {}
   for _, t in ipairs(self.queue) do
     if #batch < self.max and not blocked(self, t, reserved) then
@@ -138,14 +166,12 @@ local function pick(self)
   return batch
 end
 
+-- A batch ran: its tickets give back their keys, but those whose
+-- callers go on with them (lingering).
 local function release(self, batch)
   self.flying = self.flying - 1
   for _, t in ipairs(batch) do
-    if t.keys == nil then self.alone = false end
-    for _, k in ipairs(t.keys or {}) do
-      local n = self.held[k] - 1
-      self.held[k] = n > 0 and n or nil
-    end
+    if not t.lingering then unkey(self, t) end
   end
 end
 
@@ -274,6 +300,52 @@ function Group:call(item, keys)
   end
   if not t.ok then error(t.result, 0) end
   return t.result, t
+end
+
+-- A call the batch handed to its caller (its result's `busy`:
+-- mongotx.group.busy) keeps its keys while its caller goes on with it,
+-- so that the later calls on its documents stay behind it, as one batch
+-- after another keeps them; at most until START seconds after the wait
+-- its caller said (linger), in case the caller went away (an nginx
+-- handler whose request ended).
+
+--- Internal: the caller of a lingering call waits `seconds` more (mongotx.group.busy).
+-- @local
+-- @syntax g:linger(ticket, seconds)
+function Group:linger(t, seconds)
+  t.expires = self.now() + seconds + _M.START
+end
+
+--- Internal: waits until the calls a lingering call goes after are settled (mongotx.group.busy).
+-- @local
+-- @syntax g:after(ticket)
+function Group:after(t)
+  for _, l in ipairs(t.after or {}) do
+    while l.lingering do
+      local left = l.expires - self.now()
+      if left <= 0 then break end
+      t.expires = math.max(t.expires, l.expires + _M.START)
+      l.followers = l.followers or {}
+      l.followers[#l.followers + 1] = t.signal
+      t.signal:wait(left)
+    end
+  end
+  t.after = nil
+end
+
+--- Internal: the caller of a lingering call is done with it: its keys go back (mongotx.group.busy).
+-- @local
+-- @syntax g:settled(ticket)
+function Group:settled(t)
+  if not t.lingering then return end
+  t.lingering, self.lingering[t] = false, nil
+  unkey(self, t)
+  for _, signal in ipairs(t.followers or {}) do signal:post() end
+  t.followers = nil
+  -- the calls its keys held back: a driver for them
+  if #self.queue > 0 and self.running + self.npending == 0 and not start(self) then
+    drive_all(self)
+  end
 end
 
 return _M

@@ -12,6 +12,7 @@ local errors = require "mongotx.errors"
 local validate = require "mongotx.validate"
 local stored = require "mongotx.stored"
 local batch = require "mongotx.batch"
+local settle = require "mongotx.batch.settle"
 local engine = require "mongotx.engine"
 local checks = require "mongotx.manager.checks"
 local views = require "mongotx.holds.views"
@@ -62,7 +63,7 @@ local function prepare(tm, collection, from, to, amount, opts, now, level)
   local doc = { _id = id, ops = spec.stored, meta = spec.meta, deadline = T.deadline,
                 mark = T.mark, source = from, destination = to, value = amount, hold = T.hold }
   return { T = T, doc = doc, spec = spec, expires = expires, err = false, slow = false,
-           created = false, applied = false, sent = false, out = false, late = false }
+           created = false, applied = false, sent = false, out = false, late = false, busy = false }
 end
 
 -- The opener's deadline for holds `entries`, which fences their applies:
@@ -115,16 +116,18 @@ end
 -- batch.settle_all (st: the apply's state, or true before it began),
 -- which has the holds that wait wait side by side; e.err when it did not
 -- open.
+local function slow_start(opener, e, deadline, versions)
+  local vs = {}
+  for i in ipairs(e.T.ops) do
+    vs[i] = { marked = e.applied[i] or false, deadline = deadline or nil,
+              version = versions and versions[i].version or false }
+  end
+  return opener:apply_start(e.T, vs)
+end
+
 local function open_slow(opener, e, st, deadline, versions)
   local eng, T = opener, e.T
-  if st == true then
-    local vs = {}
-    for i in ipairs(T.ops) do
-      vs[i] = { marked = e.applied[i] or false, deadline = deadline or nil,
-                version = versions and versions[i].version or false }
-    end
-    st = opener:apply_start(T, vs)
-  end
+  if st == true then st = slow_start(opener, e, deadline, versions) end
   local ok, why, failure = opener:apply_more(st)
   if ok == false then return st, why end -- a retry due in `why` seconds
   if ok == true then return end
@@ -138,6 +141,11 @@ local function open_slow(opener, e, st, deadline, versions)
   end
 end
 
+-- The engine as a hold's opener sees it: each apply sent once.
+function _M.opener(eng)
+  return setmetatable({ once = "apply" }, { __index = eng })
+end
+
 -- Opens the created holds `entries`: their applies in one bulk write a
 -- collection (two with a floor: the guarded debits first), each sent
 -- once (Engine:retry, `once`: no resend after a lost answer), fenced by
@@ -145,18 +153,25 @@ end
 -- not match alone (open_slow).  Each ends with e.out (held) or e.err (it
 -- stays pending: recovery rolls it back once it expired), side by side
 -- (batch.settle_all).  A policy that raised fails its hold only.
-local function open(tm, entries, deadline, versions)
+local function open(tm, entries, deadline, versions, hand)
   local eng = tm.engine
   for _, e in ipairs(entries) do eng:hold(e.T._id, 1) end
-  local opener = setmetatable({ once = "apply" }, { __index = eng })
+  local opener = _M.opener(eng)
   batch.apply(opener, entries, deadline or nil, versions)
   for _, e in ipairs(entries) do
     if not e.err and e.slow then e.late = true end
   end
-  batch.settle_all(opener, entries, deadline or nil, versions, open_slow)
-  for _, e in ipairs(entries) do
+  batch.settle_all(opener, entries, deadline or nil, versions, open_slow, hand)
+  for k, e in ipairs(entries) do
     eng:hold(e.T._id, nil)
-    if not e.err then
+    if e.busy then
+      -- its caller goes on with it (mongotx.group.busy): after the
+      -- entries (not indices) it waits for
+      if e.busy.st == true then e.busy.st = slow_start(opener, e, deadline, versions and versions[k]) end
+      local b = settle.handed(e, deadline or nil, versions and versions[k])
+      for n, m in ipairs(b.after) do b.after[n] = entries[m] end
+      e.busy = b
+    elseif not e.err then
       eng:event("hold", { id = e.T._id, amount = e.T.hold.amount, expires = e.expires })
       e.T.hold.status = "held"
       e.out = e.T
@@ -195,7 +210,7 @@ for k in pairs(hold_options) do many_options[k] = true end
 -- (the fields they share sent once), their applies (open); those whose
 -- insert did not say so created alone (create_one), and opened after the
 -- others (e.late).
-local function open_batch(tm, entries, now)
+local function open_batch(tm, entries, now, hand)
   local eng = tm.engine
   local deadline, versions = opener_deadline(eng, entries)
   if deadline == nil then
@@ -214,12 +229,12 @@ local function open_batch(tm, entries, now)
       if vs then vs[#created] = versions[k] end
     end
   end
-  if #created > 0 then open(tm, created, deadline, vs) end
+  if #created > 0 then open(tm, created, deadline, vs, hand) end
   for k, e in ipairs(entries) do
     if e.slow == "create" and not e.err then
       e.slow, e.late = false, true
       if create_one(tm, e, true) then
-        open(tm, { e }, deadline, versions and { versions[k] })
+        open(tm, { e }, deadline, versions and { versions[k] }, hand)
       end
     end
   end
@@ -228,13 +243,15 @@ end
 -- Opens the checked holds `entries` (check's, or hold_many's) in batches
 -- of at most CHUNK, as transfer_many runs transfers: each ends with e.out
 -- (the hold, held) or e.err, and e.late when it was opened alone after
--- the others of its batch.
-function _M.open_entries(tm, entries)
+-- the others of its batch.  With `hand` (mongotx.group), one whose
+-- apply must wait for a retry ends with e.busy instead: what its caller
+-- needs to go on with it (settle.handed; its `after` as entries).
+function _M.open_entries(tm, entries, hand)
   local now, err = tm.engine:clock()
   for first = 1, #entries, CHUNK do
     local chunk = { unpack(entries, first, min(first + CHUNK - 1, #entries)) }
     if now then
-      open_batch(tm, chunk, now)
+      open_batch(tm, chunk, now, hand)
     else
       for _, e in ipairs(chunk) do e.err = err end
     end
@@ -315,5 +332,7 @@ function _M.again(tm, T, spec)
   end
   return existing
 end
+
+_M.open_slow = open_slow
 
 return _M

@@ -88,15 +88,23 @@ end
 -- finished (await_held), or with `answer_held` answered at once,
 -- `in_progress`, and held[i] the transaction as read (mongotx.group:
 -- their callers wait); within _M.later, answered at once too and listed.
+-- With `answer_held` an item whose apply must wait for a retry is not
+-- waited for either: busy[i] says how its caller goes on with it
+-- (batch.run's, its `after` as indices of specs).
 -- One chunk of run_batch: todo[k] = specs[where[k]], k = 1..m, run and
 -- finished; true when one of them is held.
-local function run_chunk(self, todo, where, m, results, errs, late, held)
-  local res, bad, committed, slow, waits = batch.run(self.engine, todo)
+local function run_chunk(self, todo, where, m, results, errs, late, held, busy)
+  local res, bad, committed, slow, waits, handed = batch.run(self.engine, todo, busy ~= nil)
   local any = false
   for k = 1, m do
     local i = where[k]
     results[i], errs[i], late[i], held[i] = res[k], bad[k], slow[k] or nil, waits[k]
     any = any or waits[k] ~= nil
+    local b = handed[k]
+    if b then
+      for n, j in ipairs(b.after) do b.after[n] = where[j] end
+      busy[i] = b
+    end
   end
   _M.finish_committed(self, committed)
   return any
@@ -104,7 +112,7 @@ end
 
 function _M.run_batch(self, specs, errs, answer_held)
   local results, late, held, todo, where, m = {}, {}, {}, {}, {}, 0
-  local any = false
+  local any, busy = false, answer_held and {} or nil
   for i = 1, #errs do
     results[i] = false
     local spec = specs[i]
@@ -112,13 +120,13 @@ function _M.run_batch(self, specs, errs, answer_held)
       m = m + 1
       todo[m], where[m] = spec, i
       if m == CHUNK then
-        any = run_chunk(self, todo, where, m, results, errs, late, held) or any
+        any = run_chunk(self, todo, where, m, results, errs, late, held, busy) or any
         todo, where, m = {}, {}, 0
       end
     end
   end
-  if m > 0 then any = run_chunk(self, todo, where, m, results, errs, late, held) or any end
-  if answer_held then return results, errs, late, held end
+  if m > 0 then any = run_chunk(self, todo, where, m, results, errs, late, held, busy) or any end
+  if answer_held then return results, errs, late, held, busy end
   if any and self.held_later then
     local eng, list = self.engine, self.held_later
     for i, T in pairs(held) do
@@ -142,19 +150,21 @@ _M.LATER = LATER
 -- usual) and lists it, so that its caller waits elsewhere (mongotx.resty:
 -- the handler, not a worker thread) and then asks again: a call of one
 -- transaction is made again, a batch's held items settled by their id
--- (method "held": held_by_id).
+-- (method "held": held_by_id).  Method "busy": a call a group batch
+-- handed to its caller goes on (mongotx.group.busy's resume).
 
 --- Internal: `tm[method](...)` that waits for no transaction another call holds (mongotx.resty's handler waits).
 -- @local
 -- @syntax held, ... = tm:later(method, ...)
--- @string method "transfer", "run", "commit", "commit_many", "transfer_many", or "held" (a batch's held items,
---   by id, once waited for: results, errs)
+-- @string method "transfer", "run", "commit", "commit_many", "transfer_many", "held" (a batch's held items,
+--   by id, once waited for: results, errs) or "busy" (a group batch's item its caller goes on with: its answer)
 -- @treturn table the held ones, answered `in_progress`: `{ id, wait, lapse [, i] }` each (`i`: a batch's item)
 -- @return the call's results
 -- @usage -- mongotx.resty's ungrouped calls use it
 -- @function Manager:later
 function _M.later(self, method, ...)
   local call = method == "held" and held_by_id or LATER[method] and self[method]
+  if method == "busy" then call = require("mongotx.group.busy").resume end
   if not call then error("no call " .. tostring(method) .. " answers held keys later", 2) end
   local list = {}
   self.held_later = list

@@ -4,6 +4,7 @@
 -- grouped sends a call to it and group_option reads db:manager's `group`.
 
 local group = require "mongotx.group"
+local busy = require "mongotx.group.busy"
 local wire = require "mongotx.resty.wire"
 
 local type, pairs, ipairs, select, tostring, error, pcall =
@@ -19,7 +20,20 @@ local _M = {}
 -- [, held = <what its caller waits for>] }, { raise = <message> } or {
 -- again = true } per call, and the order they took effect in
 -- (mongotx.group.run_calls).
+-- A call's answer as it crosses back (run_calls' r, or group.AGAIN).
+local function crossing(r)
+  if r == group.AGAIN then return { again = true } end
+  -- a raise as a message, as thread() sends what a call alone raised
+  if r.raise then return { raise = type(r.raise) == "string" and r.raise or tostring(r.raise) } end
+  if r.busy then return { busy = r.busy } end
+  return { ok = pack(r.n, unpack(r, 1, r.n)), held = r.held }
+end
+
 local function run_group(tm, list, wait)
+  if list.busy then -- a call its caller goes on with (mongotx.group.busy)
+    local _, r = tm:later("busy", list.busy)
+    return pack(1, crossing(r))
+  end
   local calls = {}
   for i, c in ipairs(list) do
     local a, n = unpack_list(c.a)
@@ -29,16 +43,7 @@ local function run_group(tm, list, wait)
   local res, order = tm:run_calls(calls, wait)
   if not res then return pack(2, nil, order) end -- no client of the pool came free
   local out = {}
-  for i, r in ipairs(res) do
-    if r == group.AGAIN then
-      out[i] = { again = true }
-    elseif r.raise then
-      -- a message, as thread() sends what a call alone raised
-      out[i] = { raise = type(r.raise) == "string" and r.raise or tostring(r.raise) }
-    else
-      out[i] = { ok = pack(r.n, unpack(r, 1, r.n)), held = r.held }
-    end
-  end
+  for i, r in ipairs(res) do out[i] = crossing(r) end
   return pack(2, out, order)
 end
 -- Group commit (mongotx.group): the worker side.  The driver runs in a
@@ -90,9 +95,18 @@ end
 local function grouped(self, method, alone, ...)
   local ok, args = pcall(pack, select("#", ...), ...)
   if not ok then return alone(self, ...) end
-  local r, ticket = self.group:call({ method = method, args = args }, group.keys(method, ...))
+  local g = self.group
+  local r, ticket = g:call({ method = method, args = args }, group.keys(method, ...))
   local ngx = ngx -- luacheck: ignore 113
   ngx.ctx.mongotx_group = { batch = ticket.batch, position = ticket.position }
+  if r.busy then
+    -- its apply waits for a retry: this handler sleeps, no worker thread
+    -- held, then a thread goes on with it alone
+    r = busy.go_on(g, ticket, r, ngx.sleep, function(info)
+      local res, err = call(self.db, 3, "group", self.spec, nil, { busy = info }, 0)
+      return res or { ok = pack(2, nil, err) } -- (no thread came free: the call's answer)
+    end)
+  end
   if r.raise then reraise(r.raise, 2) end
   -- another call holds its transaction: this handler waits (ngx.sleep
   -- between reads, no worker thread held), then runs it alone

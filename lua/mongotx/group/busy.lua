@@ -1,0 +1,134 @@
+-- mongotx.group.busy: a call of a group batch whose apply must wait for
+-- a retry (an op on a document another open transaction holds: `busy`)
+-- holds none of the others.  The batch answers it { busy = <info> }
+-- (mongotx.batch.settle's hand_all and handed: its transaction created,
+-- maybe partly applied or given back, its tries so far) and its caller
+-- goes on with it alone (go_on): it waits the backoff in its own task
+-- (group.wrap's signal, ngx.sleep in nginx), then resume continues the
+-- apply from there, by the transaction's epoch, in whichever manager of
+-- the same options it lands on (each nginx worker thread has its own).
+-- So it takes the tries, and ends as the call alone ends.  An item the
+-- batch handed over because it goes after such a one on a document goes
+-- on once that one's caller is done (Group:after).
+
+--- @submodule mongotx.group
+
+local errors = require "mongotx.errors"
+local settle = require "mongotx.batch.settle"
+local batch = require "mongotx.batch"
+local batches = require "mongotx.manager.batches"
+local opening = require "mongotx.holds.open"
+
+local ipairs, pcall, error = ipairs, pcall, error
+
+local _M = {}
+
+-- The answer of a call, as mongotx.group's run_calls gives it: { n = 1, T
+-- } or { n = 2, nil, err }, { raise = err } for a policy's raise.
+function _M.answer(T, err)
+  if T then return { n = 1, T } end
+  if errors.is_policy(err) then return { raise = err } end
+  return { n = 2, nil, err or errors.new("internal", "no result", { step = "group" }) }
+end
+local answer = _M.answer
+
+-- How each kind of call ends once its apply is over (e.T, or e.err):
+-- as the part of run_calls that ran it ends it.
+local ENDS = {
+  -- transfer, run: committed, finished as the batch finishes them
+  run = function(tm, e)
+    if not e.err and e.T.state == "applied" then batches.finish_committed(tm, { e.T }) end
+  end,
+  -- commit: finished to `done` (mongotx.engine.forward's commit)
+  commit = function(tm, e)
+    local eng = tm.engine
+    if not e.err and e.T.state == "applied" then
+      local _, err = batch.finish(eng, { e.T })
+      if e.T.state == "done" then eng:hold(e.T._id, nil) else settle.fail(e, err) end
+    end
+    if not e.err and e.T.state ~= "done" then
+      settle.fail(e, errors.new("state", "the transaction did not settle", { id = e.T._id }))
+    end
+  end,
+  -- hold: left open (mongotx.holds.open's open)
+  hold = function(tm, e, info)
+    local eng = tm.engine
+    eng:hold(e.T._id, nil)
+    if not e.err then
+      eng:event("hold", { id = e.T._id, amount = e.T.hold.amount, expires = info.expires })
+      e.T.hold.status = "held"
+    end
+  end,
+}
+
+--- Internal: goes on with a call a group batch handed to its caller `busy` (tm:later("busy", info) runs it).
+-- @local
+-- @syntax r = busy.resume(tm, info)
+-- @tparam table tm the manager
+-- @tparam table info the batch's answer's `busy`
+-- @treturn table the call's answer as run_calls gives it, or `{ busy = <info> }` when it must wait again
+function _M.resume(tm, info)
+  local eng = tm.engine
+  local T, err = eng:get(info.id)
+  if not T then return answer(nil, err or errors.disappeared(info.id)) end
+  local e = { T = T, err = false, slow = "apply", applied = {}, sent = {}, later = true, held = false,
+              failure = false }
+  local hold = info.kind == "hold"
+  local ok, st, wait = true, nil, nil
+  if T.state == "pending" and T.epoch == info.epoch then
+    -- still this call's: its apply goes on where the batch left it
+    eng:hold(T._id, T.epoch)
+    local stepper = hold and opening.opener(eng) or eng
+    st = stepper:apply_start(T, info.versions)
+    for i, n in ipairs(info.tries) do
+      if n > 0 then st.tries[i] = n end
+    end
+    ok, st, wait = pcall(hold and opening.open_slow or settle.step, stepper, e, st)
+  elseif hold then
+    -- (taken over once its deadline passed: as its opener alone finds it)
+    e.err = errors.new("fenced", "another owner took the hold over while it opened",
+      { step = "hold", id = T._id })
+  else
+    ok, st = pcall(settle.conclude, eng, e, T) -- as an apply alone that finds it moved on
+  end
+  if not ok then settle.raised_in(e, st) end
+  if ok and st then
+    eng:hold(T._id, nil)
+    local again = settle.handed({ T = T, busy = { st = st, wait = wait, after = {} } })
+    again.kind, again.expires = info.kind, info.expires
+    return { busy = again }
+  end
+  ENDS[info.kind](tm, e, info)
+  local out = answer(not e.err and e.T, e.err)
+  if e.held then out.held = eng:held_info(e.held) end
+  return out
+end
+
+-- The caller's side --------------------------------------------------------
+
+--- Internal: the caller of a call its group batch answered `busy` goes on with it (group.wrap and mongotx.resty).
+-- @local
+-- @syntax r = busy.go_on(g, ticket, r, sleep, resume)
+-- @tparam table g the group
+-- @tparam table ticket the call's ticket (Group:call's second result)
+-- @tparam table r its answer, with `busy`
+-- @func sleep `sleep(seconds)` without blocking the scheduler
+-- @func resume `resume(info)`: resume's answer, in a manager
+-- @treturn table the call's answer as run_calls gives it
+function _M.go_on(g, ticket, r, sleep, resume)
+  local ok, res = pcall(function()
+    while r.busy do
+      g:after(ticket)
+      local wait = r.busy.wait
+      g:linger(ticket, wait)
+      if wait > 0 then sleep(wait) end
+      r = resume(r.busy)
+    end
+    return r
+  end)
+  g:settled(ticket)
+  if not ok then error(res, 0) end
+  return res
+end
+
+return _M
