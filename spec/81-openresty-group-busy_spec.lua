@@ -22,10 +22,9 @@ local server = require "spec.support.server"
 local nginx = require "spec.support.nginx"
 local cjson = require "cjson"
 local mongotx = require "mongotx"
-local policies = require "spec.support.busy_policies"
 
 -- The busy call's retries: alone it waits RETRIES x BACKOFF in all.
-local RETRIES, BACKOFF = 3, policies.BACKOFF
+local RETRIES, BACKOFF = 3, require("spec.support.busy_policies").backoff()
 local WAIT = RETRIES * BACKOFF
 -- Unrelated requests, one after another while the busy one waits.
 local K = 6
@@ -88,8 +87,7 @@ describe("#openresty a busy call in nginx's group commit", function()
     return busy:wait(30)
   end
 
-  local function check_db(db, done)
-    local holder = assert(db:manager { application = "holder" })
+  local function check_db(db, holder, done)
     local h = assert(holder:get("h"))
     if h.state ~= "cancelled" then assert(holder:rollback(h)) end
     local accounts, txs = db:collection("accounts"), db:collection("transactions")
@@ -112,14 +110,14 @@ describe("#openresty a busy call in nginx's group commit", function()
   end
 
   it("answers the worker's other requests while the busy one waits; it ends busy after its retries", function()
-    local db, name = bank()
+    local db, name, holder = bank()
     local n = start(name)
     finally(function() n:stop() end)
     local status, body, seconds = run(n)
     assert.are.equal(503, status, body)
     assert.are.equal("busy", cjson.decode(body).error)
     assert.is_true(seconds >= WAIT, ("the busy request took %.2f s, not its backoffs"):format(seconds))
-    check_db(db, false)
+    check_db(db, holder, false)
   end)
 
   it("a busy request whose holder ends between its retries is done", function()
@@ -131,6 +129,6 @@ describe("#openresty a busy call in nginx's group commit", function()
     end)
     assert.are.equal(200, status, body)
     assert.are.equal("done", cjson.decode(body).state)
-    check_db(db, true)
+    check_db(db, holder, true)
   end)
 end)

@@ -57,6 +57,7 @@ local type, ipairs, pairs, pcall, error, select, setmetatable, tostring, next =
 local format = string.format
 local unpack = table.unpack or unpack -- luacheck: ignore 143
 local id_key, tid_key, is_floor = stored.id_key, engine.key, stored.is_floor
+local commutes = require("mongotx.batch.settle").commutes
 
 local _M = {}
 
@@ -204,33 +205,38 @@ end
 
 -- A call its part handed to its caller (info: settle.handed's, its
 -- `after` as indices of the part's list, where: their calls): its answer
--- { busy = info }, its documents (ops) added to gone.  info.keys: what
--- it touches, as group.keys says (a commit's too, now that they are
--- known), which its ticket keeps while its caller goes on with it.
+-- { busy = info }, its documents (ops) added to gone (gone[d]: whether
+-- every such op there commutes with any other that does: settle's
+-- commutes).  info.keys: its id and the documents where its order shows
+-- (as group.keys says them; a commit's too, now that they are known),
+-- which its ticket keeps while its caller goes on with it.
 local function handed(info, kind, where, ops, gone)
   info.kind = kind
   for n, k in ipairs(info.after) do info.after[n] = where[k] end
   local keys = { "t\0" .. tid_key(info.id) }
   for _, op in ipairs(ops) do
-    local k = doc_key(op.collection, op.id)
-    gone[k or op.collection] = true
-    if k then keys[#keys + 1] = "d\0" .. k end
+    local k, free = doc_key(op.collection, op.id), commutes(op)
+    local d = k or op.collection
+    gone[d] = free and gone[d] ~= false
+    if k and not free then keys[#keys + 1] = "d\0" .. k end
   end
   info.keys = keys
   return { busy = info }
 end
 
 -- The calls of a later part (list[k] the call where[k]; ops(list[k]) its
--- ops) with those on a document of a call handed to its caller put off
--- to the next batch (AGAIN; never the first call): they go after it, as
--- batch order says, not beside its open effects.
+-- ops) with those on a document of a call handed to its caller, where
+-- their order shows, put off to the next batch (AGAIN; never the first
+-- call): they go after it, as batch order says, not beside its open
+-- effects.
 local function put_off(list, where, gone, out, ops)
   if next(gone) == nil then return list, where end
   local keep, at = {}, {}
   for k, x in ipairs(list) do
     local meets = false
     for _, op in ipairs(ops(x)) do
-      meets = meets or gone[doc_key(op.collection, op.id) or op.collection] ~= nil
+      local g = gone[doc_key(op.collection, op.id) or op.collection]
+      meets = meets or (g ~= nil and not (g and commutes(op)))
     end
     if meets and where[k] > 1 then
       out[where[k]] = AGAIN

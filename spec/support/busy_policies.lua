@@ -1,10 +1,8 @@
 -- A policies module (mongotx.resty's `policies`) for
--- spec/81-openresty-group-busy_spec.lua: a fixed backoff, so that a busy
--- call's wait is known (retries x BACKOFF).
+-- spec/81-openresty-group-busy_spec.lua: a fixed backoff of 0.3 s, so
+-- that a busy call's wait is known (retries x 0.3 s).
 local _M = {}
 
-_M.BACKOFF = 0.3
-
-function _M.backoff() return _M.BACKOFF end
+function _M.backoff() return 0.3 end
 
 return _M

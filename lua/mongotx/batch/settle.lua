@@ -128,12 +128,15 @@ end
 -- The documents of e's ops, as keys ("collection\0id key") -> whether
 -- every op of e on it commutes with any other such op: an $inc that no
 -- guard reads (a debit, or an escrowed credit), whose order nobody sees.
+local function commutes(op)
+  return op.where == nil and (op.effect == "lowers" or op.effect == "escrow")
+end
+
 local function documents(e)
   local out = {}
   for _, op in ipairs(e.T.ops) do
     local d = op.collection .. "\0" .. (id_key(op.id) or tostring(op.id))
-    local free = op.where == nil and (op.effect == "lowers" or op.effect == "escrow")
-    out[d] = free and out[d] ~= false
+    out[d] = commutes(op) and out[d] ~= false
   end
   return out
 end
@@ -293,5 +296,6 @@ end
 
 _M.fail, _M.raised_in, _M.guarded, _M.settle_all = fail, raised_in, guarded, settle_all
 _M.inserted_here, _M.handed, _M.step, _M.conclude = inserted_here, handed, step, conclude
+_M.commutes = commutes
 
 return _M
