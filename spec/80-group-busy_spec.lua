@@ -269,4 +269,50 @@ describe("#server group commit: a busy call holds none of its batch", function()
       end
     end
   end)
+
+  it("a hold whose holder ends between its retries opens, answered as the batch's other holds", function()
+    local calls = { function(g) return pack(g:hold("accounts", "X", "V", 10, { min = 0, id = "x" })) end }
+    for i = 1, K do
+      calls[#calls + 1] = function(g) return pack(g:hold("accounts", "U" .. i, "V", 10, { min = 0, id = "u" .. i })) end
+    end
+    local answers, at = run_grouped(calls, { function(S)
+      S.signal():wait(BACKOFF * 1.5)
+      rollback_holder()
+    end })
+    for k = 2, 1 + K do
+      assert.are.equal("held", answers[k].T and answers[k].T.hold.status, tostring(answers[k].err))
+      assert.is_true(at[k] < BACKOFF, ("u%d answered after %.3f s"):format(k - 1, at[k]))
+    end
+    assert.is_true(at[1] >= 2 * BACKOFF, ("the busy hold answered after %.3f s"):format(at[1]))
+    local T = answers[1].T
+    assert.are.equal("held", T and T.hold.status, tostring(answers[1].err))
+    assert.are.equal(2, retries.x)
+    -- as the batch's other holds answer (a hold opened in a batch): the
+    -- same fields, the same values but its own
+    local other = answers[2].T
+    local function fields(t)
+      local out = {}
+      for k in pairs(t) do out[#out + 1] = k end
+      table.sort(out)
+      return out
+    end
+    assert.are.same(fields(other), fields(T))
+    assert.are.same(fields(other.hold), fields(T.hold))
+    assert.are.same({ "pending", 10, "V", 10, 1, "X" }, { T.state, T.value, T.destination, T.hold.amount,
+      T.epoch, T.source })
+    for i, op in ipairs(other.ops) do assert.are.same(fields(op), fields(T.ops[i])) end
+    assert.are.same(other.lastModified, T.lastModified, "the batch's stamp")
+    -- captured, V gets X's 10; the others voided
+    assert(payer:capture("x"))
+    for i = 1, K do assert(payer:void("u" .. i)) end
+    rollback_holder()
+    local want = { H = 1000, V = 10, X = 40, W = 10 }
+    for i = 1, K do want["U" .. i] = 50 end
+    assert.are.same(want, helpers.balances(accounts))
+    assert.are.equal("done", assert(txs:find_one({ _id = "x" })).state)
+    for _, d in ipairs(helpers.dump(accounts)) do
+      assert.are.same({}, d.pendingTransactions or {}, d._id .. " keeps a marker")
+      assert.are.same({}, d.txHeld or {}, d._id .. " keeps a txHeld entry")
+    end
+  end)
 end)
