@@ -7,8 +7,9 @@
 -- while the holder stays open (503), `done` when the holder ends between
 -- them (200).  Meanwhile the worker's other requests (one worker, one
 -- batch at a time: inflight = 1) are answered at their own pace.  Each
--- case checks what the database holds.  `make test-openresty` runs it;
--- the other targets report it pending.
+-- case checks what the database holds.  Ungrouped (group = false) the
+-- same: the handler sleeps, not the worker thread (one thread here).
+-- `make test-openresty` runs it; the other targets report it pending.
 local helpers = require "spec.helpers"
 
 if os.getenv("MONGOTX_OPENRESTY") ~= "1" then
@@ -58,11 +59,15 @@ describe("#openresty a busy call in nginx's group commit", function()
     return db, name, holder
   end
 
-  local function start(name)
-    return assert(nginx.start { uri = srv.uri, database = name, workers = 1, threads = 4, vms = 8,
+  -- nginx, one worker; grouped (inflight = 1), or group = false with one
+  -- worker thread
+  local function start(name, ungrouped)
+    return assert(nginx.start { uri = srv.uri, database = name, workers = 1,
+      threads = ungrouped and 1 or 4, vms = ungrouped and 1 or 8,
       configure = ("{ manager = { application = 'busy', retries = %d, " ..
-        "policies = 'spec.support.busy_policies', group = { max = 100, delay = 0, inflight = 1 } }, " ..
-        "recovery = false, account_cache = false }"):format(RETRIES) })
+        "policies = 'spec.support.busy_policies', group = %s }, " ..
+        "recovery = false, account_cache = false }"):format(RETRIES,
+          ungrouped and "false" or "{ max = 100, delay = 0, inflight = 1 }") })
   end
 
   local function transfer(from, key)
@@ -123,6 +128,30 @@ describe("#openresty a busy call in nginx's group commit", function()
   it("a busy request whose holder ends between its retries is done", function()
     local db, name, holder = bank()
     local n = start(name)
+    finally(function() n:stop() end)
+    local status, body = run(n, function()
+      assert(holder:rollback(assert(holder:get("h"))))
+    end)
+    assert.are.equal(200, status, body)
+    assert.are.equal("done", cjson.decode(body).state)
+    check_db(db, holder, true)
+  end)
+
+  it("ungrouped (group = false, one worker thread): the busy request sleeps in its handler, " ..
+     "not in the thread", function()
+    local db, name, holder = bank()
+    local n = start(name, true)
+    finally(function() n:stop() end)
+    local status, body, seconds = run(n)
+    assert.are.equal(503, status, body)
+    assert.are.equal("busy", cjson.decode(body).error)
+    assert.is_true(seconds >= WAIT, ("the busy request took %.2f s, not its backoffs"):format(seconds))
+    check_db(db, holder, false)
+  end)
+
+  it("ungrouped: a busy request whose holder ends between its retries is done", function()
+    local db, name, holder = bank()
+    local n = start(name, true)
     finally(function() n:stop() end)
     local status, body = run(n, function()
       assert(holder:rollback(assert(holder:get("h"))))

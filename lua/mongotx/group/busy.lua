@@ -109,8 +109,8 @@ end
 --- Internal: the caller of a call its group batch answered `busy` goes on with it (group.wrap and mongotx.resty).
 -- @local
 -- @syntax r = busy.go_on(g, ticket, r, sleep, resume)
--- @tparam table g the group
--- @tparam table ticket the call's ticket (Group:call's second result)
+-- @tparam ?table g the group (nil: an ungrouped call, tm:later's)
+-- @tparam ?table ticket the call's ticket (Group:call's second result)
 -- @tparam table r its answer, with `busy`
 -- @func sleep `sleep(seconds)` without blocking the scheduler
 -- @func resume `resume(info)`: resume's answer, in a manager
@@ -118,15 +118,17 @@ end
 function _M.go_on(g, ticket, r, sleep, resume)
   local ok, res = pcall(function()
     while r.busy do
-      g:after(ticket)
       local wait = r.busy.wait
-      g:linger(ticket, wait)
+      if g then
+        g:after(ticket)
+        g:linger(ticket, wait)
+      end
       if wait > 0 then sleep(wait) end
       r = resume(r.busy)
     end
     return r
   end)
-  g:settled(ticket)
+  if g then g:settled(ticket) end
   if not ok then error(res, 0) end
   return res
 end

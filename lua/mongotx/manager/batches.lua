@@ -110,9 +110,9 @@ local function run_chunk(self, todo, where, m, results, errs, late, held, busy)
   return any
 end
 
-function _M.run_batch(self, specs, errs, answer_held)
+function _M.run_batch(self, specs, errs, answer_held, hand)
   local results, late, held, todo, where, m = {}, {}, {}, {}, {}, 0
-  local any, busy = false, answer_held and {} or nil
+  local any, busy = false, (answer_held or hand) and {} or nil
   for i = 1, #errs do
     results[i] = false
     local spec = specs[i]
@@ -127,6 +127,10 @@ function _M.run_batch(self, specs, errs, answer_held)
   end
   if m > 0 then any = run_chunk(self, todo, where, m, results, errs, late, held, busy) or any end
   if answer_held then return results, errs, late, held, busy end
+  for i, b in pairs(busy or {}) do -- (hand: within _M.later, listed)
+    b.kind, b.i = "run", i
+    self.held_later[#self.held_later + 1] = { busy = b }
+  end
   if any and self.held_later then
     local eng, list = self.engine, self.held_later
     for i, T in pairs(held) do
@@ -150,8 +154,10 @@ _M.LATER = LATER
 -- usual) and lists it, so that its caller waits elsewhere (mongotx.resty:
 -- the handler, not a worker thread) and then asks again: a call of one
 -- transaction is made again, a batch's held items settled by their id
--- (method "held": held_by_id).  Method "busy": a call a group batch
--- handed to its caller goes on (mongotx.group.busy's resume).
+-- (method "held": held_by_id).  So does a transfer or run whose apply
+-- must wait for a retry (`busy`: run_one lists { busy = <info> }); its
+-- caller waits, then goes on with it by method "busy", as with a call a
+-- group batch handed to its caller (mongotx.group.busy's resume).
 
 --- Internal: `tm[method](...)` that waits for no transaction another call holds (mongotx.resty's handler waits).
 -- @local
@@ -175,11 +181,13 @@ function _M.later(self, method, ...)
 end
 
 -- One spec, as tm:run and tm:transfer run it: the transaction, or nil,
--- err.  A policy that raised while it settled (batch.run fails its entry
+-- err.  Within _M.later, one whose apply must wait for a retry is not
+-- waited for: listed { busy = <mongotx.group.busy's info> }, its caller
+-- waits and goes on with it (tm:later("busy", info)).  A policy that raised while it settled (batch.run fails its entry
 -- with the raise, code "policy") raises here, as it did before it reached
 -- the batch's guard: the call's own raise.
 function _M.run_one(self, spec)
-  local results, errs = _M.run_batch(self, { spec }, { false })
+  local results, errs = _M.run_batch(self, { spec }, { false }, false, self.held_later ~= nil)
   if results[1] then return results[1] end
   if errors.is_policy(errs[1]) then error(errs[1], 0) end
   return nil, errs[1]

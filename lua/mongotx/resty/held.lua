@@ -7,10 +7,14 @@
 -- most holder_wait in all, and asks again once it left pending or its
 -- owner's lease passed (then the call takes it over).  So a held key
 -- never holds one of the pool's threads while it waits, and calls on
--- other keys are answered meanwhile.  Each answer is the plain path's
+-- other keys are answered meanwhile.  A transfer or run whose apply must
+-- wait for a retry (`busy`) is listed by tm:later too: the handler
+-- sleeps its backoffs and a thread goes on with it alone
+-- (mongotx.group.busy), as with group commit.  Each answer is the plain path's
 -- (the call waiting in its own process: mongotx.manager.batches).
 
 local group = require "mongotx.group"
+local busy = require "mongotx.group.busy"
 local batches = require "mongotx.manager.batches"
 local wire = require "mongotx.resty.wire"
 
@@ -85,6 +89,17 @@ function _M.call(tm, method, up, ...)
   local res = pack(wire.call(tm.db, up + 1, "call", tm.spec, "later", method, ...))
   local held = res[1]
   if held == nil then return nil, res[2] end -- no thread, no manager: nil, err
+  if held[1] and held[1].busy then
+    -- its apply waits for a retry: this handler sleeps, then a thread
+    -- goes on with it (mongotx.group.busy), until it ends
+    local r = busy.go_on(nil, nil, held[1], ngx.sleep, function(info) -- luacheck: ignore 113
+      local out, err = wire.call(tm.db, up + 3, "group", tm.spec, nil, { busy = info }, 0)
+      return out or { ok = wire.pack(2, nil, err) } -- (no thread came free: the call's answer)
+    end)
+    if r.raise then wire.reraise(r.raise, up + 1) end
+    held = { r.held } -- (held by another owner: waited for below)
+    res = pack(held, wire.unpack_all(r.ok))
+  end
   if not held[1] then return unpack(res, 2, res.n) end
   local give_up = now() + held[1].wait
   if method == "commit_many" or method == "transfer_many" then
