@@ -315,4 +315,27 @@ describe("#server group commit: a busy call holds none of its batch", function()
       assert.are.same({}, d.txHeld or {}, d._id .. " keeps a txHeld entry")
     end
   end)
+
+  it("a later call on a busy call's document goes after it: a hold of the batch waits for the next", function()
+    -- x pays V from X (busy); the hold of the same batch debits X too: its
+    -- order with x shows (its guard reads X), so it waits for x to end,
+    -- then meets the holder itself and waits its own retries
+    local calls = {
+      function(g) return pack(g:transfer("accounts", "X", "V", 10, { min = 0, id = "x" })) end,
+      function(g) return pack(g:hold("accounts", "X", "V", 10, { min = 0, id = "y" })) end,
+    }
+    local answers, at = run_grouped(unrelated(calls))
+    assert.are.equal("busy", answers[1].err and answers[1].err.code, tostring(answers[1].err))
+    assert.are.equal("busy", answers[2].err and answers[2].err.code, tostring(answers[2].err))
+    assert.is_true(at[2] >= at[1] + WAIT, ("the hold answered %.3f s after x: it went beside it"):format(
+      at[2] - at[1]))
+    for k = 3, 2 + K do
+      assert.is_true(at[k] < BACKOFF, ("u%d answered after %.3f s"):format(k - 2, at[k]))
+    end
+    assert.are.equal(RETRIES, retries.x)
+    assert.are.equal(RETRIES, retries.y)
+    assert.are.same({ "cancelled", "busy" }, { assert(txs:find_one({ _id = "y" })).state,
+      assert(txs:find_one({ _id = "y" })).cause })
+    check_db("x", false)
+  end)
 end)

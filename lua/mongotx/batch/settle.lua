@@ -125,13 +125,14 @@ local function settle(eng, e, deadline, versions)
   return conclude(eng, e, T)
 end
 
--- The documents of e's ops, as keys ("collection\0id key") -> whether
--- every op of e on it commutes with any other such op: an $inc that no
--- guard reads (a debit, or an escrowed credit), whose order nobody sees.
+-- Does op commute with any other such op: an $inc that no guard reads
+-- (a debit, or an escrowed credit), whose order nobody sees?
 local function commutes(op)
   return op.where == nil and (op.effect == "lowers" or op.effect == "escrow")
 end
 
+-- The documents of e's ops, as keys ("collection\0id key") -> whether
+-- every op of e on it commutes.
 local function documents(e)
   local out = {}
   for _, op in ipairs(e.T.ops) do

@@ -14,12 +14,6 @@ local reraise, call, now = wire.reraise, wire.call, wire.now
 
 local _M = {}
 
--- A batch of grouped calls (group_runner below): args[1] lists { m =
--- <method>, a = <its arguments, pack()ed> }, args[2] is how long the
--- driver waited.  Returns, pack()ed, one { ok = <the results, pack()ed>
--- [, held = <what its caller waits for>] }, { raise = <message> } or {
--- again = true } per call, and the order they took effect in
--- (mongotx.group.run_calls).
 -- A call's answer as it crosses back (run_calls' r, or group.AGAIN).
 local function crossing(r)
   if r == group.AGAIN then return { again = true } end
@@ -29,6 +23,13 @@ local function crossing(r)
   return { ok = pack(r.n, unpack(r, 1, r.n)), held = r.held }
 end
 
+-- A batch of grouped calls (group_runner below): args[1] lists { m =
+-- <method>, a = <its arguments, pack()ed> }, args[2] is how long the
+-- driver waited.  Returns, pack()ed, one { ok = <the results, pack()ed>
+-- [, held = <what its caller waits for>] }, { raise = <message> } or {
+-- again = true } per call, and the order they took effect in
+-- (mongotx.group.run_calls).  With args[1] = { busy = <info> }: a call its
+-- caller goes on with (mongotx.group.busy), its one answer so.
 local function run_group(tm, list, wait)
   if list.busy then -- a call its caller goes on with (mongotx.group.busy)
     local _, r = tm:later("busy", list.busy)
