@@ -91,6 +91,7 @@ build = {
     ["mongotx.stepwise"] = "lua/mongotx/stepwise.lua",
     ["mongotx.group"] = "lua/mongotx/group.lua",
     ["mongotx.group.queue"] = "lua/mongotx/group/queue.lua",
+    ["mongotx.group.busy"] = "lua/mongotx/group/busy.lua",
     ["mongotx.pool"] = "lua/mongotx/pool.lua",
     ["mongotx.resty"] = "lua/mongotx/resty.lua",
     ["mongotx.resty.wire"] = "lua/mongotx/resty/wire.lua",
