@@ -338,4 +338,71 @@ describe("#server group commit: a busy call holds none of its batch", function()
       assert(txs:find_one({ _id = "y" })).cause })
     check_db("x", false)
   end)
+
+  it("a commit driven alone (claimed already) on a held document: handed to its caller too", function()
+    -- x is pending (claimed by step): not a begun transaction the batch
+    -- claims, so the batch drives it alone, as tm:commit would
+    local function begin(id, from)
+      return assert(payer:begin({
+        { collection = "accounts", id = from, update = { ["$inc"] = { balance = -10 } },
+          where = { balance = { ["$gte"] = 10 } } },
+        { collection = "accounts", id = "V", update = { ["$inc"] = { balance = 10 } } } }, { id = id }))
+    end
+    local x = begin("x", "X")
+    assert(payer:step("claim", x))
+    local begun = { x }
+    for i = 1, K do begun[#begun + 1] = begin("u" .. i, "U" .. i) end
+    local calls = {}
+    for k, t in ipairs(begun) do calls[k] = function(g) return pack(g:commit(t)) end end
+    local answers, at = run_grouped(calls, { function(S)
+      S.signal():wait(BACKOFF * 1.5)
+      rollback_holder()
+    end })
+    check_times(answers, at, 1, 2 * BACKOFF)
+    assert.are.equal("done", answers[1].T and answers[1].T.state, tostring(answers[1].err))
+    assert.are.equal(2, retries.x)
+    assert.are.equal(0, slept, "the batch slept (policy.sleep) for the busy call")
+    check_db("x", true)
+  end)
+
+  it("tm:later('commit') answers a busy commit at once; its caller goes on as tm:commit alone", function()
+    local function begin(id)
+      return assert(payer:begin({
+        { collection = "accounts", id = "X", update = { ["$inc"] = { balance = -10 } },
+          where = { balance = { ["$gte"] = 10 } } },
+        { collection = "accounts", id = "V", update = { ["$inc"] = { balance = 10 } } } }, { id = id }))
+    end
+    local x = begin("x")
+    local start = core.monotonic_ms()
+    local list, T, err = payer:later("commit", x)
+    assert.is_true((core.monotonic_ms() - start) / 1000 < BACKOFF, "tm:later waited for the retry")
+    assert.is_nil(T)
+    assert.is_nil(err)
+    assert.is_true(list[1] and list[1].busy ~= nil, "no busy listed")
+    assert.are.equal(0, slept)
+    -- the handler's part: sleep, go on, until it ends
+    local r = { busy = list[1].busy }
+    while r.busy do
+      core.sleep(r.busy.wait)
+      local _
+      _, r = payer:later("busy", r.busy)
+    end
+    local alone = pack(payer:commit(begin("x2")))
+    assert.are.equal(RETRIES, retries.x)
+    assert.are.equal(RETRIES, retries.x2)
+    local got, want = shape({ T = r[1] or false, err = r[2] }), shape(alone)
+    want.message = want.message:gsub("x2", "x")
+    assert.are.same(want, got)
+    assert.are.equal("busy", got.code)
+    rollback_holder()
+    assert.are.same({ "cancelled", "busy" }, { assert(txs:find_one({ _id = "x" })).state,
+      assert(txs:find_one({ _id = "x" })).cause })
+    local want_b = { H = 1000, V = 0, X = 50, W = 10 }
+    for i = 1, K do want_b["U" .. i] = 50 end
+    assert.are.same(want_b, helpers.balances(accounts))
+    for _, d in ipairs(helpers.dump(accounts)) do
+      assert.are.same({}, d.pendingTransactions or {}, d._id .. " keeps a marker")
+      assert.are.same({}, d.txHeld or {}, d._id .. " keeps a txHeld entry")
+    end
+  end)
 end)

@@ -417,8 +417,8 @@ function _M.run(eng, specs, hand)
     end
     -- every field an entry may get, so that none makes its table grow
     entries[i] = { T = T, doc = doc, err = not now and err or nil, slow = false,
-                   created = false, applied = false, sent = false, key = false, later = true,
-                   held = false, busy = false }
+                   created = false, applied = false, sent = false, key = false,
+                   later = hand and "hand" or true, held = false, busy = false }
   end
   local versions
   if now and not deadline then

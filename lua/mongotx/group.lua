@@ -211,7 +211,7 @@ end
 -- (as group.keys says them; a commit's too, now that they are known),
 -- which its ticket keeps while its caller goes on with it.
 local function handed(info, kind, where, ops, gone)
-  info.kind = kind
+  info.kind = info.drive and "drive" or kind -- (one its drive handed: goes on as drive)
   for n, k in ipairs(info.after) do info.after[n] = where[k] end
   local keys = { "t\0" .. tid_key(info.id) }
   for _, op in ipairs(ops) do

@@ -280,8 +280,8 @@ function Manager:commit(t)
       { step = "commit", id = T._id })
   end
   local later = self.held_later -- (batches.later: held ones answered at once)
-  local final, why, held = self.engine:drive(T, nil, later ~= nil)
-  if held then later[#later + 1] = self.engine:held_info(held) end
+  local final, why, held, busy = self.engine:drive(T, nil, later and "hand")
+  batches.listed(self, held, busy) -- (with batches.later: answered at once, its caller waits)
   if final then return final end
   return nil, why
 end

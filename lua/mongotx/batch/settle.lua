@@ -68,10 +68,12 @@ local function conclude(eng, e, T)
     e.T = T -- committed: finished with the others, inline or deferred
     return
   end
-  local final, err, held = eng:drive(T, nil, e.later)
+  local final, err, held, busy = eng:drive(T, nil, e.later)
   -- held by another owner within its lease (with e.later): not waited for
-  -- here, so that it holds none of the others (e.held: its caller waits)
+  -- here, so that it holds none of the others (e.held: its caller waits);
+  -- nor, with e.later = "hand", an apply's retry (e.busy: the same)
   if held then e.held = held end
+  if busy then return _M.handing(e, busy) end
   -- the op failure explains a cancel; when the cancel did not happen (the
   -- transaction was taken over meanwhile) the caller learns what did
   if not final then return fail(e, (not err or err.code == "cancelled") and e.failure or err) end
@@ -168,13 +170,22 @@ local SLACK_MS = 20
 -- entries (indices of its list) it goes after.  Lists of one value an
 -- op, so that it crosses to an nginx worker thread as BSON.
 local function handed(e, deadline, versions)
-  local b, T = e.busy, e.T
+  local b = e.busy
+  local T = b.st == true and e.T or b.st.T
   local tries, vs = {}, b.st == true and apply_versions(e, deadline, versions) or b.st.versions
   for i in ipairs(T.ops) do
     tries[i] = b.st ~= true and b.st.tries[i] or 0
     if b.st ~= true then vs[i].marked = b.st.held[i] or false end
   end
-  return { id = T._id, epoch = T.epoch, wait = b.wait, after = b.after, tries = tries, versions = vs }
+  return { id = T._id, epoch = T.epoch, wait = b.wait, after = b.after, tries = tries, versions = vs,
+           drive = b.drive }
+end
+
+-- Entry e's drive (Engine:drive with e.later = "hand") stopped at an
+-- apply's retry (busy: apply_ops's): e is handed to its caller, who goes
+-- on with it as drive would (drive: mongotx.group.busy's kind "drive").
+function _M.handing(e, busy)
+  e.busy = { st = busy.st, wait = busy.wait, after = {}, drive = true }
 end
 
 -- settle_all's way for a batch whose callers wait for themselves
@@ -206,10 +217,10 @@ local function hand_all(eng, list, deadline, vs, step_fn)
           raised_in(e, st)
         elseif st then
           e.busy = { st = st, wait = tonumber(wait) or 0, after = {} }
-        end
+        end -- (or its drive handed it: handing)
       end
       if e.busy then
-        eng:hold(e.T._id, nil)
+        eng:hold(e.T._id, nil) -- (its id: a drive's claim moves the epoch only)
         for d, free in pairs(docs) do
           local g = gone[d] or { free = true }
           g.free, g[#g + 1], gone[d] = g.free and free, n, g

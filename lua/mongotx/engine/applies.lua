@@ -42,9 +42,9 @@ end
 -- pending (held) -> applied, or -> canceling when an op cannot apply.
 -- Returns the transaction's next document and, after a cancel, the error
 -- that explains it.
-function Engine:apply_all(T, versions)
-  local ok, err, failure = self:apply_ops(T, versions)
-  if ok ~= true then return ok, err, failure end
+function Engine:apply_all(T, versions, hand)
+  local ok, err, failure, busy = self:apply_ops(T, versions, hand)
+  if ok ~= true then return ok, err, failure, busy end
   return self:move(T, "commit", T.epoch)
 end
 
@@ -52,12 +52,15 @@ end
 -- first, under policy.on_op_failure.  Returns true when all applied (T
 -- still pending: apply_all commits it, mongotx.holds leaves it open),
 -- else what apply_all returns: T as now read (taken over), or cancelled
--- and the failure, or nil, err.
-function Engine:apply_ops(T, versions)
+-- and the failure, or nil, err.  With `hand`, a retry is not slept
+-- here: nil, nil, nil, { st = <the apply's state>, wait = <seconds> }
+-- (its caller waits: mongotx.group.busy).
+function Engine:apply_ops(T, versions, hand)
   local st = self:apply_start(T, versions)
   while true do
     local ok, a, b = self:apply_more(st)
     if ok ~= false then return ok, a, b end
+    if hand then return nil, nil, nil, { st = st, wait = a } end
     self.policy.sleep(a)
   end
 end

@@ -117,9 +117,10 @@ end
 -- Engine:drive drives it: e.T the final transaction, or e.err.
 function _M.again(eng, e)
   local T, err = eng:get(e.T._id)
-  local held
-  if T then T, err, held = eng:drive(T, nil, e.later) end
+  local held, busy
+  if T then T, err, held, busy = eng:drive(T, nil, e.later) end
   if held then e.held = held end
+  if busy then return settle.handing(e, busy) end
   if T then e.T = T else fail(e, err or errors.new("state", "no such transaction", { id = e.T._id })) end
 end
 
@@ -145,8 +146,9 @@ function _M.load(eng, ids)
 end
 
 local function drive(eng, e)
-  local T, err, held = eng:drive(e.T, nil, e.later)
+  local T, err, held, busy = eng:drive(e.T, nil, e.later)
   if held then e.held = held end
+  if busy then return settle.handing(e, busy) end
   if T then e.T = T else fail(e, err) end
 end
 
@@ -166,7 +168,7 @@ function _M.commit(eng, items, hand)
   local entries, ready, vs = {}, {}, {}
   for i, item in ipairs(items) do
     local e = { T = item.T, err = false, slow = false, applied = false, sent = false, key = false,
-                later = true, held = false, busy = false }
+                later = hand and "hand" or true, held = false, busy = false }
     entries[i] = e
     if item.ready then ready[#ready + 1] = e end
   end
@@ -208,6 +210,7 @@ function _M.commit(eng, items, hand)
     end
     late[i] = e.lost or e.slow or not items[i].ready or nil
     if e.busy then
+      eng:hold(e.T._id, nil)
       busy[i] = settle.handed(e, deadline, vs[pos[e]])
     elseif not e.err and e.T.state ~= "done" then
       fail(e, errors.new("state", "the transaction did not settle", { id = e.T._id }))

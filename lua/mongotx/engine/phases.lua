@@ -416,7 +416,8 @@ end
 -- `later`, a T another owner holds within its lease is not waited for:
 -- nil, held_error, and T as read (a batch waits for its held ones after
 -- the others answered, or has its callers wait: mongotx.manager.batches,
--- mongotx.group).
+-- mongotx.group).  With later = "hand", an apply that must wait for a
+-- retry is not waited for either: nil, nil, nil, <apply_ops's>.
 function Engine:drive(T, versions, later)
   local failure, err = self:fields_error(T)
   if failure then return nil, failure end
@@ -464,8 +465,9 @@ function Engine:drive(T, versions, later)
         if not versions then T, versions = now, nil end
       end
       if versions then
-        local f
-        T, err, f = self:apply_all(T, versions)
+        local f, busy
+        T, err, f, busy = self:apply_all(T, versions, later == "hand")
+        if busy then return nil, nil, nil, busy end
         failure = failure or f
         versions = nil
       end

@@ -50,6 +50,14 @@ local ENDS = {
       settle.fail(e, errors.new("state", "the transaction did not settle", { id = e.T._id }))
     end
   end,
+  -- one a drive handed (Engine:drive's later = "hand": a grouped commit
+  -- driven alone, tm:commit under tm:later, ...): driven on to its end
+  drive = function(tm, e)
+    if e.err or e.T.state == "done" or e.T.state == "cancelled" then return end
+    local T, err, held = tm.engine:drive(e.T, nil, true)
+    if held then e.held = held end
+    if T then e.T = T else settle.fail(e, err) end
+  end,
   -- hold: left open (mongotx.holds.open's open)
   hold = function(tm, e, info)
     local eng = tm.engine

@@ -9,6 +9,7 @@
 -- @submodule mongotx.manager
 
 local batch = require "mongotx.batch"
+local settling = require "mongotx.batch.settle"
 local errors = require "mongotx.errors"
 
 local ipairs, pairs, pcall, error, select, tostring = ipairs, pairs, pcall, error, select, tostring
@@ -141,6 +142,21 @@ function _M.run_batch(self, specs, errs, answer_held, hand)
     await_held(self, held, results, errs)
   end
   return results, errs, late
+end
+
+-- Within _M.later, a call's transaction another call holds (held: T as
+-- read) or whose apply must wait for a retry (busy: its drive's, with
+-- later = "hand"), listed so that its caller waits.
+function _M.listed(self, held, busy)
+  local list = self.held_later
+  if held then list[#list + 1] = self.engine:held_info(held) end
+  if busy then
+    local e = {}
+    settling.handing(e, busy)
+    local b = settling.handed(e)
+    b.kind = "drive"
+    list[#list + 1] = { busy = b }
+  end
 end
 
 -- The calls _M.later runs.
