@@ -9,7 +9,9 @@
 -- the same options it lands on (each nginx worker thread has its own).
 -- So it takes the tries, and ends as the call alone ends.  An item the
 -- batch handed over because it goes after such a one on a document goes
--- on once that one's caller is done (Group:after).
+-- on once that one's caller is done (Group:after).  Ungrouped, in nginx,
+-- tm:later hands a transfer's, run's or commit's busy wait to its
+-- handler the same way (mongotx.resty.held).
 
 --- @submodule mongotx.group
 

@@ -170,10 +170,11 @@ _M.LATER = LATER
 -- usual) and lists it, so that its caller waits elsewhere (mongotx.resty:
 -- the handler, not a worker thread) and then asks again: a call of one
 -- transaction is made again, a batch's held items settled by their id
--- (method "held": held_by_id).  So does a transfer or run whose apply
--- must wait for a retry (`busy`: run_one lists { busy = <info> }); its
--- caller waits, then goes on with it by method "busy", as with a call a
--- group batch handed to its caller (mongotx.group.busy's resume).
+-- (method "held": held_by_id).  So does a transfer, run or commit whose
+-- apply must wait for a retry (`busy`: run_one and listed list { busy =
+-- <info> }); its caller waits, then goes on with it by method "busy", as
+-- with a call a group batch handed to its caller (mongotx.group.busy's
+-- resume).
 
 --- Internal: `tm[method](...)` that waits for no transaction another call holds (mongotx.resty's handler waits).
 -- @local

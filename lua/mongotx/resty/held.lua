@@ -7,8 +7,8 @@
 -- most holder_wait in all, and asks again once it left pending or its
 -- owner's lease passed (then the call takes it over).  So a held key
 -- never holds one of the pool's threads while it waits, and calls on
--- other keys are answered meanwhile.  A transfer or run whose apply must
--- wait for a retry (`busy`) is listed by tm:later too: the handler
+-- other keys are answered meanwhile.  A transfer, run or commit whose
+-- apply must wait for a retry (`busy`) is listed by tm:later too: the handler
 -- sleeps its backoffs and a thread goes on with it alone
 -- (mongotx.group.busy), as with group commit.  Each answer is the plain path's
 -- (the call waiting in its own process: mongotx.manager.batches).
