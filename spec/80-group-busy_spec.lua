@@ -405,4 +405,66 @@ describe("#server group commit: a busy call holds none of its batch", function()
       assert.are.same({}, d.txHeld or {}, d._id .. " keeps a txHeld entry")
     end
   end)
+
+  it("tm:later('transfer_many') answers its busy items at once; its caller goes on with them side by side", function()
+    -- a second holder's transaction on Y; x pays V from X, y from Y (side
+    -- by side: one wait); w1 pays X from W (after x, on X), w2 V from W
+    -- (after w1, on W); u<i> unrelated
+    assert(accounts:insert_one({ _id = "Y", balance = 50 }))
+    local t2 = assert(holder:begin({
+      { collection = "accounts", id = "H", update = { ["$inc"] = { balance = -1 } } },
+      { collection = "accounts", id = "Y", update = { ["$inc"] = { balance = 1 } } },
+    }, { id = "h2" }))
+    assert(holder:step("claim", t2))
+    assert(holder:step("apply", t2, 2))
+    local list = {
+      { collection = "accounts", from = "X", to = "V", amount = 10, min = 0, id = "x" },
+      { collection = "accounts", from = "Y", to = "V", amount = 10, min = 0, id = "y" },
+      { collection = "accounts", from = "W", to = "X", amount = 10, min = 0, id = "w1" },
+      { collection = "accounts", from = "W", to = "V", amount = 10, min = 0, id = "w2" },
+    }
+    for i = 1, K do
+      list[#list + 1] = { collection = "accounts", from = "U" .. i, to = "V", amount = 10, min = 0, id = "u" .. i }
+    end
+    local start = core.monotonic_ms()
+    local held, results, errs = payer:later("transfer_many", list)
+    assert.is_true((core.monotonic_ms() - start) / 1000 < BACKOFF, "tm:later waited for a retry")
+    assert.are.equal(0, slept)
+    for k = 5, 4 + K do assert.are.equal("done", results[k] and results[k].state, tostring(errs[k])) end
+    for k = 1, 4 do assert.is_false(results[k]) end
+    -- the handler's part (mongotx.resty.held's)
+    local busy = require "mongotx.group.busy"
+    local ended = {}
+    local more = busy.settle_items(held, results, errs, core.sleep, function() return core.monotonic_ms() / 1000 end,
+      function(info)
+        local _, r = payer:later("busy", info)
+        if not r.busy then ended[#ended + 1] = { info.i, (core.monotonic_ms() - start) / 1000 } end
+        return r
+      end, function(r) return r[1], r[2] end)
+    assert.are.same({}, more)
+    local order = {}
+    for k, e in ipairs(ended) do order[k] = e[1] end
+    assert.are.same({ 1, 2, 3, 4 }, order, "the order they ended in")
+    -- x and y side by side (one wait), then w1 its own, then w2 at once
+    assert.is_true(math.abs(ended[1][2] - ended[2][2]) < BACKOFF, "x and y did not wait side by side")
+    assert.is_true(ended[3][2] >= 2 * WAIT and ended[3][2] < 3 * WAIT,
+      ("w1 ended after %.2f s, not after x's wait and its own"):format(ended[3][2]))
+    assert.is_true(ended[4][2] - ended[3][2] < BACKOFF, "w2 waited after w1")
+    for k = 1, 3 do assert.are.equal("busy", errs[k] and errs[k].code, tostring(errs[k])) end
+    assert.are.equal("done", results[4] and results[4].state, tostring(errs[4]))
+    assert.are.same({ RETRIES, RETRIES, RETRIES }, { retries.x, retries.y, retries.w1 })
+    assert.is_nil(retries.w2)
+    rollback_holder()
+    assert(holder:rollback(assert(holder:get("h2"))))
+    local want = { H = 1000, V = 10 * K + 10, X = 50, Y = 50, W = 0 }
+    for i = 1, K do want["U" .. i] = 40 end
+    assert.are.same(want, helpers.balances(accounts))
+    for id, state in pairs { x = "cancelled", y = "cancelled", w1 = "cancelled", w2 = "done" } do
+      assert.are.equal(state, assert(txs:find_one({ _id = id })).state, id)
+    end
+    for _, d in ipairs(helpers.dump(accounts)) do
+      assert.are.same({}, d.pendingTransactions or {}, d._id .. " keeps a marker")
+      assert.are.same({}, d.txHeld or {}, d._id .. " keeps a txHeld entry")
+    end
+  end)
 end)

@@ -21,7 +21,7 @@ local batch = require "mongotx.batch"
 local batches = require "mongotx.manager.batches"
 local opening = require "mongotx.holds.open"
 
-local ipairs, pcall, error = ipairs, pcall, error
+local ipairs, pairs, pcall, error, next = ipairs, pairs, pcall, error, next
 
 local _M = {}
 
@@ -105,16 +105,68 @@ function _M.resume(tm, info)
   if ok and st then
     eng:hold(T._id, nil)
     local again = settle.handed({ T = T, busy = { st = st, wait = wait, after = {} } })
-    again.kind, again.expires = info.kind, info.expires
+    again.kind, again.expires, again.i, again.item = info.kind, info.expires, info.i, info.item
     return { busy = again }
   end
   ENDS[info.kind](tm, e, info)
   local out = answer(not e.err and e.T, e.err)
+  if info.item and out.raise then out = { n = 2, nil, out.raise } end -- (a batch's item: its error)
   if e.held then out.held = eng:held_info(e.held) end
   return out
 end
 
 -- The caller's side --------------------------------------------------------
+
+--- Internal: an ungrouped batch's items handed to their caller `busy`, gone on with side by side (mongotx.resty.held).
+-- @local
+-- @syntax held = busy.settle_items(list, results, errs, sleep, now, resume, unpack_answer)
+-- @tparam table list tm:later's `{ busy = <info> }` entries (info.i: the item)
+-- @tparam table results the call's results, filled in
+-- @tparam table errs its errs, filled in
+-- @func sleep `sleep(seconds)`
+-- @func now `now()` in seconds
+-- @func resume `resume(info)`: the item's answer as resume gives it (`{ ok = <pack()ed> }` from a thread too)
+-- @func unpack_answer `unpack_answer(r)` -> T, err of an answer
+-- @treturn table the items another call holds meanwhile (Engine:held_info's, with `i`), to wait for as held
+function _M.settle_items(list, results, errs, sleep, now, resume, unpack_answer)
+  table.sort(list, function(a, b) return a.busy.i < b.busy.i end)
+  local open, due, at, held = {}, {}, {}, {}
+  for k, h in ipairs(list) do
+    open[k], due[k], at[h.busy.i] = h.busy, now() + h.busy.wait, k
+  end
+  -- one goes after the items it names (their order on a document) once they ended
+  local function ready(k)
+    for _, j in ipairs(open[k].after or {}) do
+      if at[j] and open[at[j]] then return false end
+    end
+    return true
+  end
+  while next(open) do
+    local first
+    for k in pairs(open) do
+      if ready(k) and (first == nil or due[k] < first) then first = due[k] end
+    end
+    local left = first - now()
+    if left > 0 then sleep(left) end
+    for k = 1, #list do
+      if open[k] and ready(k) and due[k] <= now() then
+        local info = open[k]
+        local r = resume(info)
+        if r.busy then
+          open[k], due[k] = r.busy, now() + r.busy.wait
+        else
+          local T, err = unpack_answer(r)
+          results[info.i], errs[info.i], open[k] = T or false, not T and err or false, nil
+          if r.held then
+            r.held.i = info.i
+            held[#held + 1] = r.held
+          end
+        end
+      end
+    end
+  end
+  return held
+end
 
 --- Internal: the caller of a call its group batch answered `busy` goes on with it (group.wrap and mongotx.resty).
 -- @local

@@ -91,7 +91,8 @@ end
 -- their callers wait); within _M.later, answered at once too and listed.
 -- With `answer_held` an item whose apply must wait for a retry is not
 -- waited for either: busy[i] says how its caller goes on with it
--- (batch.run's, its `after` as indices of specs).
+-- (batch.run's, its `after` as indices of specs); within _M.later, listed
+-- so (`one`: run_one's, whose policy's raise is the call's).
 -- One chunk of run_batch: todo[k] = specs[where[k]], k = 1..m, run and
 -- finished; true when one of them is held.
 local function run_chunk(self, todo, where, m, results, errs, late, held, busy)
@@ -111,9 +112,9 @@ local function run_chunk(self, todo, where, m, results, errs, late, held, busy)
   return any
 end
 
-function _M.run_batch(self, specs, errs, answer_held, hand)
+function _M.run_batch(self, specs, errs, answer_held, one)
   local results, late, held, todo, where, m = {}, {}, {}, {}, {}, 0
-  local any, busy = false, (answer_held or hand) and {} or nil
+  local any, busy = false, (answer_held or self.held_later) and {} or nil
   for i = 1, #errs do
     results[i] = false
     local spec = specs[i]
@@ -128,8 +129,8 @@ function _M.run_batch(self, specs, errs, answer_held, hand)
   end
   if m > 0 then any = run_chunk(self, todo, where, m, results, errs, late, held, busy) or any end
   if answer_held then return results, errs, late, held, busy end
-  for i, b in pairs(busy or {}) do -- (hand: within _M.later, listed)
-    b.kind, b.i = "run", i
+  for i, b in pairs(busy or {}) do -- (within _M.later: listed; a batch's item answers a policy's raise)
+    b.kind, b.i, b.item = "run", i, not one or nil
     self.held_later[#self.held_later + 1] = { busy = b }
   end
   if any and self.held_later then
@@ -204,7 +205,7 @@ end
 -- with the raise, code "policy") raises here, as it did before it reached
 -- the batch's guard: the call's own raise.
 function _M.run_one(self, spec)
-  local results, errs = _M.run_batch(self, { spec }, { false }, false, self.held_later ~= nil)
+  local results, errs = _M.run_batch(self, { spec }, { false }, false, true)
   if results[1] then return results[1] end
   if errors.is_policy(errs[1]) then error(errs[1], 0) end
   return nil, errs[1]

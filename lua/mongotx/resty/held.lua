@@ -7,11 +7,13 @@
 -- most holder_wait in all, and asks again once it left pending or its
 -- owner's lease passed (then the call takes it over).  So a held key
 -- never holds one of the pool's threads while it waits, and calls on
--- other keys are answered meanwhile.  A transfer, run or commit whose
--- apply must wait for a retry (`busy`) is listed by tm:later too: the handler
--- sleeps its backoffs and a thread goes on with it alone
--- (mongotx.group.busy), as with group commit.  Each answer is the plain path's
--- (the call waiting in its own process: mongotx.manager.batches).
+-- other keys are answered meanwhile.  A transfer, run or commit, or an
+-- item of a batch, whose apply must wait for a retry (`busy`) is listed
+-- by tm:later too: the handler sleeps its backoffs and a thread goes on
+-- with it alone (mongotx.group.busy; a batch's side by side, in batch
+-- order on a document: settle_items), as with group commit.  Each
+-- answer is the plain path's (the call waiting in its own process:
+-- mongotx.manager.batches).
 
 local group = require "mongotx.group"
 local busy = require "mongotx.group.busy"
@@ -89,23 +91,33 @@ function _M.call(tm, method, up, ...)
   local res = pack(wire.call(tm.db, up + 1, "call", tm.spec, "later", method, ...))
   local held = res[1]
   if held == nil then return nil, res[2] end -- no thread, no manager: nil, err
+  -- a busy one (mongotx.group.busy): this handler sleeps, then a thread
+  -- goes on with it, until it ends
+  local function resume(info)
+    local out, err = wire.call(tm.db, up + 3, "group", tm.spec, nil, { busy = info }, 0)
+    return out or { ok = wire.pack(2, nil, err) } -- (no thread came free: its answer)
+  end
+  if method == "commit_many" or method == "transfer_many" then
+    local waiting, rest = {}, {}
+    for _, h in ipairs(held) do
+      if h.busy then waiting[#waiting + 1] = h else rest[#rest + 1] = h end
+    end
+    if waiting[1] then
+      local more = busy.settle_items(waiting, res[2], res[3], ngx.sleep, now, resume, -- luacheck: ignore 113
+        function(r) return wire.unpack_all(r.ok) end)
+      for _, h in ipairs(more) do rest[#rest + 1] = h end
+    end
+    if rest[1] then settle(tm, up + 1, rest, now() + rest[1].wait, res[2], res[3]) end
+    return unpack(res, 2, res.n)
+  end
   if held[1] and held[1].busy then
-    -- its apply waits for a retry: this handler sleeps, then a thread
-    -- goes on with it (mongotx.group.busy), until it ends
-    local r = busy.go_on(nil, nil, held[1], ngx.sleep, function(info) -- luacheck: ignore 113
-      local out, err = wire.call(tm.db, up + 3, "group", tm.spec, nil, { busy = info }, 0)
-      return out or { ok = wire.pack(2, nil, err) } -- (no thread came free: the call's answer)
-    end)
+    local r = busy.go_on(nil, nil, held[1], ngx.sleep, resume) -- luacheck: ignore 113
     if r.raise then wire.reraise(r.raise, up + 1) end
     held = { r.held } -- (held by another owner: waited for below)
     res = pack(held, wire.unpack_all(r.ok))
   end
   if not held[1] then return unpack(res, 2, res.n) end
   local give_up = now() + held[1].wait
-  if method == "commit_many" or method == "transfer_many" then
-    settle(tm, up + 1, held, give_up, res[2], res[3])
-    return unpack(res, 2, res.n)
-  end
   -- (a lapse of 0 answers at once: asked again until give_up at most)
   while held[1] and now() < give_up do
     local again, err = await(tm, held[1], 0, give_up - now())
