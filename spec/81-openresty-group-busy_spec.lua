@@ -30,6 +30,26 @@ local WAIT = RETRIES * BACKOFF
 -- Unrelated requests, one after another while the busy one waits.
 local K = 6
 
+-- POST /many: tm:transfer_many of the body's list (JSON), ungrouped, on
+-- the spec's manager options; answers { states = [...], codes = [...] }.
+local MANY = ([[
+location = /many { content_by_lua_block {
+  local cjson = require "cjson"
+  local resty = require "mongotx.resty"
+  local db = assert(resty.connect(os.getenv("MONGOTX_URI"), { database = os.getenv("MONGOTX_DATABASE") }))
+  local tm = assert(db:manager { application = "busy", group = false, retries = %d,
+    policies = "spec.support.busy_policies" })
+  ngx.req.read_body()
+  local results, errs = tm:transfer_many(cjson.decode(ngx.req.get_body_data()))
+  local states, codes = {}, {}
+  for i = 1, #errs do
+    states[i] = results[i] and results[i].state or "none"
+    codes[i] = errs[i] and errs[i].code or "none"
+  end
+  ngx.say(cjson.encode({ states = states, codes = codes }))
+} }
+]]):format(RETRIES)
+
 describe("#openresty a busy call in nginx's group commit", function()
   local srv
 
@@ -63,7 +83,7 @@ describe("#openresty a busy call in nginx's group commit", function()
   -- worker thread
   local function start(name, ungrouped)
     return assert(nginx.start { uri = srv.uri, database = name, workers = 1,
-      threads = ungrouped and 1 or 4, vms = ungrouped and 1 or 8,
+      threads = ungrouped and 1 or 4, vms = ungrouped and 1 or 8, locations = MANY,
       configure = ("{ manager = { application = 'busy', retries = %d, " ..
         "policies = 'spec.support.busy_policies', group = %s }, " ..
         "recovery = false, account_cache = false }"):format(RETRIES,
@@ -74,13 +94,13 @@ describe("#openresty a busy call in nginx's group commit", function()
     return ('{"from":"%s","to":"V","amount":10}'):format(from), { headers = { ["Idempotency-Key"] = key } }
   end
 
-  -- The busy request (X pays V) in the background; then K unrelated ones
-  -- one after another, each answered well before the busy one's wait is
-  -- over; `during` (if any) once they are.  Returns the busy request's
-  -- status, body and seconds.
-  local function run(n, during)
+  -- The busy request (X pays V; or `many`: a POST /many with it) in the
+  -- background; then K unrelated ones one after another, each answered
+  -- well before the busy one's wait is over; `during` (if any) once they
+  -- are.  Returns the busy request's status, body and seconds.
+  local function run(n, during, many)
     local body, opts = transfer("X", "x")
-    local busy = n:spawn("POST", "/transfer", body, opts)
+    local busy = many and n:spawn("POST", "/many", many) or n:spawn("POST", "/transfer", body, opts)
     server.sleep(0.1) -- (its batch ran: its handler sleeps)
     for i = 1, K do
       local status, answer, seconds = n:request("POST", "/transfer", transfer("U" .. i, "u" .. i))
@@ -159,5 +179,29 @@ describe("#openresty a busy call in nginx's group commit", function()
     assert.are.equal(200, status, body)
     assert.are.equal("done", cjson.decode(body).state)
     check_db(db, holder, true)
+  end)
+
+  it("ungrouped transfer_many: its busy item sleeps in the handler, its other items answer", function()
+    local db, name, holder = bank()
+    local n = start(name, true)
+    finally(function() n:stop() end)
+    local status, body, seconds = run(n, nil, cjson.encode {
+      { collection = "accounts", from = "X", to = "V", amount = 10, min = 0, id = "x" },
+      { collection = "accounts", from = "H", to = "V", amount = 10, min = 0, id = "m" } })
+    assert.are.equal(200, status, body)
+    assert.are.same({ states = { "none", "done" }, codes = { "busy", "none" } }, cjson.decode(body))
+    assert.is_true(seconds >= WAIT, ("the busy item took %.2f s, not its backoffs"):format(seconds))
+    -- (H paid V 10 more: m)
+    local h = assert(holder:get("h"))
+    assert(holder:rollback(h))
+    local want = { H = 990, V = 10 * K + 10, X = 50 }
+    for i = 1, K do want["U" .. i] = 40 end
+    assert.are.same(want, helpers.balances(db:collection("accounts")))
+    assert.are.same({ "cancelled", "busy" }, { assert(db:collection("transactions"):find_one({ _id = "x" })).state,
+      assert(db:collection("transactions"):find_one({ _id = "x" })).cause })
+    for _, d in ipairs(helpers.dump(db:collection("accounts"))) do
+      assert.are.same({}, d.pendingTransactions or {}, d._id .. " keeps a marker")
+      assert.are.same({}, d.txHeld or {}, d._id .. " keeps a txHeld entry")
+    end
   end)
 end)
