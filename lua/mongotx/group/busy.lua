@@ -81,8 +81,8 @@ function _M.resume(tm, info)
   local eng = tm.engine
   local T, err = eng:get(info.id)
   if not T then return answer(nil, err or errors.disappeared(info.id)) end
-  local e = { T = T, err = false, slow = "apply", applied = {}, sent = {}, later = true, held = false,
-              failure = false }
+  local e = { T = T, err = false, slow = "apply", applied = {}, sent = {}, later = "hand", held = false,
+              failure = false, busy = false }
   local hold = info.kind == "hold"
   local ok, st, wait = true, nil, nil
   if T.state == "pending" and T.epoch == info.epoch then
@@ -102,10 +102,13 @@ function _M.resume(tm, info)
     ok, st = pcall(settle.conclude, eng, e, T) -- as an apply alone that finds it moved on
   end
   if not ok then settle.raised_in(e, st) end
-  if ok and st then
+  if ok and (st or e.busy) then
+    -- its apply waits again (or a drive's did: settle.handing): handed back
     eng:hold(T._id, nil)
-    local again = settle.handed({ T = T, busy = { st = st, wait = wait, after = {} } })
-    again.kind, again.expires, again.i, again.item = info.kind, info.expires, info.i, info.item
+    local b = e.busy or { st = st, wait = wait, after = {} }
+    local again = settle.handed({ T = T, busy = b })
+    again.kind = b.drive and "drive" or info.kind
+    again.expires, again.i, again.item = info.expires, info.i, info.item
     return { busy = again }
   end
   ENDS[info.kind](tm, e, info)
