@@ -1,9 +1,13 @@
 -- Group commit, a call handed to its caller `busy` (mongotx.group.busy):
--- while its caller waits a backoff, its owner's lease passes and another
--- manager takes its transaction over.  The call alone then waits for the
--- new owner's outcome and answers it (mongotx.manager.batches,
--- await_held: the same transaction).  Grouped, its answer must be that
--- outcome too: one transfer, not a second transaction run afresh.
+-- what its caller is told must be what becomes of its transaction, as
+-- for the call alone.  (1) While its caller waits a backoff, its owner's
+-- lease passes and another manager takes its transaction over: the call
+-- alone waits for the new owner's outcome and answers it
+-- (mongotx.manager.batches, await_held: the same transaction); grouped
+-- it must not run the call afresh (a second transfer).  (2) With
+-- mongotx.pool, no client free at its next try: the call must not answer
+-- the pool's error while its transaction stays pending for recovery to
+-- roll forward.
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
 local group = require "mongotx.group"
@@ -12,10 +16,11 @@ local scheduler = require "spec.support.scheduler"
 local BACKOFF, LEASE = 0.6, 1
 
 describe("#server group commit: a busy call taken over while its caller waits", function()
-  local db, accounts, txs, holder, payer, taker
+  local db, dbname, accounts, txs, holder, payer, taker
 
   before_each(function()
-    db = assert(mongotx.connect(helpers.uri(), { database = helpers.db_name() }))
+    dbname = helpers.db_name()
+    db = assert(mongotx.connect(helpers.uri(), { database = dbname }))
     accounts, txs = db:collection("accounts"), db:collection("transactions")
     assert(accounts:insert_many({ { _id = "H", balance = 1000 }, { _id = "X", balance = 50 },
                                   { _id = "U", balance = 50 } }))
@@ -61,5 +66,50 @@ describe("#server group commit: a busy call taken over while its caller waits", 
       assert.are.same({}, d.pendingTransactions or {}, d._id .. " keeps a marker")
       assert.are.same({}, d.txHeld or {}, d._id .. " keeps a txHeld entry")
     end
+  end)
+
+  -- With mongotx.pool, the caller goes on through tm:later, which needs
+  -- a client of the pool: when none comes free at its next try, the call
+  -- answers the pool's error (as if nothing was done) and leaves its
+  -- transaction pending, partly applied, owned by no one, for recovery
+  -- to roll forward.  The call alone holds its client through its
+  -- retries: it answers its outcome (here: cancelled, busy).
+  it("a pool without a free client at its next try: the call's outcome, not the pool's error", function()
+    local uri = helpers.uri()
+    if not uri:find("?", 1, true) then
+      if not uri:match("^[^:]+://[^/]*/") then uri = uri .. "/" end
+      uri = uri .. "?"
+    else
+      uri = uri .. "&"
+    end
+    uri = uri .. "appname=r41-83&maxPoolSize=1&waitQueueTimeoutMS=50"
+    local pdb = assert(require("mongotx.pool").connect(uri, { database = dbname }))
+    local pooled = assert(pdb:manager { application = "pooled", retries = 3, lease = 0.5,
+      backoff = function() return 0.25 end })
+    local S = scheduler()
+    local g = group.wrap(pooled, { signal = S.signal, spawn = S.spawn, now = S.now })
+    local T, err
+    S.spawn(function() T, err = g:transfer("accounts", "U", "X", 10, { min = 0, id = "p" }) end)
+    S.spawn(function()
+      -- another call of this process has the pool's only client while
+      -- the busy call's caller goes on (its first backoff: 0.25 s)
+      S.signal():wait(0.1)
+      local c = assert(pdb:client())
+      S.signal():wait(0.3)
+      c:close()
+    end)
+    S.loop()
+    -- what the answer says must be what the database ends with, once
+    -- the holder rolled back and recovery ran past the lease
+    assert(holder:rollback(assert(holder:get("h"))))
+    helpers.core.sleep(0.6)
+    assert(taker:recover())
+    local P = assert(txs:find_one({ _id = "p" }))
+    local b = helpers.balances(accounts)
+    assert.are.same(T and { U = 40, X = 60 } or { U = 50, X = 50 }, { U = b.U, X = b.X },
+      ("the call answered %s, yet its transaction ended %s"):format(T and T.state or tostring(err), P.state))
+    -- and the answer is the call's own outcome (alone: cancelled, busy)
+    assert.is_nil(T)
+    assert.are.same({ "cancelled", "busy" }, { err.code, err.cause }, tostring(err))
   end)
 end)
