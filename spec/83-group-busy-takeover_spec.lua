@@ -113,3 +113,79 @@ describe("#server group commit: a busy call taken over while its caller waits", 
     assert.are.same({ "cancelled", "busy" }, { err.code, err.cause }, tostring(err))
   end)
 end)
+
+-- (3) The same in nginx (mongotx.resty): grouped, the handler goes on
+-- with the call; ungrouped, tm:later hands it to the handler.  A
+-- transfer without an id (POST /plain), its owner's lease 1 s, taken
+-- over by another manager while its handler sleeps a backoff.
+-- `make test-openresty` runs it; the other targets report it pending.
+if os.getenv("MONGOTX_OPENRESTY") ~= "1" then
+  describe("#openresty a busy call taken over while its handler waits", function()
+    pending("needs nginx and its Lua module: make test-openresty runs it")
+  end)
+  return
+end
+
+local server = require "spec.support.server"
+local nginx = require "spec.support.nginx"
+local cjson = require "cjson"
+
+-- POST /plain?group=0|1: tm:transfer("accounts", "U", "X", 10) without
+-- an id; answers { id, state } or { code }.
+local PLAIN = [[
+location = /plain { content_by_lua_block {
+  local cjson = require "cjson"
+  local resty = require "mongotx.resty"
+  local db = assert(resty.connect(os.getenv("MONGOTX_URI"), { database = os.getenv("MONGOTX_DATABASE") }))
+  local tm = assert(db:manager { application = "plain", lease = 1, retries = 6,
+    policies = "spec.support.busy_policies",
+    group = ngx.var.arg_group == "1" and { max = 100, delay = 0, inflight = 1 } or false })
+  local T, err = tm:transfer("accounts", "U", "X", 10, { min = 0 })
+  ngx.say(cjson.encode(T and { id = tostring(T._id), state = T.state } or { code = err.code }))
+} }
+]]
+
+describe("#openresty a busy call taken over while its handler waits", function()
+  local srv
+
+  setup(function() srv = assert(server.start { kind = "memory" }) end)
+  teardown(function() if srv then srv:stop() end end)
+
+  for _, grouped in ipairs { true, false } do
+    it(("%s: answers its own transaction's outcome and transfers once"):format(
+        grouped and "grouped" or "ungrouped"), function()
+      local name = helpers.db_name()
+      local db = assert(mongotx.connect(srv.uri, { database = name }))
+      local accounts, txs = db:collection("accounts"), db:collection("transactions")
+      assert(accounts:insert_many({ { _id = "H", balance = 1000 }, { _id = "X", balance = 50 },
+                                    { _id = "U", balance = 50 } }))
+      local holder = assert(db:manager { application = "holder", lease = 3600, escrow = false })
+      local h = assert(holder:begin({
+        { collection = "accounts", id = "H", update = { ["$inc"] = { balance = -1 } } },
+        { collection = "accounts", id = "X", update = { ["$inc"] = { balance = 1 } } },
+      }, { id = "h" }))
+      assert(holder:step("claim", h))
+      assert(holder:step("apply", h, 2))
+      local taker = assert(db:manager { application = "taker", lease = 3600 })
+      local n = assert(nginx.start { uri = srv.uri, database = name, workers = 1, threads = 4, vms = 8,
+        locations = PLAIN, configure = "{ recovery = false, account_cache = false }" })
+      finally(function() n:stop() end)
+      local call = n:spawn("POST", "/plain?group=" .. (grouped and "1" or "0"), "")
+      -- past its lease (1 s; backoff 0.3 s): the holder rolls back, the
+      -- taker claims the call's transaction; its next try finds it held
+      server.sleep(1.15)
+      assert(holder:rollback(assert(holder:get("h"))))
+      local mine = assert(txs:find_one({ _id = { ["$ne"] = "h" } }))
+      assert.are.equal("pending", mine.state)
+      assert(taker:step("claim", { _id = mine._id }))
+      server.sleep(0.5)
+      assert(taker:commit({ _id = mine._id }))
+      local status, body = call:wait(30)
+      assert.are.equal(200, status, body)
+      assert.are.same({ id = tostring(mine._id), state = "done" }, cjson.decode(body))
+      assert.are.same({ H = 1000, X = 60, U = 40 }, helpers.balances(accounts))
+      assert.are.equal(2, #helpers.dump(txs)) -- "h" and the call's, no second one
+      db:close()
+    end)
+  end
+end)
