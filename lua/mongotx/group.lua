@@ -203,6 +203,19 @@ function _M.await_held(held, get, sleep, now)
   end
 end
 
+-- The answer of a call whose own transaction (handed to its caller:
+-- mongotx.group.busy) another owner held, once waited for: that
+-- transaction settled by its id (tm:later("held")), as the call alone
+-- settles it (mongotx.manager.batches, await_held); a policy's raise
+-- raises, as there.
+function _M.settle_own(tm, id)
+  local list, results, errs = tm:later("held", { id })
+  if list == nil then return nil, results end -- (mongotx.pool: no client came free)
+  if results[1] then return results[1] end
+  if errors.is_policy(errs[1]) then error(errs[1], 0) end
+  return nil, errs[1]
+end
+
 -- A call its part handed to its caller (info: settle.handed's, its
 -- `after` as indices of the part's list, where: their calls): its answer
 -- { busy = info }, its documents (ops) added to gone (gone[d]: whether
@@ -420,7 +433,8 @@ for _, method in ipairs(_M.METHODS) do
   Wrapped[method] = function(self, ...)
     local g, tm = self.group, self.tm
     local r, ticket = g:call({ method = method, n = select("#", ...), ... }, _M.keys(method, ...))
-    if r.busy then
+    local own = r.busy ~= nil -- (its own transaction: handed to it)
+    if own then
       -- its apply waits for a retry: in this task, then goes on alone
       r = busy.go_on(g, ticket, r, function(seconds) g.signal():wait(seconds) end, function(info)
         local list, out = tm:later("busy", info)
@@ -431,7 +445,12 @@ for _, method in ipairs(_M.METHODS) do
     if r.held then
       local function sleep(seconds) g.signal():wait(seconds) end
       local function get(id) return self.tm:get(id) end
-      if _M.await_held(r.held, get, sleep, g.now) then return self.tm[method](self.tm, ...) end
+      if _M.await_held(r.held, get, sleep, g.now) then
+        -- its own transaction (handed to it, then taken over): settled by
+        -- its id as the call alone settles it, not made again
+        if own then return _M.settle_own(tm, r.held.id) end
+        return self.tm[method](self.tm, ...)
+      end
     end
     if r.raise then
       -- as the call alone raises: at the caller, unless it says where

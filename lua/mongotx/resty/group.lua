@@ -5,6 +5,7 @@
 
 local group = require "mongotx.group"
 local busy = require "mongotx.group.busy"
+local held = require "mongotx.resty.held"
 local wire = require "mongotx.resty.wire"
 
 local type, pairs, ipairs, select, tostring, error, pcall =
@@ -100,7 +101,8 @@ local function grouped(self, method, alone, ...)
   local r, ticket = g:call({ method = method, args = args }, group.keys(method, ...))
   local ngx = ngx -- luacheck: ignore 113
   ngx.ctx.mongotx_group = { batch = ticket.batch, position = ticket.position }
-  if r.busy then
+  local handed = r.busy ~= nil
+  if handed then
     -- its apply waits for a retry: this handler sleeps, no worker thread
     -- held, then a thread goes on with it alone
     r = busy.go_on(g, ticket, r, ngx.sleep, function(info)
@@ -109,6 +111,8 @@ local function grouped(self, method, alone, ...)
     end)
   end
   if r.raise then reraise(r.raise, 2) end
+  -- its own transaction, taken over meanwhile: settled by its id
+  if r.held and handed then return held.own(self, 2, r) end
   -- another call holds its transaction: this handler waits (ngx.sleep
   -- between reads, no worker thread held), then runs it alone
   if r.held and group.await_held(r.held, function(id) return self:get(id) end, ngx.sleep, now) then

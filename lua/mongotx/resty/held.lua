@@ -82,6 +82,20 @@ local function settle(tm, up, held, give_up, results, errs)
   end
 end
 
+-- The answer r (as a thread sends it: { ok = <pack()ed>, held }) of a
+-- call whose own transaction, handed to its handler busy
+-- (mongotx.group.busy), another owner held: waited for and settled by
+-- its id (settle), as the call alone settles it, never made again (a
+-- second transaction); past holder_wait r's `in_progress` stands.
+function _M.own(tm, up, r)
+  local T, err = wire.unpack_all(r.ok)
+  local results, errs = { T or false }, { err or false }
+  r.held.i = 1
+  settle(tm, up + 1, { r.held }, now() + r.held.wait, results, errs)
+  if results[1] then return results[1] end
+  return nil, errs[1]
+end
+
 -- tm[method](...) through tm:later in a worker thread (wire.call's `up`:
 -- 1 when the public method tail-calls this).  The held ones are waited
 -- for here, at most holder_wait: a call of one transaction (transfer,
@@ -113,8 +127,8 @@ function _M.call(tm, method, up, ...)
   if held[1] and held[1].busy then
     local r = busy.go_on(nil, nil, held[1], ngx.sleep, resume) -- luacheck: ignore 113
     if r.raise then wire.reraise(r.raise, up + 1) end
-    held = { r.held } -- (held by another owner: waited for below)
-    res = pack(held, wire.unpack_all(r.ok))
+    if r.held then return _M.own(tm, up + 1, r) end
+    return wire.unpack_all(r.ok)
   end
   if not held[1] then return unpack(res, 2, res.n) end
   local give_up = now() + held[1].wait
