@@ -203,11 +203,19 @@ function _M.await_held(held, get, sleep, now)
   end
 end
 
--- The answer of a call whose own transaction (handed to its caller:
--- mongotx.group.busy) another owner held, once waited for: that
--- transaction settled by its id (tm:later("held")), as the call alone
--- settles it (mongotx.manager.batches, await_held); a policy's raise
--- raises, as there.
+-- A call whose own transaction (handed to its caller: mongotx.group.busy)
+-- another owner held, once waited for, is not made again (without an
+-- id, a second transaction): that transaction is settled by its id
+-- (tm:later("held")), as the call alone settles it (mongotx.manager.batches,
+-- await_held); a policy's raise raises, as there.
+
+--- Internal: the answer of a call whose own transaction another owner held, once waited for (mongotx.group.wrap).
+-- @local
+-- @syntax T, err = group.settle_own(tm, id)
+-- @tparam table tm the manager
+-- @param id the transaction's id
+-- @treturn ?table the transaction, settled
+-- @treturn ?table the error
 function _M.settle_own(tm, id)
   local list, results, errs = tm:later("held", { id })
   if list == nil then return nil, results end -- (mongotx.pool: no client came free)
