@@ -74,7 +74,8 @@ describe("#server group commit: a busy call taken over while its caller waits", 
   -- transaction pending, partly applied, owned by no one, for recovery
   -- to roll forward.  The call alone holds its client through its
   -- retries: it answers its outcome (here: cancelled, busy).
-  it("a pool without a free client at its next try: the call's outcome, not the pool's error", function()
+  -- a pool of one client (its own appname: its own pool in this process)
+  local function one_client(appname)
     local uri = helpers.uri()
     if not uri:find("?", 1, true) then
       if not uri:match("^[^:]+://[^/]*/") then uri = uri .. "/" end
@@ -82,8 +83,12 @@ describe("#server group commit: a busy call taken over while its caller waits", 
     else
       uri = uri .. "&"
     end
-    uri = uri .. "appname=r41-83&maxPoolSize=1&waitQueueTimeoutMS=50"
-    local pdb = assert(require("mongotx.pool").connect(uri, { database = dbname }))
+    uri = uri .. "appname=" .. appname .. "&maxPoolSize=1&waitQueueTimeoutMS=50"
+    return assert(require("mongotx.pool").connect(uri, { database = dbname }))
+  end
+
+  it("a pool without a free client at its next try: the call's outcome, not the pool's error", function()
+    local pdb = one_client("r41-83")
     local pooled = assert(pdb:manager { application = "pooled", retries = 3, lease = 0.5,
       backoff = function() return 0.25 end })
     local S = scheduler()
@@ -108,9 +113,48 @@ describe("#server group commit: a busy call taken over while its caller waits", 
     local b = helpers.balances(accounts)
     assert.are.same(T and { U = 40, X = 60 } or { U = 50, X = 50 }, { U = b.U, X = b.X },
       ("the call answered %s, yet its transaction ended %s"):format(T and T.state or tostring(err), P.state))
-    -- and the answer is the call's own outcome (alone: cancelled, busy)
+    -- and the answer is the call's own outcome (alone: `busy`, its
+    -- transaction cancelled busy), got once the client came free
     assert.is_nil(T)
-    assert.are.same({ "cancelled", "busy" }, { err.code, err.cause }, tostring(err))
+    assert.are.equal("busy", err.code, tostring(err))
+    assert.are.same({ "cancelled", "busy" }, { P.state, P.cause })
+  end)
+
+  -- No client for longer than holder_wait: the caller stops trying and
+  -- answers in_progress naming its transaction, which is pending then
+  -- (never the pool's `client`: nothing done).
+  it("a pool without a free client for holder_wait: in_progress, naming its pending transaction", function()
+    local pdb = one_client("f2-83")
+    local pooled = assert(pdb:manager { application = "pooled", retries = 3, lease = 0.5, holder_wait = 0.4,
+      backoff = function() return 0.25 end })
+    local S = scheduler()
+    local g = group.wrap(pooled, { signal = S.signal, spawn = S.spawn, now = S.now })
+    local T, err, at, state
+    S.spawn(function()
+      T, err = g:transfer("accounts", "U", "X", 10, { min = 0, id = "p" })
+      at, state = S.now(), assert(txs:find_one({ _id = "p" })).state
+    end)
+    local held_from
+    S.spawn(function()
+      S.signal():wait(0.1)
+      local c = assert(pdb:client())
+      held_from = S.now()
+      S.signal():wait(1.5) -- past the first backoff (0.25 s) + holder_wait (0.4 s)
+      c:close()
+    end)
+    S.loop()
+    assert.is_nil(T)
+    assert.are.same({ "in_progress", "p" }, { err.code, err.id }, tostring(err))
+    assert.are.equal("pending", state)
+    -- it tried for about holder_wait after its first backoff, no longer
+    assert.is_true(at - held_from >= 0.4 and at - held_from < 1.2, ("answered after %.3f s"):format(at - held_from))
+    -- what it names is what recovery ends (here: the holder rolled back)
+    assert(holder:rollback(assert(holder:get("h"))))
+    helpers.core.sleep(0.6)
+    assert(taker:recover())
+    local P = assert(txs:find_one({ _id = "p" }))
+    local b = helpers.balances(accounts)
+    assert.are.same(P.state == "done" and { U = 40, X = 60 } or { U = 50, X = 50 }, { U = b.U, X = b.X })
   end)
 end)
 

@@ -218,21 +218,23 @@ end
 -- @treturn ?table the error
 function _M.settle_own(tm, id)
   local list, results, errs = tm:later("held", { id })
-  if list == nil then return nil, results end -- (mongotx.pool: no client came free)
+  -- (mongotx.pool: no client came free: its outcome is unknown, not the pool's error)
+  if list == nil then return nil, busy.stranded(id, results) end
   if results[1] then return results[1] end
   if errors.is_policy(errs[1]) then error(errs[1], 0) end
   return nil, errs[1]
 end
 
--- A call its part handed to its caller (info: settle.handed's, its
+-- A call its part handed to its caller (eng: the engine; info: settle.handed's, its
 -- `after` as indices of the part's list, where: their calls): its answer
 -- { busy = info }, its documents (ops) added to gone (gone[d]: whether
 -- every such op there commutes with any other that does: settle's
 -- commutes).  info.keys: its id and the documents where its order shows
 -- (as group.keys says them; a commit's too, now that they are known),
 -- which its ticket keeps while its caller goes on with it.
-local function handed(info, kind, where, ops, gone)
+local function handed(eng, info, kind, where, ops, gone)
   info.kind = info.drive and "drive" or kind -- (one its drive handed: goes on as drive)
+  info.holder_wait = eng.policy.holder_wait -- (how long its caller tries for a manager: mongotx.group.busy)
   for n, k in ipairs(info.after) do info.after[n] = where[k] end
   local keys = { "t\0" .. tid_key(info.id) }
   for _, op in ipairs(ops) do
@@ -363,7 +365,7 @@ function _M.run_calls(tm, calls, wait)
       out[i], part[i] = results and answer(results[k], errs[k]) or { raise = errs }, late and late[k] and 2 or 1
       if held and held[k] then out[i].held = tm.engine:held_info(held[k]) end
       if gave and gave[k] then
-        out[i], part[i] = handed(gave[k], "run", where, specs[k].ops, gone), 7
+        out[i], part[i] = handed(tm.engine, gave[k], "run", where, specs[k].ops, gone), 7
       end
     end
   end
@@ -374,7 +376,7 @@ function _M.run_calls(tm, calls, wait)
       out[i], part[i] = results and answer(results[k], cerrs[k]) or { raise = cerrs }, late and late[k] and 4 or 3
       if held and held[k] then out[i].held = tm.engine:held_info(held[k]) end
       if gave and gave[k] then
-        out[i], part[i] = handed(gave[k], "commit", cwhere, items[k].T.ops, gone), 7
+        out[i], part[i] = handed(tm.engine, gave[k], "commit", cwhere, items[k].T.ops, gone), 7
       end
     end
   end
@@ -389,7 +391,7 @@ function _M.run_calls(tm, calls, wait)
       if e.busy and not raise then
         for n, m in ipairs(e.busy.after) do e.busy.after[n] = at[m] end
         e.busy.expires = e.expires
-        out[i], part[i] = handed(e.busy, "hold", hwhere, e.spec.ops, gone), 7
+        out[i], part[i] = handed(tm.engine, e.busy, "hold", hwhere, e.spec.ops, gone), 7
       end
     end
   end
@@ -444,11 +446,13 @@ for _, method in ipairs(_M.METHODS) do
     local own = r.busy ~= nil -- (its own transaction: handed to it)
     if own then
       -- its apply waits for a retry: in this task, then goes on alone
-      r = busy.go_on(g, ticket, r, function(seconds) g.signal():wait(seconds) end, function(info)
+      local err
+      r, err = busy.go_on(g, ticket, r, function(seconds) g.signal():wait(seconds) end, function(info)
         local list, out = tm:later("busy", info)
-        if list == nil then return { n = 2, nil, out } end -- (mongotx.pool: no client came free)
+        if list == nil then return nil, out end -- (mongotx.pool: no client came free)
         return out
-      end)
+      end, g.now)
+      r = r or { n = 2, nil, err } -- (none came free in holder_wait: in_progress, its id)
     end
     if r.held then
       local function sleep(seconds) g.signal():wait(seconds) end

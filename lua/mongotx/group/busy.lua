@@ -109,6 +109,7 @@ function _M.resume(tm, info)
     local again = settle.handed({ T = T, busy = b })
     again.kind = b.drive and "drive" or info.kind
     again.expires, again.i, again.item = info.expires, info.i, info.item
+    again.holder_wait = eng.policy.holder_wait
     return { busy = again }
   end
   ENDS[info.kind](tm, e, info)
@@ -120,6 +121,43 @@ end
 
 -- The caller's side --------------------------------------------------------
 
+-- A caller whose next try finds no manager to go on with its call (no
+-- client of mongotx.pool, no worker thread in nginx: `overloaded`) must
+-- not answer that error: it says nothing was done, yet the transaction
+-- is created, maybe partly applied, and recovery would end it after its
+-- lease (a client that retries would pay twice).  The transaction is
+-- still the call's, so the caller tries again after another wait, for at
+-- most info.holder_wait seconds in all: the most a call waits for what
+-- others hold (here the clients or threads).  Not its lease: safety does
+-- not need it (an owner past its deadline renews it while it still
+-- holds the transaction, and a resume that finds it taken over ends by
+-- its epoch as such), and it can be far longer (30 s) or 0.  Then it
+-- answers in_progress naming the transaction, as a held key does.
+local RETRY = 0.05 -- seconds between tries for a manager when the backoff is 0
+
+--- Internal: the error of a call that could not go on with or settle its own transaction (no manager came free).
+-- @local
+-- @syntax err = busy.stranded(id, err)
+-- @param id the transaction's id
+-- @tparam table err why no manager came free (`client`, `overloaded`, ...)
+-- @treturn table an `in_progress` error naming the transaction
+function _M.stranded(id, err)
+  return errors.new("in_progress", ("the call's transaction is pending and no client or worker thread came " ..
+    "free to go on with it (%s): read it by its id before making the call again; once its lease passed, " ..
+    "recovery or a retry with its id ends it"):format(tostring(err and err.message or err)),
+    { id = id, step = "busy", cause = type(err) == "table" and err.code or nil })
+end
+
+-- The next try of a call, info, that found no manager (err) at `now`
+-- (since: the first such try in a row, or nil): the seconds to wait
+-- before it tries again and since, or nil and the call's error.
+local function missed(info, err, since, now)
+  since = since or now
+  local left = (info.holder_wait or 0) - (now - since)
+  if left <= 0 then return nil, _M.stranded(info.id, err) end
+  return math.min(math.max(info.wait, RETRY), left), since
+end
+
 --- Internal: an ungrouped batch's items handed to their caller `busy`, gone on with side by side (mongotx.resty.held).
 -- @local
 -- @syntax held = busy.settle_items(list, results, errs, sleep, now, resume, unpack_answer)
@@ -128,12 +166,13 @@ end
 -- @tparam table errs its errs, filled in
 -- @func sleep `sleep(seconds)`
 -- @func now `now()` in seconds
--- @func resume `resume(info)`: the item's answer as resume gives it (`{ ok = <pack()ed> }` from a thread too)
+-- @func resume `resume(info)`: the item's answer as resume gives it (`{ ok = <pack()ed> }` from a thread too), or
+--   nil and the error when no manager came free (then tried again: `missed`)
 -- @func unpack_answer `unpack_answer(r)` -> T, err of an answer
 -- @treturn table the items another call holds meanwhile (Engine:held_info's, with `i`), to wait for as held
 function _M.settle_items(list, results, errs, sleep, now, resume, unpack_answer)
   table.sort(list, function(a, b) return a.busy.i < b.busy.i end)
-  local open, due, at, held = {}, {}, {}, {}
+  local open, due, at, held, since = {}, {}, {}, {}, {}
   for k, h in ipairs(list) do
     open[k], due[k], at[h.busy.i] = h.busy, now() + h.busy.wait, k
   end
@@ -154,8 +193,15 @@ function _M.settle_items(list, results, errs, sleep, now, resume, unpack_answer)
     for k = 1, #list do
       if open[k] and ready(k) and due[k] <= now() then
         local info = open[k]
-        local r = resume(info)
-        if r.busy then
+        local r, none = resume(info)
+        local wait, from
+        if r == nil then wait, from = missed(info, none, since[k], now()) end
+        since[k] = wait and from or nil
+        if wait then
+          due[k] = now() + wait
+        elseif r == nil then
+          results[info.i], errs[info.i], open[k] = false, from, nil
+        elseif r.busy then
           open[k], due[k] = r.busy, now() + r.busy.wait
         else
           local T, err = unpack_answer(r)
@@ -178,24 +224,37 @@ end
 -- @tparam ?table ticket the call's ticket (Group:call's second result)
 -- @tparam table r its answer, with `busy`
 -- @func sleep `sleep(seconds)` without blocking the scheduler
--- @func resume `resume(info)`: resume's answer, in a manager
--- @treturn table the call's answer as run_calls gives it
-function _M.go_on(g, ticket, r, sleep, resume)
-  local ok, res = pcall(function()
+-- @func resume `resume(info)`: resume's answer, in a manager, or nil and the error when no manager came free
+--   (then tried again: `missed`)
+-- @func now `now()` in seconds
+-- @treturn ?table the call's answer as run_calls gives it
+-- @treturn ?table or nil and an `in_progress` error (stranded) when no manager came free in holder_wait
+function _M.go_on(g, ticket, r, sleep, resume, now)
+  local ok, res, err = pcall(function()
+    local since, info
     while r.busy do
-      local wait = r.busy.wait
+      info = r.busy
+      local wait = info.wait
       if g then
         g:after(ticket)
         g:linger(ticket, wait)
       end
       if wait > 0 then sleep(wait) end
-      r = resume(r.busy)
+      local nr, none = resume(info)
+      while nr == nil do -- (no manager came free: still the call's, tried again)
+        wait, since = missed(info, none, since, now())
+        if not wait then return nil, since end
+        if g then g:linger(ticket, wait) end
+        sleep(wait)
+        nr, none = resume(info)
+      end
+      r, since = nr, nil
     end
     return r
   end)
   if g then g:settled(ticket) end
   if not ok then error(res, 0) end
-  return res
+  return res, err
 end
 
 return _M

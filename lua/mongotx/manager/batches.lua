@@ -195,6 +195,9 @@ function _M.later(self, method, ...)
   local res = pack(pcall(call, self, ...))
   self.held_later = nil
   if not res[1] then error(res[2], 0) end
+  for _, h in ipairs(list) do -- (how long its caller tries for a manager: mongotx.group.busy)
+    if h.busy then h.busy.holder_wait = self.engine.policy.holder_wait end
+  end
   return list, unpack(res, 2, res.n)
 end
 

@@ -105,10 +105,11 @@ local function grouped(self, method, alone, ...)
   if handed then
     -- its apply waits for a retry: this handler sleeps, no worker thread
     -- held, then a thread goes on with it alone
-    r = busy.go_on(g, ticket, r, ngx.sleep, function(info)
-      local res, err = call(self.db, 3, "group", self.spec, nil, { busy = info }, 0)
-      return res or { ok = pack(2, nil, err) } -- (no thread came free: the call's answer)
-    end)
+    local err
+    r, err = busy.go_on(g, ticket, r, ngx.sleep, function(info)
+      return call(self.db, 3, "group", self.spec, nil, { busy = info }, 0) -- (nil, err: no thread came free)
+    end, now)
+    r = r or { ok = pack(2, nil, err) } -- (none came free in holder_wait: in_progress, its id)
   end
   if r.raise then reraise(r.raise, 2) end
   -- its own transaction, taken over meanwhile: settled by its id

@@ -56,7 +56,9 @@ end
 -- (tm:later("held"): a policy's raise is that item's error), and any held
 -- again waited for again, until give_up; then the `in_progress` answer
 -- stands.  (Making the batch again would make its other items again.)
-local function settle(tm, up, held, give_up, results, errs)
+-- own: the call's own transaction (_M.own), which no thread answers as
+-- in_progress with its id (mongotx.group.busy's stranded).
+local function settle(tm, up, held, give_up, results, errs, own)
   while held[1] do
     local asked, ids, where = now(), {}, {}
     for _, h in ipairs(held) do
@@ -71,8 +73,8 @@ local function settle(tm, up, held, give_up, results, errs)
     local res = pack(wire.call(tm.db, up + 1, "call", tm.spec, "later", "held", ids))
     held = res[1]
     for k, i in ipairs(where) do
-      if held == nil then
-        results[i], errs[i] = false, res[2] -- no thread came free: each one's answer
+      if held == nil then -- no thread came free: each one's answer (its own: its outcome is unknown)
+        results[i], errs[i] = false, own and busy.stranded(ids[k], res[2]) or res[2]
       else
         results[i], errs[i] = res[2][k], res[3][k]
       end
@@ -91,7 +93,7 @@ function _M.own(tm, up, r)
   local T, err = wire.unpack_all(r.ok)
   local results, errs = { T or false }, { err or false }
   r.held.i = 1
-  settle(tm, up + 1, { r.held }, now() + r.held.wait, results, errs)
+  settle(tm, up + 1, { r.held }, now() + r.held.wait, results, errs, true)
   if results[1] then return results[1] end
   return nil, errs[1]
 end
@@ -107,9 +109,8 @@ function _M.call(tm, method, up, ...)
   if held == nil then return nil, res[2] end -- no thread, no manager: nil, err
   -- a busy one (mongotx.group.busy): this handler sleeps, then a thread
   -- goes on with it, until it ends
-  local function resume(info)
-    local out, err = wire.call(tm.db, up + 3, "group", tm.spec, nil, { busy = info }, 0)
-    return out or { ok = wire.pack(2, nil, err) } -- (no thread came free: its answer)
+  local function resume(info) -- (nil, err: no thread came free; mongotx.group.busy tries again)
+    return wire.call(tm.db, up + 3, "group", tm.spec, nil, { busy = info }, 0)
   end
   if method == "commit_many" or method == "transfer_many" then
     local waiting, rest = {}, {}
@@ -125,7 +126,8 @@ function _M.call(tm, method, up, ...)
     return unpack(res, 2, res.n)
   end
   if held[1] and held[1].busy then
-    local r = busy.go_on(nil, nil, held[1], ngx.sleep, resume) -- luacheck: ignore 113
+    local r, err = busy.go_on(nil, nil, held[1], ngx.sleep, resume, now) -- luacheck: ignore 113
+    if not r then return nil, err end -- (none came free in holder_wait: in_progress, its id)
     if r.raise then wire.reraise(r.raise, up + 1) end
     if r.held then return _M.own(tm, up + 1, r) end
     return wire.unpack_all(r.ok)
