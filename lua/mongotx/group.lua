@@ -421,7 +421,10 @@ Wrapped.__index = Wrapped
 -- @treturn table an object with `g:transfer(...)`, `g:run(...)`, `g:commit(t)` and `g:hold(...)`, each answering
 --   exactly as the manager's call alone (its transaction, `nil, err`, or its raise), run in batches with the
 --   concurrent ones
--- @errors a bad option raises; each call's errors are its own
+-- @errors a bad option raises; each call's errors are its own.  A call whose apply must wait for a retry (`busy`)
+--   waits in its own task (`signal():wait`, not `policy.sleep`: a `sleep` that raises cannot fail it), then goes on
+--   alone; with mongotx.pool, when no client comes free for its next try in `holder_wait` seconds it answers
+--   `in_progress` naming its pending transaction (`err.id`)
 -- @usage local g = group.wrap(tm, { signal = signal, spawn = spawn, now = now })
 -- local t, err = g:transfer("accounts", "A", "B", 100, { min = 0 })
 function _M.wrap(tm, opts)

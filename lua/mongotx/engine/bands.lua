@@ -15,6 +15,9 @@
 -- its reply; a process that dies meanwhile leaves the transaction to a
 -- takeover (a claim at a higher epoch: recovery, or an op that meets it
 -- once its lease passed, Engine:resolve), which moves the band anyway.
+-- `unsure` is this engine's only: a call handed to its caller
+-- (mongotx.group.busy) goes on in any Lua state, and leaves with none of
+-- its documents unsure (busy.lua says why).
 -- Where deadlines fence instead, an apply carries no version and no bump
 -- can stop its copy: docs/ownership.md says what fences it there.
 -- The versions an owner reads before its applies are read here too

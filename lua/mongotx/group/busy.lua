@@ -12,6 +12,17 @@
 -- on once that one's caller is done (Group:after).  Ungrouped, in nginx,
 -- tm:later hands a transfer's, run's or commit's busy wait to its
 -- handler the same way (mongotx.resty.held).
+--
+-- Version fencing (mongotx.engine.bands) keeps, per engine, the
+-- documents an apply may still land on twice (eng.unsure), which a
+-- resume in another Lua state does not know.  A handed call has none:
+-- a document turns unsure only on a transient error of an apply, and
+-- the apply is then tried again in place (Engine:retry) with the bump
+-- first, or it fails the transaction's entry (e.err, nil, err); only an
+-- op failure (`busy`) is handed over, and its write was answered.  So
+-- its documents are sure when it leaves.  Another transaction's unsure
+-- document is that one's to clear (its undo here bumps; a takeover
+-- moves the band).
 
 --- @submodule mongotx.group
 
