@@ -7,7 +7,9 @@
 -- it must not run the call afresh (a second transfer).  (2) With
 -- mongotx.pool, no client free at its next try: the call must not answer
 -- the pool's error while its transaction stays pending for recovery to
--- roll forward.
+-- roll forward; it tries again, and after holder_wait without one answers
+-- in_progress naming its transaction.  (3) In nginx: the same with no
+-- worker thread (`overloaded`), and a takeover while its handler waits.
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
 local group = require "mongotx.group"
@@ -189,6 +191,32 @@ location = /plain { content_by_lua_block {
 } }
 ]]
 
+-- POST /waiting?group=0|1: as /plain, its db waiting 0.1 s for a worker
+-- thread VM (then `overloaded`).  POST /hog: a transfer H -> X whose busy op
+-- holds the only worker-thread VM 1.2 s (spec/support/hog_policies), then
+-- is cancelled.
+local WAITING = [[
+location = /waiting { content_by_lua_block {
+  local cjson = require "cjson"
+  local resty = require "mongotx.resty"
+  local db = assert(resty.connect(os.getenv("MONGOTX_URI"), { database = os.getenv("MONGOTX_DATABASE"),
+    wait = 0.1 }))
+  local tm = assert(db:manager { application = "waiting", retries = 3,
+    policies = "spec.support.busy_policies",
+    group = ngx.var.arg_group == "1" and { max = 100, delay = 0, inflight = 1 } or false })
+  local T, err = tm:transfer("accounts", "U", "X", 10, { min = 0, id = "w" })
+  ngx.say(cjson.encode(T and { state = T.state } or { code = err.code, id = err.id }))
+} }
+location = /hog { content_by_lua_block {
+  local cjson = require "cjson"
+  local resty = require "mongotx.resty"
+  local db = assert(resty.connect(os.getenv("MONGOTX_URI"), { database = os.getenv("MONGOTX_DATABASE") }))
+  local tm = assert(db:manager { application = "hog", group = false, policies = "spec.support.hog_policies" })
+  local T, err = tm:transfer("accounts", "H", "X", 1, { min = 0 })
+  ngx.say(cjson.encode(T and { state = T.state } or { code = err.code }))
+} }
+]]
+
 describe("#openresty a busy call taken over while its handler waits", function()
   local srv
 
@@ -229,6 +257,43 @@ describe("#openresty a busy call taken over while its handler waits", function()
       assert.are.same({ id = tostring(mine._id), state = "done" }, cjson.decode(body))
       assert.are.same({ H = 1000, X = 60, U = 40 }, helpers.balances(accounts))
       assert.are.equal(2, #helpers.dump(txs)) -- "h" and the call's, no second one
+      db:close()
+    end)
+
+    -- No worker thread at its next try (another request holds the only
+    -- one past the db's wait): the handler tries again, and answers the
+    -- call's own outcome (cancelled busy: the holder stays open), never
+    -- `overloaded` with its transaction pending.
+    it(("%s: no worker thread at its next try: its outcome, not overloaded"):format(
+        grouped and "grouped" or "ungrouped"), function()
+      local name = helpers.db_name()
+      local db = assert(mongotx.connect(srv.uri, { database = name }))
+      local accounts, txs = db:collection("accounts"), db:collection("transactions")
+      assert(accounts:insert_many({ { _id = "H", balance = 1000 }, { _id = "X", balance = 50 },
+                                    { _id = "U", balance = 50 } }))
+      local holder = assert(db:manager { application = "holder", lease = 3600, escrow = false })
+      local h = assert(holder:begin({
+        { collection = "accounts", id = "H", update = { ["$inc"] = { balance = -1 } } },
+        { collection = "accounts", id = "X", update = { ["$inc"] = { balance = 1 } } },
+      }, { id = "h" }))
+      assert(holder:step("claim", h))
+      assert(holder:step("apply", h, 2))
+      local n = assert(nginx.start { uri = srv.uri, database = name, workers = 1, threads = 1, vms = 1,
+        locations = WAITING, configure = "{ recovery = false, account_cache = false }" })
+      finally(function() n:stop() end)
+      local call = n:spawn("POST", "/waiting?group=" .. (grouped and "1" or "0"), "")
+      server.sleep(0.15) -- (its first backoff: 0.3 s)
+      local hog = n:spawn("POST", "/hog", "")
+      local status, body = call:wait(30)
+      local hs, hb = hog:wait(30)
+      assert.are.equal(200, hs, hb)
+      assert.are.equal(200, status, body)
+      local W = assert(txs:find_one({ _id = "w" }))
+      assert.are.same({ code = "busy", id = "w" }, cjson.decode(body), "its transaction is " .. W.state)
+      assert.are.same({ "cancelled", "busy" }, { W.state, W.cause })
+      -- (X: the holder's credit only, its marker still on)
+      assert.are.same({ 50, 51 }, { assert(accounts:find_one({ _id = "U" })).balance,
+                                    assert(accounts:find_one({ _id = "X" })).balance })
       db:close()
     end)
   end
