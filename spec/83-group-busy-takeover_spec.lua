@@ -204,7 +204,14 @@ location = /waiting { content_by_lua_block {
   local tm = assert(db:manager { application = "waiting", retries = 3,
     policies = "spec.support.busy_policies",
     group = ngx.var.arg_group == "1" and { max = 100, delay = 0, inflight = 1 } or false })
-  local T, err = tm:transfer("accounts", "U", "X", 10, { min = 0, id = "w" })
+  local T, err
+  if ngx.var.arg_many == "1" then -- (a batch's busy item: mongotx.group.busy's settle_items)
+    local res, errs = tm:transfer_many({ { collection = "accounts", from = "U", to = "X", amount = 10,
+                                           min = 0, id = "w" } })
+    T, err = res[1], errs[1]
+  else
+    T, err = tm:transfer("accounts", "U", "X", 10, { min = 0, id = "w" })
+  end
   ngx.say(cjson.encode(T and { state = T.state } or { code = err.code, id = err.id }))
 } }
 location = /hog { content_by_lua_block {
@@ -223,9 +230,11 @@ describe("#openresty a busy call taken over while its handler waits", function()
   setup(function() srv = assert(server.start { kind = "memory" }) end)
   teardown(function() if srv then srv:stop() end end)
 
-  for _, grouped in ipairs { true, false } do
-    it(("%s: answers its own transaction's outcome and transfers once"):format(
-        grouped and "grouped" or "ungrouped"), function()
+  for _, how in ipairs { "grouped", "ungrouped", "ungrouped transfer_many" } do
+    local grouped = how == "grouped"
+    -- (a takeover: the calls of one transaction)
+    if how ~= "ungrouped transfer_many" then it(("%s: answers its own transaction's outcome and transfers once"):format(
+        how), function()
       local name = helpers.db_name()
       local db = assert(mongotx.connect(srv.uri, { database = name }))
       local accounts, txs = db:collection("accounts"), db:collection("transactions")
@@ -258,14 +267,13 @@ describe("#openresty a busy call taken over while its handler waits", function()
       assert.are.same({ H = 1000, X = 60, U = 40 }, helpers.balances(accounts))
       assert.are.equal(2, #helpers.dump(txs)) -- "h" and the call's, no second one
       db:close()
-    end)
+    end) end
 
     -- No worker thread at its next try (another request holds the only
     -- one past the db's wait): the handler tries again, and answers the
     -- call's own outcome (cancelled busy: the holder stays open), never
     -- `overloaded` with its transaction pending.
-    it(("%s: no worker thread at its next try: its outcome, not overloaded"):format(
-        grouped and "grouped" or "ungrouped"), function()
+    it(("%s: no worker thread at its next try: its outcome, not overloaded"):format(how), function()
       local name = helpers.db_name()
       local db = assert(mongotx.connect(srv.uri, { database = name }))
       local accounts, txs = db:collection("accounts"), db:collection("transactions")
@@ -281,7 +289,8 @@ describe("#openresty a busy call taken over while its handler waits", function()
       local n = assert(nginx.start { uri = srv.uri, database = name, workers = 1, threads = 1, vms = 1,
         locations = WAITING, configure = "{ recovery = false, account_cache = false }" })
       finally(function() n:stop() end)
-      local call = n:spawn("POST", "/waiting?group=" .. (grouped and "1" or "0"), "")
+      local call = n:spawn("POST", "/waiting?group=" .. (grouped and "1" or "0") ..
+        (how == "ungrouped transfer_many" and "&many=1" or ""), "")
       server.sleep(0.15) -- (its first backoff: 0.3 s)
       local hog = n:spawn("POST", "/hog", "")
       local status, body = call:wait(30)
