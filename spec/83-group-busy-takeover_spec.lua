@@ -202,7 +202,7 @@ location = /waiting { content_by_lua_block {
   local db = assert(resty.connect(os.getenv("MONGOTX_URI"), { database = os.getenv("MONGOTX_DATABASE"),
     wait = 0.1 }))
   local tm = assert(db:manager { application = "waiting", retries = 3,
-    policies = "spec.support.busy_policies",
+    holder_wait = tonumber(ngx.var.arg_holder_wait) or 10, policies = "spec.support.busy_policies",
     group = ngx.var.arg_group == "1" and { max = 100, delay = 0, inflight = 1 } or false })
   local T, err
   if ngx.var.arg_many == "1" then -- (a batch's busy item: mongotx.group.busy's settle_items)
@@ -266,6 +266,38 @@ describe("#openresty a busy call taken over while its handler waits", function()
       assert.are.same({ id = tostring(mine._id), state = "done" }, cjson.decode(body))
       assert.are.same({ H = 1000, X = 60, U = 40 }, helpers.balances(accounts))
       assert.are.equal(2, #helpers.dump(txs)) -- "h" and the call's, no second one
+      db:close()
+    end) end
+
+    -- No worker thread for longer than holder_wait (0.3 s): in_progress
+    -- naming its transaction, pending when answered.
+    if how ~= "ungrouped transfer_many" then it(("%s: no worker thread for holder_wait: in_progress, its id"):format(
+        how), function()
+      local name = helpers.db_name()
+      local db = assert(mongotx.connect(srv.uri, { database = name }))
+      local accounts, txs = db:collection("accounts"), db:collection("transactions")
+      assert(accounts:insert_many({ { _id = "H", balance = 1000 }, { _id = "X", balance = 50 },
+                                    { _id = "U", balance = 50 } }))
+      local holder = assert(db:manager { application = "holder", lease = 3600, escrow = false })
+      local h = assert(holder:begin({
+        { collection = "accounts", id = "H", update = { ["$inc"] = { balance = -1 } } },
+        { collection = "accounts", id = "X", update = { ["$inc"] = { balance = 1 } } },
+      }, { id = "h" }))
+      assert(holder:step("claim", h))
+      assert(holder:step("apply", h, 2))
+      local n = assert(nginx.start { uri = srv.uri, database = name, workers = 1, threads = 1, vms = 1,
+        locations = WAITING, configure = "{ recovery = false, account_cache = false }" })
+      finally(function() n:stop() end)
+      local call = n:spawn("POST", "/waiting?holder_wait=0.3&group=" .. (grouped and "1" or "0"), "")
+      server.sleep(0.15)
+      local hog = n:spawn("POST", "/hog", "")
+      local status, body = call:wait(30)
+      local state = assert(txs:find_one({ _id = "w" })).state
+      local hs, hb = hog:wait(30)
+      assert.are.equal(200, hs, hb)
+      assert.are.equal(200, status, body)
+      assert.are.same({ code = "in_progress", id = "w" }, cjson.decode(body))
+      assert.are.equal("pending", state)
       db:close()
     end) end
 
