@@ -242,9 +242,8 @@ end
 -- @treturn ?table or nil and an `in_progress` error (stranded) when no manager came free in holder_wait
 function _M.go_on(g, ticket, r, sleep, resume, now)
   local ok, res, err = pcall(function()
-    local since, info
     while r.busy do
-      info = r.busy
+      local info = r.busy
       local wait = info.wait
       if g then
         g:after(ticket)
@@ -252,14 +251,16 @@ function _M.go_on(g, ticket, r, sleep, resume, now)
       end
       if wait > 0 then sleep(wait) end
       local nr, none = resume(info)
+      local since
       while nr == nil do -- (no manager came free: still the call's, tried again)
-        wait, since = missed(info, none, since, now())
-        if not wait then return nil, since end
-        if g then g:linger(ticket, wait) end
-        sleep(wait)
+        local again, from = missed(info, none, since, now())
+        if not again then return nil, from end -- (from: its in_progress error)
+        since = from
+        if g then g:linger(ticket, again) end
+        sleep(again)
         nr, none = resume(info)
       end
-      r, since = nr, nil
+      r = nr
     end
     return r
   end)
