@@ -1,11 +1,14 @@
--- Group commit: a call meets a holder whose owner died (lease passed)
--- and whose own next op is busy (a live open transaction holds its
--- document).  The call drives the dead holder to its end (Engine:resolve)
--- and that drive waits its busy retries; issue 41's rule (nothing waits
--- for someone else's failure) and mongotx.group.busy's (no busy wait in
--- a shared batch) say the other calls of the batch do not wait for it:
--- they answer before the first backoff is over, and no batch sleeps
--- policy.sleep.
+-- A call meets a holder whose owner died (lease passed) and whose own
+-- next op is busy (a live open transaction holds its document).  The call
+-- drives the dead holder to its end (Engine:resolve).  Issue 41's rule
+-- (nothing waits for someone else's failure) and mongotx.group.busy's (no
+-- busy wait in a shared batch): the dead holder's retries are the call's
+-- busy wait, handed to its caller in group commit (the other calls of the
+-- batch answer before the first backoff is over, no batch sleeps
+-- policy.sleep), side by side in a plain batch, and never slept by
+-- tm:step.  Each op meeting the dead holder goes on with its apply and
+-- its tries, so it ends as recovery would: cancelled `busy` after its
+-- retries while the live holder stays, forward once that one went.
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
 local group = require "mongotx.group"
@@ -49,7 +52,7 @@ describe("#server group commit: a dead holder whose drive waits busy", function(
   end)
   after_each(function() db:close() end)
 
-  it("answers the unrelated calls before the dead holder's first backoff", function()
+  local function grouped(meanwhile)
     local S = scheduler()
     local g = group.wrap(payer, { signal = S.signal, spawn = S.spawn, now = S.now, max = 100 })
     local answers, at, start = {}, {}, S.now()
@@ -64,27 +67,98 @@ describe("#server group commit: a dead holder whose drive waits busy", function(
     for i = 1, K do
       call(i + 1, function() return g:transfer("accounts", "U" .. i, "V", 10, { min = 0, id = "u" .. i }) end)
     end
+    if meanwhile then S.spawn(function() meanwhile(S) end) end
     S.loop()
-    for k = 2, K + 1 do
+    return answers, at
+  end
+
+  -- every call done; the dead holder's state; the balances once the live
+  -- holder is gone (rolled back here if still open), no marks left
+  local function check(answers, d_state, d_cause, want_xy)
+    for k = 1, K + 1 do
       assert.are.equal("done", answers[k].T and answers[k].T.state, tostring(answers[k].err))
     end
-    assert.are.equal("done", answers[1].T and answers[1].T.state, tostring(answers[1].err))
-    -- the dead holder ended cancelled (busy), its credit on X undone
     local D = assert(txs:find_one({ _id = "d" }))
-    assert.are.same({ "cancelled", "busy" }, { D.state, D.cause })
-    assert(holder:rollback(assert(holder:get("h"))))
-    local want = { H = 1000, V = 10 * (K + 1), X = 40, Y = 50 }
+    assert.are.same({ d_state, d_cause }, { D.state, D.cause })
+    local h = assert(holder:get("h"))
+    if h.state ~= "cancelled" then assert(holder:rollback(h)) end
+    local want = { H = 1000, V = 10 * (K + 1), X = want_xy[1], Y = want_xy[2] }
     for i = 1, K do want["U" .. i] = 40 end
     assert.are.same(want, helpers.balances(accounts))
     for _, doc in ipairs(helpers.dump(accounts)) do
       assert.are.same({}, doc.pendingTransactions or {}, doc._id .. " keeps a marker")
       assert.are.same({}, doc.txHeld or {}, doc._id .. " keeps a txHeld entry")
     end
-    -- the unrelated calls did not wait for the dead holder's retries
+  end
+
+  local function check_times(at)
     for k = 2, K + 1 do
       assert.is_true(at[k] < BACKOFF, ("unrelated call %d answered after %.3f s: its batch waited " ..
         "for the dead holder's busy retries"):format(k, at[k]))
     end
     assert.are.equal(0, slept, "the batch slept (policy.sleep) for the dead holder")
+  end
+
+  it("answers the unrelated calls before the dead holder's first backoff", function()
+    local answers, at = grouped()
+    -- the dead holder ended cancelled (busy), its credit on X undone
+    check(answers, "cancelled", "busy", { 40, 50 })
+    check_times(at)
+    assert.is_true(at[1] >= RETRIES * BACKOFF, ("the busy call answered after %.3f s"):format(at[1]))
+  end)
+
+  it("the live holder goes between retries: the dead holder forward, the call done", function()
+    local answers, at = grouped(function(S)
+      S.signal():wait(BACKOFF * 1.5) -- between the call's first and second retry
+      assert(holder:rollback(assert(holder:get("h"))))
+    end)
+    -- the dead holder driven forward as recovery would (stale_pending):
+    -- its credits on X and Y both committed
+    check(answers, "done", nil, { 41, 51 })
+    check_times(at)
+    assert.is_true(at[1] < RETRIES * BACKOFF, ("the call answered after %.3f s"):format(at[1]))
+  end)
+
+  it("a plain batch: the dead holder's retries side by side, each item done", function()
+    local items = { { collection = "accounts", from = "X", to = "V", amount = 10, min = 0, id = "x" } }
+    for i = 1, K do
+      items[#items + 1] = { collection = "accounts", from = "U" .. i, to = "V", amount = 10, min = 0, id = "u" .. i }
+    end
+    local list, errs = payer:transfer_many(items)
+    local answers = {}
+    for k = 1, K + 1 do answers[k] = { T = list and list[k], err = errs and errs[k] } end
+    check(answers, "cancelled", "busy", { 40, 50 })
+    -- the dead holder's retries, each slept once (a sleep ends at the
+    -- retry due, by the clock: a little under its backoff)
+    assert.is_true(slept > RETRIES * BACKOFF - 0.05 and slept < (RETRIES + 1) * BACKOFF - 0.05,
+      ("the batch slept %.3f s"):format(slept))
+  end)
+
+  it("tm:step never sleeps the dead holder's retries: busy at once, its tries kept", function()
+    local T = assert(payer:begin({
+      { collection = "accounts", id = "X", update = { ["$inc"] = { balance = -10 } } },
+    }, { id = "s" }))
+    assert(payer:step("claim", T))
+    for try = 1, RETRIES + 1 do
+      local res, err = payer:step("apply", T, 1)
+      assert.are.equal(0, slept, "tm:step slept")
+      if try <= RETRIES then
+        assert.is_nil(res)
+        assert.are.equal("busy", err and err.code, tostring(err))
+        assert.are.equal("pending", assert(txs:find_one({ _id = "d" })).state)
+      else
+        -- its retries spent, the dead holder ended cancelled: the op applies
+        assert(res, tostring(err))
+        assert.are.same({ "cancelled", "busy" }, { assert(txs:find_one({ _id = "d" })).state,
+          assert(txs:find_one({ _id = "d" })).cause })
+      end
+    end
+    assert(payer:step("commit", T))
+    assert(payer:step("finish", T, 1))
+    assert(payer:step("done", T))
+    assert(holder:rollback(assert(holder:get("h"))))
+    local want = { H = 1000, V = 0, X = 40, Y = 50 }
+    for i = 1, K do want["U" .. i] = 50 end
+    assert.are.same(want, helpers.balances(accounts))
   end)
 end)
