@@ -119,6 +119,17 @@ describe("#server group commit: a dead holder whose drive waits busy", function(
     assert.is_true(at[1] < RETRIES * BACKOFF, ("the call answered after %.3f s"):format(at[1]))
   end)
 
+  it("one call alone: it sleeps the dead holder's retries, then applies", function()
+    local T, err = payer:transfer("accounts", "X", "V", 10, { min = 0, id = "x" })
+    local answers = { { T = T, err = err } }
+    for i = 1, K do
+      answers[i + 1] = { T = assert(payer:transfer("accounts", "U" .. i, "V", 10, { min = 0, id = "u" .. i })) }
+    end
+    check(answers, "cancelled", "busy", { 40, 50 })
+    assert.is_true(slept > RETRIES * BACKOFF - 0.05 and slept < (RETRIES + 1) * BACKOFF - 0.05,
+      ("the call slept %.3f s"):format(slept))
+  end)
+
   it("a plain batch: the dead holder's retries side by side, each item done", function()
     local items = { { collection = "accounts", from = "X", to = "V", amount = 10, min = 0, id = "x" } }
     for i = 1, K do
