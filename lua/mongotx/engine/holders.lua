@@ -219,7 +219,7 @@ function Engine:resolve(H, T)
   local code, id = why and why.code, why and why.id
   -- (H's own op failure, with its cause: drive answers it once H ended
   -- cancelled by it, as for a cancelled_error)
-  if (code == "cancelled" or why.cause ~= nil) and id ~= nil and key(id) == k then return true end
+  if (code == "cancelled" or why and why.cause ~= nil) and id ~= nil and key(id) == k then return true end
   if T and id ~= nil and key(id) == key(T._id) then return nil, why end
   if self:holding(H) then self.stalled[k] = { epoch = H.epoch } end
   if code ~= "in_progress" then self:event("resolve", { id = H._id, reason = code }) end
