@@ -5,8 +5,8 @@
 -- busy wait in a shared batch): the dead holder's retries are the call's
 -- busy wait, handed to its caller in group commit (the other calls of the
 -- batch answer before the first backoff is over, no batch sleeps
--- policy.sleep), side by side in a plain batch, and never slept by
--- tm:step.  Each op meeting the dead holder goes on with its apply and
+-- policy.sleep), side by side in a plain batch, never slept by tm:step,
+-- slept in its drive by a transaction driven alone (tm:commit).  Each op meeting the dead holder goes on with its apply and
 -- its tries, so it ends as recovery would: cancelled `busy` after its
 -- retries while the live holder stays, forward once that one went.
 local helpers = require "spec.helpers"
@@ -18,7 +18,7 @@ local core = helpers.core
 local RETRIES, BACKOFF, K = 3, 0.25, 4
 
 describe("#server group commit: a dead holder whose drive waits busy", function()
-  local db, accounts, txs, holder, payer, slept
+  local db, accounts, txs, holder, payer, slept, stops
 
   before_each(function()
     db = assert(mongotx.connect(helpers.uri(), { database = helpers.db_name() }))
@@ -45,10 +45,14 @@ describe("#server group commit: a dead holder whose drive waits busy", function(
     assert(dead:step("claim", d))
     assert(dead:step("apply", d, 1))
     assert.are.same({ "d" }, assert(accounts:find_one({ _id = "X" })).txHeld)
-    slept = 0
+    slept, stops = 0, 0
     payer = assert(db:manager { application = "payer", retries = RETRIES,
       backoff = function() return BACKOFF end,
-      sleep = function(s) slept = slept + s core.sleep(s) end })
+      sleep = function(s) slept = slept + s core.sleep(s) end,
+      -- the dead holder's drive stopped at a retry
+      on_event = function(name, info)
+        if name == "resolve" and info.reason == "busy" then stops = stops + 1 end
+      end })
   end)
   after_each(function() db:close() end)
 
@@ -105,6 +109,7 @@ describe("#server group commit: a dead holder whose drive waits busy", function(
     check(answers, "cancelled", "busy", { 40, 50 })
     check_times(at)
     assert.is_true(at[1] >= RETRIES * BACKOFF, ("the busy call answered after %.3f s"):format(at[1]))
+    assert.are.equal(RETRIES, stops, "the dead holder's drive stopped at each of its retries")
   end)
 
   it("the live holder goes between retries: the dead holder forward, the call done", function()
@@ -119,8 +124,11 @@ describe("#server group commit: a dead holder whose drive waits busy", function(
     assert.is_true(at[1] < RETRIES * BACKOFF, ("the call answered after %.3f s"):format(at[1]))
   end)
 
-  it("one call alone: it sleeps the dead holder's retries, then applies", function()
-    local T, err = payer:transfer("accounts", "X", "V", 10, { min = 0, id = "x" })
+  it("tm:commit, one at a time: it sleeps the dead holder's retries in its drive, then applies", function()
+    local T, err = payer:commit(assert(payer:begin({
+      { collection = "accounts", id = "X", update = { ["$inc"] = { balance = -10 } } },
+      { collection = "accounts", id = "V", update = { ["$inc"] = { balance = 10 } } },
+    }, { id = "x" })))
     local answers = { { T = T, err = err } }
     for i = 1, K do
       answers[i + 1] = { T = assert(payer:transfer("accounts", "U" .. i, "V", 10, { min = 0, id = "u" .. i })) }
@@ -128,6 +136,7 @@ describe("#server group commit: a dead holder whose drive waits busy", function(
     check(answers, "cancelled", "busy", { 40, 50 })
     assert.is_true(slept > RETRIES * BACKOFF - 0.05 and slept < (RETRIES + 1) * BACKOFF - 0.05,
       ("the call slept %.3f s"):format(slept))
+    assert.are.equal(0, stops, "tm:commit stopped the dead holder's drive")
   end)
 
   it("a plain batch: the dead holder's retries side by side, each item done", function()
@@ -143,6 +152,7 @@ describe("#server group commit: a dead holder whose drive waits busy", function(
     -- retry due, by the clock: a little under its backoff)
     assert.is_true(slept > RETRIES * BACKOFF - 0.05 and slept < (RETRIES + 1) * BACKOFF - 0.05,
       ("the batch slept %.3f s"):format(slept))
+    assert.are.equal(RETRIES, stops, "the dead holder's drive stopped at each of its retries")
   end)
 
   it("tm:step never sleeps the dead holder's retries: busy at once, its tries kept", function()
