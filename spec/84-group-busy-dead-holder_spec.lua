@@ -6,9 +6,10 @@
 -- busy wait, handed to its caller in group commit (the other calls of the
 -- batch answer before the first backoff is over, no batch sleeps
 -- policy.sleep), side by side in a plain batch, never slept by tm:step,
--- slept in its drive by a transaction driven alone (tm:commit).  Each op meeting the dead holder goes on with its apply and
--- its tries, so it ends as recovery would: cancelled `busy` after its
--- retries while the live holder stays, forward once that one went.
+-- slept in its drive by a transaction driven alone (tm:commit).  Each op
+-- meeting the dead holder goes on with its apply and its tries, so it
+-- ends as recovery would: cancelled `busy` after its retries while the
+-- live holder stays, forward once that one went.
 local helpers = require "spec.helpers"
 local mongotx = require "mongotx"
 local group = require "mongotx.group"
