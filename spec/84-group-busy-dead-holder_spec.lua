@@ -156,6 +156,43 @@ describe("#server group commit: a dead holder whose drive waits busy", function(
     assert.are.equal(RETRIES, stops, "the dead holder's drive stopped at each of its retries")
   end)
 
+  it("a recovery batch: the dead holder met, its retries side by side, the batch recovered", function()
+    -- two stale transactions of another dead owner, recovered together;
+    -- r1's debit on X meets d, which this pass does not take itself
+    local rdead = assert(db:manager { application = "rdead", lease = 0, escrow = false })
+    for _, t in ipairs { { "r1", "X", "V" }, { "r2", "U1", "U2" } } do
+      local T = assert(rdead:begin({
+        { collection = "accounts", id = t[2], update = { ["$inc"] = { balance = -10 } } },
+        { collection = "accounts", id = t[3], update = { ["$inc"] = { balance = 10 } } },
+      }, { id = t[1] }))
+      assert(rdead:step("claim", T))
+    end
+    local rec = assert(db:manager { application = "rec", retries = RETRIES,
+      backoff = function() return BACKOFF end,
+      sleep = function(s) slept = slept + s core.sleep(s) end,
+      on_event = function(name, info)
+        if name == "resolve" and info.reason == "busy" then stops = stops + 1 end
+      end,
+      may_recover = function(tx, age) return tx._id ~= "d" and age >= (tonumber(tx.lease) or 0) end })
+    local report = assert(rec:recover({ limit = 10, batch = 10 }))
+    assert.are.same({ 2, 0 }, { report.done, report.failed })
+    for _, id in ipairs { "r1", "r2" } do
+      assert.are.equal("done", assert(txs:find_one({ _id = id })).state, id)
+    end
+    local D = assert(txs:find_one({ _id = "d" }))
+    assert.are.same({ "cancelled", "busy" }, { D.state, D.cause })
+    assert.are.equal(RETRIES, stops, "the dead holder's drive stopped at each of its retries")
+    assert.is_true(slept > RETRIES * BACKOFF - 0.05 and slept < (RETRIES + 1) * BACKOFF - 0.05,
+      ("the pass slept %.3f s"):format(slept))
+    assert(holder:rollback(assert(holder:get("h"))))
+    assert.are.same({ H = 1000, V = 10, X = 40, Y = 50, U1 = 40, U2 = 60, U3 = 50, U4 = 50 },
+      helpers.balances(accounts))
+    for _, doc in ipairs(helpers.dump(accounts)) do
+      assert.are.same({}, doc.pendingTransactions or {}, doc._id .. " keeps a marker")
+      assert.are.same({}, doc.txHeld or {}, doc._id .. " keeps a txHeld entry")
+    end
+  end)
+
   it("tm:step never sleeps the dead holder's retries: busy at once, its tries kept", function()
     local T = assert(payer:begin({
       { collection = "accounts", id = "X", update = { ["$inc"] = { balance = -10 } } },
