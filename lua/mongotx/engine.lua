@@ -83,7 +83,7 @@ function _M.new(ctx)
     forms = {},         -- the forms of transactions begun with other fields (form)
     colls = {},         -- collection handles by name (coll)
     held = {},          -- key(id) -> epoch this engine holds (hold, holds)
-    stalled = {},       -- key(id) -> epoch of a holder resolve claimed and could not drive
+    stalled = {},       -- key(id) -> { epoch, tries } of a holder resolve claimed and could not drive to its end
     server_clock = clock.new(ctx.db), -- (server_now, clock)
     use_deadline = nil, -- does the server evaluate $$NOW (deadlines)
     unsure = {},        -- documents an apply's lost reply left (engine.bands)

@@ -9,7 +9,7 @@
 local bands = require "mongotx.engine.bands"
 local phases = require "mongotx.engine.phases"
 
-local ipairs, next = ipairs, next
+local ipairs, pairs, pcall, error, next = ipairs, pairs, pcall, error, next
 local op_failure = phases.op_failure
 
 local _M = {}
@@ -42,8 +42,8 @@ end
 -- pending (held) -> applied, or -> canceling when an op cannot apply.
 -- Returns the transaction's next document and, after a cancel, the error
 -- that explains it.
-function Engine:apply_all(T, versions, hand)
-  local ok, err, failure, busy = self:apply_ops(T, versions, hand)
+function Engine:apply_all(T, versions, hand, tries)
+  local ok, err, failure, busy = self:apply_ops(T, versions, hand, tries)
   if ok ~= true then return ok, err, failure, busy end
   return self:move(T, "commit", T.epoch)
 end
@@ -54,22 +54,30 @@ end
 -- else what apply_all returns: T as now read (taken over), or cancelled
 -- and the failure, or nil, err.  With `hand`, a retry is not slept
 -- here: nil, nil, nil, { st = <the apply's state>, wait = <seconds> }
--- (its caller waits: mongotx.group.busy).
-function Engine:apply_ops(T, versions, hand)
-  local st = self:apply_start(T, versions)
+-- (its caller waits: mongotx.group.busy).  `tries`: each op's tries so
+-- far (an apply handed before: Engine:resolve).  Only here, without
+-- `hand`, does an apply sleep its own retries: self.waits says so to
+-- Engine:resolve while it runs (a dead holder it meets is driven to its
+-- end here; anywhere else its retry is not waited for inside the apply).
+function Engine:apply_ops(T, versions, hand, tries)
+  local st = self:apply_start(T, versions, tries)
+  local waits = self.waits
   while true do
-    local ok, a, b = self:apply_more(st)
-    if ok ~= false then return ok, a, b end
-    if hand then return nil, nil, nil, { st = st, wait = a } end
-    self.policy.sleep(a)
+    self.waits = not hand
+    local ok, a, b, c = pcall(self.apply_more, self, st)
+    self.waits = waits
+    if not ok then error(a, 0) end
+    if a ~= false then return a, b, c end
+    if hand then return nil, nil, nil, { st = st, wait = b } end
+    self.policy.sleep(b)
   end
 end
 
 -- The state of T's apply for apply_more: its ops in the order they
 -- apply (the guarded ones first: a transaction whose guard fails then
 -- has nothing else applied to undo, and holds no document meanwhile),
--- those applied (held[i]) and each op's tries.
-function Engine:apply_start(T, versions) -- luacheck: no self
+-- those applied (held[i]) and each op's tries (from `tries`, when given).
+function Engine:apply_start(T, versions, tries) -- luacheck: no self
   local order, held = {}, {}
   for i, op in ipairs(T.ops) do
     if op.where then order[#order + 1] = i end
@@ -80,7 +88,9 @@ function Engine:apply_start(T, versions) -- luacheck: no self
   for i, v in ipairs(versions) do
     if v.marked then held[i] = true end
   end
-  return { T = T, versions = versions, order = order, held = held, tries = {}, k = 1 }
+  local n = {}
+  for i, c in pairs(tries or {}) do n[i] = c end
+  return { T = T, versions = versions, order = order, held = held, tries = n, k = 1 }
 end
 
 -- Runs the apply of apply_start's state st on until it ends (what

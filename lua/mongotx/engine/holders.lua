@@ -166,25 +166,31 @@ local MAX_NESTED = 4
 -- canceling one undone, an applied one finished; then nothing of it
 -- holds the document.  So an op never waits for, nor is cancelled `busy`
 -- by, a holder whose owner died.  The drive retries every step as any
--- would (a hold's opener sends only its own applies once: `once`).
+-- would (a hold's opener sends only its own applies once: `once`).  Its
+-- apply sleeps a retry only where T's apply sleeps its own (self.waits:
+-- Engine:apply_ops alone, without `hand`); anywhere else (a batch, a
+-- call handed to its caller, tm:step) it stops there, H stays claimed
+-- with its tries, and T waits busy as for a live holder: the next op of
+-- this engine that meets H goes on with H's apply, tries and all.
 -- Returns true when H ended (done or cancelled), false when it holds on
 -- (its lease has not passed; a hold, which capture, void or expiry
 -- decides; this engine's own; another owner took it over first; nested
--- past MAX_NESTED; or its drive failed: it is then waited for as a live
--- one, and the next op of this engine that meets it drives it again), or
--- nil, err for an error that is T's own.
+-- past MAX_NESTED; its apply waits a retry; or its drive failed: it is
+-- then waited for as a live one, and the next op of this engine that
+-- meets it drives it again), or nil, err for an error that is T's own.
 function Engine:resolve(H, T)
   local state, k = H.state, key(H._id)
-  local again = self.stalled[k] ~= nil and self.stalled[k] == H.epoch and self:holding(H)
+  local stalled = self.stalled[k]
+  local again = stalled ~= nil and stalled.epoch == H.epoch and self:holding(H)
   if H.hold ~= nil or (self:holding(H) and not again) or (self.resolving or 0) >= MAX_NESTED
      or not (state == "pending" or state == "canceling" or state == "applied") then
     return false
   end
-  local once = self.once
+  local once, mode = self.once, self.waits and true or "hand"
   self.resolving, self.once, self.stalled[k] = (self.resolving or 0) + 1, nil, nil
-  local ok, ended, why = pcall(function()
+  local ok, ended, why, _, busy = pcall(function()
     local versions
-    if not again then -- (again: claimed by a resolve of this engine whose drive failed)
+    if not again then -- (again: claimed by a resolve of this engine that stopped)
       local lapsed, e = self:lapsed(H)
       if not lapsed then return lapsed, e end
       local now, vs
@@ -199,16 +205,23 @@ function Engine:resolve(H, T)
       H, versions = now, vs
     end
     -- later: a holder that another owner took over meanwhile is not waited for
-    return self:drive(H, versions, true)
+    return self:drive(H, versions, mode, again and stalled.tries or nil)
   end)
   self.resolving, self.once = self.resolving - 1, once
   if not ok then error(ended, 0) end
+  if busy then -- its apply waits a retry: not here (T waits busy)
+    self.stalled[k] = { epoch = busy.st.T.epoch, tries = busy.st.tries }
+    self:event("resolve", { id = H._id, reason = "busy" })
+    return false
+  end
   if ended then return ended.state == "done" or ended.state == "cancelled" end
   if ended == false then return false end
   local code, id = why and why.code, why and why.id
-  if code == "cancelled" and id ~= nil and key(id) == k then return true end
+  -- (H's own op failure, with its cause: drive answers it once H ended
+  -- cancelled by it, as for a cancelled_error)
+  if (code == "cancelled" or why and why.cause ~= nil) and id ~= nil and key(id) == k then return true end
   if T and id ~= nil and key(id) == key(T._id) then return nil, why end
-  if self:holding(H) then self.stalled[k] = H.epoch end
+  if self:holding(H) then self.stalled[k] = { epoch = H.epoch } end
   if code ~= "in_progress" then self:event("resolve", { id = H._id, reason = code }) end
   return false
 end

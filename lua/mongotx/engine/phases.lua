@@ -418,7 +418,8 @@ end
 -- the others answered, or has its callers wait: mongotx.manager.batches,
 -- mongotx.group).  With later = "hand", an apply that must wait for a
 -- retry is not waited for either: nil, nil, nil, <apply_ops's>.
-function Engine:drive(T, versions, later)
+-- `tries`: each op's tries so far, for its apply (Engine:resolve's).
+function Engine:drive(T, versions, later, tries)
   local failure, err = self:fields_error(T)
   if failure then return nil, failure end
   for _ = 1, MAX_ROUNDS do
@@ -466,8 +467,9 @@ function Engine:drive(T, versions, later)
       end
       if versions then
         local f, busy
-        T, err, f, busy = self:apply_all(T, versions, later == "hand")
+        T, err, f, busy = self:apply_all(T, versions, later == "hand", tries)
         if busy then return nil, nil, nil, busy end
+        tries = nil
         failure = failure or f
         versions = nil
       end
