@@ -18,7 +18,7 @@ local core = helpers.core
 
 -- The busy call's retries and its fixed backoff: alone it waits RETRIES
 -- x BACKOFF in all.
-local RETRIES, BACKOFF = 3, 0.25
+local RETRIES, BACKOFF = 3, 0.5
 local WAIT = RETRIES * BACKOFF
 -- Unrelated calls.
 local K = 4

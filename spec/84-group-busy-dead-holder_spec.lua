@@ -16,7 +16,7 @@ local group = require "mongotx.group"
 local scheduler = require "spec.support.scheduler"
 
 local core = helpers.core
-local RETRIES, BACKOFF, K = 3, 0.25, 4
+local RETRIES, BACKOFF, K = 3, 0.5, 4
 
 describe("#server group commit: a dead holder whose drive waits busy", function()
   local db, accounts, txs, holder, payer, slept, stops
