@@ -62,7 +62,8 @@ test-openresty:
 	MONGOTX_OPENRESTY=1 MONGOTX_CPATH="$(CURDIR)/build/luajit/?.so" spec/support/busted-luajit \
 	  $(or $(BUSTED_ARGS),spec/40-openresty_spec.lua spec/44-openresty-group_spec.lua spec/45-openresty-metrics_spec.lua \
 	  spec/49-openresty-kill_spec.lua spec/69-openresty-holds_spec.lua spec/72-openresty-fresh-deploy_spec.lua \
-	  spec/73-openresty-held-ungrouped_spec.lua spec/77-openresty-group-holds_spec.lua)
+	  spec/73-openresty-held-ungrouped_spec.lua spec/77-openresty-group-holds_spec.lua \
+	  spec/81-openresty-group-busy_spec.lua spec/83-group-busy-takeover_spec.lua)
 
 # The specs under valgrind: every leak or invalid access fails the run.
 # valgrind runs the interpreter itself (not the sh wrapper, which it would
