@@ -36,12 +36,7 @@ describe("#server group commit: a busy call holds none of its batch", function()
     -- the holder: alive (lease an hour), its transaction caught with its
     -- credit on X (exclusive: escrow = false puts it in txHeld)
     holder = assert(db:manager { application = "holder", lease = 3600, escrow = false })
-    local t = assert(holder:begin({
-      { collection = "accounts", id = "H", update = { ["$inc"] = { balance = -1 } } },
-      { collection = "accounts", id = "X", update = { ["$inc"] = { balance = 1 } } },
-    }, { id = "h" }))
-    assert(holder:step("claim", t))
-    assert(holder:step("apply", t, 2))
+    helpers.hold_open(holder, "X", "h")
     assert.are.same({ "h" }, assert(accounts:find_one({ _id = "X" })).txHeld)
     retries, slept = {}, 0
     payer = assert(db:manager { application = "payer", retries = RETRIES,
@@ -411,12 +406,7 @@ describe("#server group commit: a busy call holds none of its batch", function()
     -- by side: one wait); w1 pays X from W (after x, on X), w2 V from W
     -- (after w1, on W); u<i> unrelated
     assert(accounts:insert_one({ _id = "Y", balance = 50 }))
-    local t2 = assert(holder:begin({
-      { collection = "accounts", id = "H", update = { ["$inc"] = { balance = -1 } } },
-      { collection = "accounts", id = "Y", update = { ["$inc"] = { balance = 1 } } },
-    }, { id = "h2" }))
-    assert(holder:step("claim", t2))
-    assert(holder:step("apply", t2, 2))
+    helpers.hold_open(holder, "Y", "h2")
     local list = {
       { collection = "accounts", from = "X", to = "V", amount = 10, min = 0, id = "x" },
       { collection = "accounts", from = "Y", to = "V", amount = 10, min = 0, id = "y" },

@@ -70,12 +70,7 @@ describe("#openresty a busy call in nginx's group commit", function()
     for i = 1, K do docs[#docs + 1] = { _id = "U" .. i, balance = 50 } end
     assert(db:collection("accounts"):insert_many(docs))
     local holder = assert(db:manager { application = "holder", lease = 3600, escrow = false })
-    local t = assert(holder:begin({
-      { collection = "accounts", id = "H", update = { ["$inc"] = { balance = -1 } } },
-      { collection = "accounts", id = "X", update = { ["$inc"] = { balance = 1 } } },
-    }, { id = "h" }))
-    assert(holder:step("claim", t))
-    assert(holder:step("apply", t, 2))
+    helpers.hold_open(holder, "X", "h")
     return db, name, holder
   end
 

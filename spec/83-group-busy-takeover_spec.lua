@@ -28,12 +28,7 @@ describe("#server group commit: a busy call taken over while its caller waits", 
                                   { _id = "U", balance = 50 } }))
     -- the holder: its credit on X applied, left open (exclusive: txHeld)
     holder = assert(db:manager { application = "holder", lease = 3600, escrow = false })
-    local t = assert(holder:begin({
-      { collection = "accounts", id = "H", update = { ["$inc"] = { balance = -1 } } },
-      { collection = "accounts", id = "X", update = { ["$inc"] = { balance = 1 } } },
-    }, { id = "h" }))
-    assert(holder:step("claim", t))
-    assert(holder:step("apply", t, 2))
+    helpers.hold_open(holder, "X", "h")
     payer = assert(db:manager { application = "payer", lease = LEASE, retries = 5,
       backoff = function() return BACKOFF end })
     taker = assert(db:manager { application = "taker", lease = 3600 })
@@ -241,12 +236,7 @@ describe("#openresty a busy call taken over while its handler waits", function()
       assert(accounts:insert_many({ { _id = "H", balance = 1000 }, { _id = "X", balance = 50 },
                                     { _id = "U", balance = 50 } }))
       local holder = assert(db:manager { application = "holder", lease = 3600, escrow = false })
-      local h = assert(holder:begin({
-        { collection = "accounts", id = "H", update = { ["$inc"] = { balance = -1 } } },
-        { collection = "accounts", id = "X", update = { ["$inc"] = { balance = 1 } } },
-      }, { id = "h" }))
-      assert(holder:step("claim", h))
-      assert(holder:step("apply", h, 2))
+      helpers.hold_open(holder, "X", "h")
       local taker = assert(db:manager { application = "taker", lease = 3600 })
       local n = assert(nginx.start { uri = srv.uri, database = name, workers = 1, threads = 4, vms = 8,
         locations = PLAIN, configure = "{ recovery = false, account_cache = false }" })
@@ -279,12 +269,7 @@ describe("#openresty a busy call taken over while its handler waits", function()
       assert(accounts:insert_many({ { _id = "H", balance = 1000 }, { _id = "X", balance = 50 },
                                     { _id = "U", balance = 50 } }))
       local holder = assert(db:manager { application = "holder", lease = 3600, escrow = false })
-      local h = assert(holder:begin({
-        { collection = "accounts", id = "H", update = { ["$inc"] = { balance = -1 } } },
-        { collection = "accounts", id = "X", update = { ["$inc"] = { balance = 1 } } },
-      }, { id = "h" }))
-      assert(holder:step("claim", h))
-      assert(holder:step("apply", h, 2))
+      helpers.hold_open(holder, "X", "h")
       local n = assert(nginx.start { uri = srv.uri, database = name, workers = 1, threads = 1, vms = 1,
         locations = WAITING, configure = "{ recovery = false, account_cache = false }" })
       finally(function() n:stop() end)
@@ -312,12 +297,7 @@ describe("#openresty a busy call taken over while its handler waits", function()
       assert(accounts:insert_many({ { _id = "H", balance = 1000 }, { _id = "X", balance = 50 },
                                     { _id = "U", balance = 50 } }))
       local holder = assert(db:manager { application = "holder", lease = 3600, escrow = false })
-      local h = assert(holder:begin({
-        { collection = "accounts", id = "H", update = { ["$inc"] = { balance = -1 } } },
-        { collection = "accounts", id = "X", update = { ["$inc"] = { balance = 1 } } },
-      }, { id = "h" }))
-      assert(holder:step("claim", h))
-      assert(holder:step("apply", h, 2))
+      helpers.hold_open(holder, "X", "h")
       local n = assert(nginx.start { uri = srv.uri, database = name, workers = 1, threads = 1, vms = 1,
         locations = WAITING, configure = "{ recovery = false, account_cache = false }" })
       finally(function() n:stop() end)

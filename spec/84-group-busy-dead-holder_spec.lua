@@ -30,12 +30,7 @@ describe("#server group commit: a dead holder whose drive waits busy", function(
     assert(accounts:insert_many(docs))
     -- the live holder: its credit on Y applied, left open (txHeld)
     holder = assert(db:manager { application = "holder", lease = 3600, escrow = false })
-    local h = assert(holder:begin({
-      { collection = "accounts", id = "H", update = { ["$inc"] = { balance = -1 } } },
-      { collection = "accounts", id = "Y", update = { ["$inc"] = { balance = 1 } } },
-    }, { id = "h" }))
-    assert(holder:step("claim", h))
-    assert(holder:step("apply", h, 2))
+    helpers.hold_open(holder, "Y", "h")
     -- the dead one (lease 0: past at once): its credit on X applied, its
     -- credit on Y (which the live holder holds) not
     local dead = assert(db:manager { application = "dead", lease = 0, escrow = false })

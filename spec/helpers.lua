@@ -371,4 +371,18 @@ end
 
 math.randomseed(os.time() + tonumber(tostring({}):match("0x(%x+)") or "0", 16) % 100000)
 
+-- An open holder for the busy specs: transaction `id` of manager `holder`
+-- (made with escrow = false) with its credit of 1 on `doc` applied, so
+-- that it sits in the document's txHeld, and its debit of H not yet:
+-- every exclusive op on `doc` waits for it (busy).  Returns it.
+function helpers.hold_open(holder, doc, id)
+  local t = assert(holder:begin({
+    { collection = "accounts", id = "H", update = { ["$inc"] = { balance = -1 } } },
+    { collection = "accounts", id = doc, update = { ["$inc"] = { balance = 1 } } },
+  }, { id = id }))
+  assert(holder:step("claim", t))
+  assert(holder:step("apply", t, 2))
+  return t
+end
+
 return helpers
